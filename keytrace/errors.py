@@ -1,0 +1,33 @@
+"""One error hierarchy for keytrace; `keytrace.commands.main` turns it into exit codes.
+
+Library code raises these; it never calls ``sys.exit`` or prints. Every error carries the
+exit code the CLI should use, so the mapping lives in exactly one place.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_TROUBLE = 2
+
+
+class KeytraceError(Exception):
+    """Base class. ``str(err)`` is a complete one-line message for a user."""
+
+    exit_code: int = EXIT_TROUBLE
+
+
+class TraceError(KeytraceError):
+    """A trace cannot be read or used: missing path, bad file, wrong schema, mixed traces."""
+
+
+class SchemaVersionError(TraceError):
+    """A part was written with a schema version this keytrace cannot read."""
+
+
+class UsageError(KeytraceError):
+    """Options that do not make sense together, or point at nothing."""
+
+
+class VllmUnavailableError(KeytraceError):
+    """The command needs vLLM (replay, harness, demo) and it is missing or the wrong version."""

@@ -1,0 +1,122 @@
+"""KV-cache geometry as plain data: what the harness builds and what a trace header records.
+
+This module is vLLM-free so that fixtures, sweeps and the CLI can name and print geometries
+without importing vLLM. ``keytrace.harness`` turns a `Geometry` into real vLLM objects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+GROUP_KINDS = ("full_attention", "mla", "sliding_window")
+
+
+@dataclass(frozen=True)
+class GroupGeom:
+    """One KV-cache group. ``block_size`` and ``sliding_window`` are in tokens.
+
+    ``eagle`` marks an EAGLE/MTP draft group (vLLM's ``KVCacheGroupSpec.is_eagle_group``);
+    ``extra_retained_tokens`` mimics multi-module MTP (``SlidingWindowSpec``'s field).
+    """
+
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+    eagle: bool = False
+    extra_retained_tokens: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"unknown group kind {self.kind!r}; expected one of {GROUP_KINDS}")
+        if (self.kind == "sliding_window") != (self.sliding_window is not None):
+            raise ValueError("sliding_window is required for, and only for, sliding_window groups")
+
+    @property
+    def label(self) -> str:
+        base = {"full_attention": "FA", "mla": "MLA", "sliding_window": "SWA"}[self.kind]
+        if self.eagle:
+            base += ", MTP"
+        return f"{self.name} ({base})" if self.name else base
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Everything the harness needs to rebuild a scheduler-side offloading setup."""
+
+    name: str
+    groups: tuple[GroupGeom, ...]
+    blocks_per_chunk: int = 1
+    retention_interval: int | None = 0
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    async_scheduling: bool = False
+    cpu_chunks: int = 100_000
+    max_model_len: int = 131_072
+    num_gpu_blocks: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_hash(self) -> int:
+        """vLLM's hash granularity for several groups: the GCD of the block sizes."""
+        return math.gcd(*(g.block_size for g in self.groups))
+
+    def tokens_per_chunk(self, group_id: int) -> int:
+        return self.groups[group_id].block_size * self.blocks_per_chunk
+
+    def with_(self, **changes: Any) -> Geometry:
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["groups"] = [asdict(g) for g in self.groups]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Geometry:
+        d = dict(d)
+        d["groups"] = tuple(GroupGeom(**g) for g in d["groups"])
+        return cls(**d)
+
+
+SMALL = Geometry(
+    name="small",
+    groups=(
+        GroupGeom("full_attention", 16, name="fa"),
+        GroupGeom("sliding_window", 16, sliding_window=32, name="swa"),
+        GroupGeom("sliding_window", 16, sliding_window=32, eagle=True, name="swa_mtp"),
+    ),
+    max_num_batched_tokens=256,
+    max_model_len=16_384,
+    cpu_chunks=20_000,
+)
+"""One full-attention group, one sliding-window group, one EAGLE/MTP sliding-window group."""
+
+DSV4 = Geometry(
+    name="dsv4",
+    groups=(
+        GroupGeom("mla", 256, name="mla"),
+        GroupGeom("sliding_window", 64, sliding_window=128, name="swa"),
+        GroupGeom("sliding_window", 64, sliding_window=128, eagle=True, name="swa_mtp"),
+        GroupGeom("sliding_window", 4, sliding_window=8, name="c4"),
+        GroupGeom("sliding_window", 8, sliding_window=128, name="c128"),
+    ),
+    max_num_batched_tokens=8192,
+    max_model_len=131_072,
+    cpu_chunks=400_000,
+)
+"""DeepSeek-V4-Flash-like 5 groups (UCM PR #1322 table, prior-art.md §1.5): MLA block 256;
+two SWA groups block 64 window 128, the second the MTP draft group; C4 block 4 window 8;
+C128 block 8 window 128."""
+
+BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4)}
+
+
+def builtin(name: str) -> Geometry:
+    try:
+        return BUILTIN[name]
+    except KeyError:
+        raise ValueError(f"unknown geometry {name!r}; built-in: {', '.join(BUILTIN)}") from None

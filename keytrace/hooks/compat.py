@@ -1,0 +1,49 @@
+"""Feature detection for the vLLM internals keytrace hooks. Imports vLLM lazily.
+
+keytrace records nothing rather than guess: if any essential hook point is missing, the
+caller gets a list of what is missing and installs no patch at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+SUPPORTED_VLLM = "0.33.0"
+SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+SCHEDULER_CLASS = "OffloadingConnectorScheduler"
+BASE_MODULE = "vllm.v1.kv_offload.base"
+
+
+def load_targets() -> tuple[Any, Any, list[str]]:
+    """Return (scheduler class, base module, problems). Problems empty means usable."""
+    problems: list[str] = []
+    try:
+        import vllm
+    except Exception as exc:  # vLLM absent or broken: nothing to hook
+        return None, None, [f"vllm is not importable ({type(exc).__name__}: {exc})"]
+    version = getattr(vllm, "__version__", "?")
+    try:
+        sched_mod = importlib.import_module(SCHEDULER_MODULE)
+        base = importlib.import_module(BASE_MODULE)
+    except Exception as exc:
+        return None, None, [f"vllm {version} has no offloading scheduler ({exc})"]
+    cls = getattr(sched_mod, SCHEDULER_CLASS, None)
+    if cls is None:
+        problems.append(f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}")
+    for name in ("make_offload_key", "LookupResult", "ReqContext", "OffloadingManager"):
+        if not hasattr(base, name):
+            problems.append(f"{BASE_MODULE}.{name}")
+    rc = getattr(base, "ReqContext", None)
+    if rc is not None and not hasattr(rc, "get_offload_key_position"):
+        problems.append("ReqContext.get_offload_key_position")
+    return cls, base, problems
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return "?"

@@ -1,0 +1,158 @@
+"""Trace format v1: row kinds, their Arrow schemas and the Parquet metadata keys.
+
+A trace is a set of closed Parquet *parts*. Every part holds rows of exactly one *kind*
+(``store``, ``lookup``, ``episode``, ``load``, ``step``) and carries, in its Parquet
+key-value metadata:
+
+- ``keytrace.schema_version``: the integer below, checked on every read;
+- ``keytrace.kind``: the row kind, so the reader never guesses from file names;
+- ``keytrace.header``: the geometry/config header as canonical JSON (identical for every
+  part recorded against the same configuration, whatever process wrote it);
+- ``keytrace.source``: JSON naming the process that wrote it (instance, host, pid, engine).
+
+``docs/trace-format.md`` is the human description; this module is the source of truth.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+"""Bump on any incompatible change; keep a tiny trace of each version under tests/data/."""
+
+META_VERSION = b"keytrace.schema_version"
+META_KIND = b"keytrace.kind"
+META_HEADER = b"keytrace.header"
+META_SOURCE = b"keytrace.source"
+META_KEYTRACE_VERSION = b"keytrace.version"
+
+KINDS: tuple[str, ...] = ("store", "lookup", "episode", "load", "step")
+
+LOOKUP_RESULTS: tuple[str, ...] = ("MISS", "HIT", "HIT_PENDING", "RETRY")
+"""vLLM's ``LookupResult`` names. Recorded verbatim: a HIT_PENDING is never a MISS."""
+
+STORE_EVENTS: tuple[str, ...] = (
+    "prepared",  # offered to prepare_store and newly allocated: the key will be written
+    "rejected",  # offered, prepare_store returned an output without it (already present,
+    #              pending elsewhere, or filtered by store_threshold)
+    "failed",  # offered, prepare_store returned None (allocation failure), or the
+    #            store job was completed with success=False
+    "completed",  # complete_store(success=True): the key is resident and ready
+    "evicted",  # returned in PrepareStoreOutput.evicted_keys: the key left the tier
+    "reset",  # manager.reset_cache(): every key left the tier (key is null)
+)
+OFFERED_EVENTS: tuple[str, ...] = ("prepared", "rejected", "failed")
+"""Each offered key gets exactly one outcome row; "offered" is the union of outcomes."""
+
+LOAD_EVENTS: tuple[str, ...] = ("prepared", "completed")
+
+_STR = pa.dictionary(pa.int32(), pa.string())
+
+COMMON_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("seq", pa.int64(), nullable=False),
+    pa.field("ts_ns", pa.int64(), nullable=False),
+    pa.field("instance", _STR, nullable=False),
+    pa.field("engine_id", _STR),
+    pa.field("dp_rank", pa.int32()),
+    pa.field("pid", pa.int32(), nullable=False),
+    pa.field("step", pa.int64(), nullable=False),
+)
+"""Columns every row carries. ``seq`` is one per-process counter shared by all kinds and
+incremented once per recorded call, so "before/after" between any two rows of one process is
+decidable; rows produced by one call share its ``seq``. ``step`` counts
+``build_connector_meta`` calls seen by this scheduler instance."""
+
+_KIND_FIELDS: dict[str, tuple[pa.Field, ...]] = {
+    "store": (
+        pa.field("event", _STR, nullable=False),
+        pa.field("req_id", _STR),
+        pa.field("group_id", pa.int32()),
+        pa.field("chunk_idx", pa.int64()),
+        pa.field("end_token", pa.int64()),
+        pa.field("key", pa.binary()),
+        pa.field("job_id", pa.int64()),
+    ),
+    "lookup": (
+        pa.field("episode", pa.int64(), nullable=False),
+        pa.field("scan", pa.int32(), nullable=False),
+        pa.field("req_id", _STR),
+        pa.field("group_id", pa.int32(), nullable=False),
+        pa.field("chunk_idx", pa.int64()),
+        pa.field("end_token", pa.int64()),
+        pa.field("key", pa.binary(), nullable=False),
+        pa.field("result", _STR, nullable=False),
+        pa.field("secondary", pa.bool_(), nullable=False),
+    ),
+    "episode": (
+        pa.field("episode", pa.int64(), nullable=False),
+        pa.field("req_id", _STR, nullable=False),
+        pa.field("local_tokens", pa.int64(), nullable=False),
+        pa.field("external_tokens", pa.int64()),  # null: deferred (vLLM returned None)
+        pa.field("load_async", pa.bool_()),
+        pa.field("accepted_tokens", pa.int64()),  # null: update_state_after_alloc not seen
+        pa.field("num_prompt_tokens", pa.int64(), nullable=False),
+        pa.field("num_tokens", pa.int64(), nullable=False),
+        pa.field("num_hashes", pa.int64(), nullable=False),
+        pa.field("max_new_tokens", pa.int64()),
+    ),
+    "load": (
+        pa.field("event", _STR, nullable=False),
+        pa.field("req_id", _STR),
+        pa.field("group_id", pa.int32()),
+        pa.field("chunk_idx", pa.int64()),
+        pa.field("end_token", pa.int64()),
+        pa.field("key", pa.binary()),
+    ),
+    "step": (
+        pa.field("req_id", _STR, nullable=False),
+        pa.field("computed_tokens", pa.int64(), nullable=False),
+        pa.field("scheduled_tokens", pa.int64(), nullable=False),
+        pa.field("num_prompt_tokens", pa.int64()),
+        pa.field("num_tokens", pa.int64()),
+        pa.field("finished", pa.bool_(), nullable=False),
+        pa.field("preempted", pa.bool_(), nullable=False),
+        pa.field("resumed", pa.bool_(), nullable=False),
+    ),
+}
+
+SCHEMAS: dict[str, pa.Schema] = {
+    kind: pa.schema(COMMON_FIELDS + fields) for kind, fields in _KIND_FIELDS.items()
+}
+"""Arrow schema of each row kind (without the Parquet metadata, which is per part)."""
+
+
+def columns(kind: str) -> tuple[str, ...]:
+    """The column names of ``kind``, in schema order."""
+    return tuple(SCHEMAS[kind].names)
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace, so equal headers compare byte-equal."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def part_metadata(
+    kind: str, header: Mapping[str, Any], source: Mapping[str, Any], keytrace_version: str
+) -> dict[bytes, bytes]:
+    """The key-value metadata written into every part of ``kind``."""
+    return {
+        META_VERSION: str(SCHEMA_VERSION).encode(),
+        META_KIND: kind.encode(),
+        META_HEADER: canonical_json(header).encode(),
+        META_SOURCE: canonical_json(source).encode(),
+        META_KEYTRACE_VERSION: keytrace_version.encode(),
+    }
+
+
+def group_id_of_key(key: bytes) -> int:
+    """The KV-cache group id vLLM packs into an OffloadKey: its last 4 bytes, big-endian."""
+    return int.from_bytes(key[-4:], "big")
+
+
+def block_hash_of_key(key: bytes) -> bytes:
+    """The block hash part of an OffloadKey (everything but the 4-byte group id)."""
+    return key[:-4]
