@@ -29,7 +29,12 @@ class DemoRun:
 
 
 def record_scenario(
-    trace_dir: str, geometry_name: str, num_tokens: int, *, inject: str | None = None, **geo_changes: object
+    trace_dir: str,
+    geometry_name: str,
+    num_tokens: int,
+    *,
+    inject: str | None = None,
+    **geo_changes: object,
 ) -> int:
     """Prime/reset/replay ``num_tokens`` on a fresh real-scheduler harness, recording to
     ``trace_dir``. Returns the replay's external tokens."""
@@ -69,6 +74,14 @@ def run_demo(
     external = record_scenario(trace_dir, geometry, num_tokens)
     trace = open_trace(trace_dir)
     runs.append(
-        DemoRun(label, trace_dir, num_tokens, external, summarize(trace), diff(trace), time.monotonic() - t)
+        DemoRun(
+            label,
+            trace_dir,
+            num_tokens,
+            external,
+            summarize(trace),
+            diff(trace),
+            time.monotonic() - t,
+        )
     )
     return runs

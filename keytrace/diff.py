@@ -135,7 +135,9 @@ def _groups(header: dict[str, Any]) -> list[_Group]:
     for g in header.get("groups", []):
         if not g.get("offloaded"):
             continue
-        kind = {"full_attention": "FA", "mla": "MLA", "sliding_window": "SWA"}.get(g["kind"], g["kind"])
+        kind = {"full_attention": "FA", "mla": "MLA", "sliding_window": "SWA"}.get(
+            g["kind"], g["kind"]
+        )
         label = f"{kind}, MTP" if g.get("is_eagle") else kind
         out.append(
             _Group(
@@ -189,9 +191,7 @@ def needed_chunks(g: _Group, S: int, E: int, keyed_chunks: int) -> list[int]:
     return list(range(max(start, num_chunks - initial), num_chunks))
 
 
-def lookup_cap(
-    groups: list[_Group], num_tokens: int, S: int, max_new: int | None
-) -> int:
+def lookup_cap(groups: list[_Group], num_tokens: int, S: int, max_new: int | None) -> int:
     """L: vLLM's cap on the hit boundary, rounded to every group's chunk size."""
     cap = num_tokens
     if max_new is not None:
@@ -236,12 +236,18 @@ def diff(
 
     if not trace.parts_of("episode"):
         if trace.parts_of("lookup"):
-            raise TraceError("trace has lookup rows but no episode rows; cannot tell episodes apart")
+            raise TraceError(
+                "trace has lookup rows but no episode rows; cannot tell episodes apart"
+            )
         raise TraceError("trace holds no lookup episodes (only store-side rows); nothing to diff")
 
     eps_all = (
         trace.frame("episode")
-        .with_columns(_s("instance").alias("instance"), _s("req_id").alias("req_id"), _s("engine_id").alias("engine_id"))
+        .with_columns(
+            _s("instance").alias("instance"),
+            _s("req_id").alias("req_id"),
+            _s("engine_id").alias("engine_id"),
+        )
         .collect()
     )
     eps = eps_all
@@ -279,7 +285,9 @@ def diff(
     B = _chain_boundaries(lk, st, eps_all, ep_keys, groups, has_swa, unit)
     tick("boundaries", 2, 4)
 
-    eps = eps.join(F, on=["instance", "episode"], how="left").join(B, on=["instance", "episode"], how="left")
+    eps = eps.join(F, on=["instance", "episode"], how="left").join(
+        B, on=["instance", "episode"], how="left"
+    )
     verdicts: list[EpisodeVerdict] = []
     shortfalls: list[dict[str, Any]] = []
     for r in eps.iter_rows(named=True):
@@ -308,11 +316,21 @@ def diff(
             accepted_tokens=r["accepted_tokens"],
         )
         if X is None:
-            verdicts.append(EpisodeVerdict(verdict="deferred", reason="vLLM deferred the lookup (returned None)", **base))
+            verdicts.append(
+                EpisodeVerdict(
+                    verdict="deferred", reason="vLLM deferred the lookup (returned None)", **base
+                )
+            )
         elif E is None:
-            verdicts.append(EpisodeVerdict(verdict="cold", reason="no intended boundary is resident: a cold lookup", **base))
+            verdicts.append(
+                EpisodeVerdict(
+                    verdict="cold", reason="no intended boundary is resident: a cold lookup", **base
+                )
+            )
         elif X >= E - S:
-            verdicts.append(EpisodeVerdict(verdict="hit", reason=f"external tokens reach E={E:,}", **base))
+            verdicts.append(
+                EpisodeVerdict(verdict="hit", reason=f"external tokens reach E={E:,}", **base)
+            )
         else:
             shortfalls.append({**base, "num_hashes": r["num_hashes"], "seq": r["seq"]})
             verdicts.append(EpisodeVerdict(verdict="shortfall", **base))
@@ -343,7 +361,9 @@ def diff(
     )
 
 
-def _resident_fa_prefix(lk: pl.LazyFrame, st: pl.LazyFrame, ep_keys: pl.LazyFrame, fa: list[_Group]) -> pl.DataFrame:
+def _resident_fa_prefix(
+    lk: pl.LazyFrame, st: pl.LazyFrame, ep_keys: pl.LazyFrame, fa: list[_Group]
+) -> pl.DataFrame:
     """Per episode, F = min over FA groups of S + tpc * (leading resident chunks)."""
     if not fa:
         return pl.DataFrame(schema={"instance": pl.String, "episode": pl.Int64, "F": pl.Int64})
@@ -354,7 +374,9 @@ def _resident_fa_prefix(lk: pl.LazyFrame, st: pl.LazyFrame, ep_keys: pl.LazyFram
         .select("instance", "episode", "seq", "scan", "group_id", "chunk_idx", "key")
     )
     # The first scan of each FA group is the prefix scan over [S, cap).
-    rows = rows.filter(pl.col("scan") == pl.col("scan").min().over("instance", "episode", "group_id"))
+    rows = rows.filter(
+        pl.col("scan") == pl.col("scan").min().over("instance", "episode", "group_id")
+    )
     rows = rows.collect().sort("seq")
     if rows.height == 0:
         return pl.DataFrame(schema={"instance": pl.String, "episode": pl.Int64, "F": pl.Int64})
@@ -363,10 +385,17 @@ def _resident_fa_prefix(lk: pl.LazyFrame, st: pl.LazyFrame, ep_keys: pl.LazyFram
         resident.sort("chunk_idx")
         .group_by("instance", "episode", "group_id", maintain_order=True)
         .agg(pl.col("resident").cast(pl.Int64).cum_prod().sum().alias("n"))
-        .join(ep_keys.collect().select("instance", "episode", "local_tokens"), on=["instance", "episode"])
+        .join(
+            ep_keys.collect().select("instance", "episode", "local_tokens"),
+            on=["instance", "episode"],
+        )
         .with_columns(
             (
-                (pl.col("local_tokens") // pl.col("group_id").replace_strict(tpc, return_dtype=pl.Int64) + pl.col("n"))
+                (
+                    pl.col("local_tokens")
+                    // pl.col("group_id").replace_strict(tpc, return_dtype=pl.Int64)
+                    + pl.col("n")
+                )
                 * pl.col("group_id").replace_strict(tpc, return_dtype=pl.Int64)
             ).alias("Fg")
         )
@@ -374,9 +403,11 @@ def _resident_fa_prefix(lk: pl.LazyFrame, st: pl.LazyFrame, ep_keys: pl.LazyFram
     out = per.group_by("instance", "episode").agg(pl.col("Fg").min().alias("F"))
     # An FA group with no scan rows at all (cap below one chunk) has F = S.
     n_fa = per.group_by("instance", "episode").agg(pl.len().alias("k"))
-    return out.join(n_fa, on=["instance", "episode"]).with_columns(
-        pl.when(pl.col("k") < len(fa)).then(None).otherwise(pl.col("F")).alias("F")
-    ).drop("k")
+    return (
+        out.join(n_fa, on=["instance", "episode"])
+        .with_columns(pl.when(pl.col("k") < len(fa)).then(None).otherwise(pl.col("F")).alias("F"))
+        .drop("k")
+    )
 
 
 def _residency(rows: pl.DataFrame, st: pl.LazyFrame) -> pl.DataFrame:
@@ -389,17 +420,47 @@ def _residency(rows: pl.DataFrame, st: pl.LazyFrame) -> pl.DataFrame:
         .collect()
         .sort("seq")
     )
-    comp = ev.filter(pl.col("event") == "completed").select("instance", "key", pl.col("seq").alias("c_seq"))
-    evic = ev.filter(pl.col("event") == "evicted").select("instance", "key", pl.col("seq").alias("e_seq"))
+    comp = ev.filter(pl.col("event") == "completed").select(
+        "instance", "key", pl.col("seq").alias("c_seq")
+    )
+    evic = ev.filter(pl.col("event") == "evicted").select(
+        "instance", "key", pl.col("seq").alias("e_seq")
+    )
     resets = (
-        st.filter(pl.col("event") == "reset").select("instance", pl.col("seq").alias("z_seq")).collect().sort("z_seq")
+        st.filter(pl.col("event") == "reset")
+        .select("instance", pl.col("seq").alias("z_seq"))
+        .collect()
+        .sort("z_seq")
     )
     out = rows.sort("seq")
-    out = out.join_asof(comp.sort("c_seq"), left_on="seq", right_on="c_seq", by=["instance", "key"], strategy="backward", check_sortedness=False)
-    out = out.join_asof(evic.sort("e_seq"), left_on="seq", right_on="e_seq", by=["instance", "key"], strategy="backward", check_sortedness=False)
-    out = out.join_asof(resets, left_on="seq", right_on="z_seq", by="instance", strategy="backward", check_sortedness=False)
+    out = out.join_asof(
+        comp.sort("c_seq"),
+        left_on="seq",
+        right_on="c_seq",
+        by=["instance", "key"],
+        strategy="backward",
+        check_sortedness=False,
+    )
+    out = out.join_asof(
+        evic.sort("e_seq"),
+        left_on="seq",
+        right_on="e_seq",
+        by=["instance", "key"],
+        strategy="backward",
+        check_sortedness=False,
+    )
+    out = out.join_asof(
+        resets,
+        left_on="seq",
+        right_on="z_seq",
+        by="instance",
+        strategy="backward",
+        check_sortedness=False,
+    )
     removed = pl.max_horizontal(pl.col("e_seq").fill_null(-1), pl.col("z_seq").fill_null(-1))
-    return out.with_columns((pl.col("c_seq").is_not_null() & (pl.col("c_seq") > removed)).alias("resident"))
+    return out.with_columns(
+        (pl.col("c_seq").is_not_null() & (pl.col("c_seq") > removed)).alias("resident")
+    )
 
 
 def _chain_boundaries(
@@ -423,16 +484,26 @@ def _chain_boundaries(
         if g.window is None:
             anchor = g
             break
-    empty = pl.DataFrame(schema={"instance": pl.String, "episode": pl.Int64, "boundaries": pl.List(pl.Int64)})
+    empty = pl.DataFrame(
+        schema={"instance": pl.String, "episode": pl.Int64, "boundaries": pl.List(pl.Int64)}
+    )
     ep_rows = (
         lk.filter(pl.col("group_id") == anchor.gid)
-        .join(ep_keys.select("instance", "episode", pl.col("seq").alias("s")), on=["instance", "episode"])
+        .join(
+            ep_keys.select("instance", "episode", pl.col("seq").alias("s")),
+            on=["instance", "episode"],
+        )
         .select("instance", "episode", "s", "key", "chunk_idx")
         .unique(["instance", "episode", "key"])
     )
-    stores = (
-        st.filter((pl.col("group_id") == anchor.gid) & pl.col("event").is_in(["prepared", "rejected", "completed", "failed"]))
-        .select(pl.col("req_id").alias("other"), pl.col("instance").alias("other_instance"), "key", pl.col("seq").alias("st_seq"))
+    stores = st.filter(
+        (pl.col("group_id") == anchor.gid)
+        & pl.col("event").is_in(["prepared", "rejected", "completed", "failed"])
+    ).select(
+        pl.col("req_id").alias("other"),
+        pl.col("instance").alias("other_instance"),
+        "key",
+        pl.col("seq").alias("st_seq"),
     )
     m = ep_rows.join(stores, on="key").filter(pl.col("st_seq") < pl.col("s")).collect()
     if m.height == 0:
@@ -440,9 +511,13 @@ def _chain_boundaries(
     shared = m.group_by("instance", "episode", "other", "other_instance").agg(
         ((pl.col("chunk_idx").max() + 1) * anchor.tpc).alias("shared_end")
     )
-    prompts = eps_all.group_by("instance", "req_id").agg(pl.col("num_prompt_tokens").max().alias("P"))
+    prompts = eps_all.group_by("instance", "req_id").agg(
+        pl.col("num_prompt_tokens").max().alias("P")
+    )
     shared = shared.join(
-        prompts.rename({"instance": "other_instance", "req_id": "other"}), on=["other_instance", "other"], how="left"
+        prompts.rename({"instance": "other_instance", "req_id": "other"}),
+        on=["other_instance", "other"],
+        how="left",
     )
     minus = 1 if has_swa else 0
     shared = shared.with_columns((((pl.col("P") - minus) // unit) * unit).alias("b")).filter(
@@ -478,7 +553,9 @@ def _explain(
             .select("instance", "req_id", "event", "group_id", "chunk_idx", "key", "seq")
             .collect()
         )
-        hashes = keys.with_columns(pl.col("key").bin.slice(0, pl.col("key").bin.size() - 4).alias("h"))
+        hashes = keys.with_columns(
+            pl.col("key").bin.slice(0, pl.col("key").bin.size() - 4).alias("h")
+        )
         st_by_hash = (
             st.filter(pl.col("event") == "completed")
             .with_columns(pl.col("key").bin.slice(0, pl.col("key").bin.size() - 4).alias("h"))
@@ -487,7 +564,9 @@ def _explain(
             .collect()
         )
         for c in chunk:
-            ep_rows = rows.filter((pl.col("instance") == c["instance"]) & (pl.col("episode") == c["episode"]))
+            ep_rows = rows.filter(
+                (pl.col("instance") == c["instance"]) & (pl.col("episode") == c["episode"])
+            )
             v = _explain_one(c, ep_rows, st_rows, st_by_hash, st, eps_all, groups, by_gid, tph)
             out[(c["instance"], c["episode"])] = v
             tick("shortfalls", len(out), len(shortfalls))
@@ -521,7 +600,9 @@ def _explain_one(
     chain_reqs = set(st_rows.filter(pl.col("seq") < s)["req_id"].drop_nulls().to_list())
     chain_P = [
         p
-        for p in eps_all.filter(pl.col("req_id").is_in(list(chain_reqs)))["num_prompt_tokens"].to_list()
+        for p in eps_all.filter(pl.col("req_id").is_in(list(chain_reqs)))[
+            "num_prompt_tokens"
+        ].to_list()
         if p is not None
     ]
     max_keyable_tokens = max(chain_P, default=0)
@@ -535,7 +616,9 @@ def _explain_one(
     # Group ids the store path wrote on this instance before s: a hash stored only under
     # other ids, for a group that never appears here, points at a group-id skew.
     stored_gids = set(
-        st.filter((pl.col("instance") == inst) & (pl.col("seq") < s) & (pl.col("event") == "prepared"))
+        st.filter(
+            (pl.col("instance") == inst) & (pl.col("seq") < s) & (pl.col("event") == "prepared")
+        )
         .select("group_id")
         .unique()
         .collect()["group_id"]
@@ -543,7 +626,10 @@ def _explain_one(
         .to_list()
     )
     resets = sorted(
-        st.filter((pl.col("event") == "reset") & (pl.col("instance") == inst)).select("seq").collect()["seq"].to_list()
+        st.filter((pl.col("event") == "reset") & (pl.col("instance") == inst))
+        .select("seq")
+        .collect()["seq"]
+        .to_list()
     )
 
     def cause_of(key: bytes | None, gid: int, token_end: int) -> str:
@@ -553,13 +639,17 @@ def _explain_one(
         here = [(q, e) for q, e, i in evs if i == inst]
         before = [(q, e) for q, e in here if q < s]
         last_c = max((q for q, e in before if e == "completed"), default=None)
-        last_rm = max([q for q, e in before if e == "evicted"] + [q for q in resets if q < s], default=-1)
+        last_rm = max(
+            [q for q, e in before if e == "evicted"] + [q for q in resets if q < s], default=-1
+        )
         if last_c is not None and last_c > last_rm:
             return "resident"
         if last_c is not None:
             return "evicted"
         last_p = max((q for q, e in before if e == "prepared"), default=None)
-        if last_p is not None and not any(q > last_p and e in ("completed", "failed") for q, e in before):
+        if last_p is not None and not any(
+            q > last_p and e in ("completed", "failed") for q, e in before
+        ):
             return "pending"
         if any(e == "completed" and q > s for q, e in here):
             return "completed_after"
@@ -607,7 +697,9 @@ def _explain_one(
         for ch in needed_chunks(g, S, E, keyed_tokens // g.tpc):
             key, res = seen.get((g.gid, ch), (None, None))
             cause = cause_of(key, g.gid, (ch + 1) * g.tpc)
-            needed.append(NeededChunk(g.gid, ch, ch * g.tpc, (ch + 1) * g.tpc, _hex(key), res, cause))
+            needed.append(
+                NeededChunk(g.gid, ch, ch * g.tpc, (ch + 1) * g.tpc, _hex(key), res, cause)
+            )
 
     absent = [n for n in needed if n.cause not in ("resident", "not_looked_up")]
     binding_needed = [n for n in needed if n.group_id == binding_gid]
@@ -621,7 +713,10 @@ def _explain_one(
         reason = "shortfall explained by timing/capacity/routing: " + "; ".join(causes)
     elif decisive:
         verdict = "mismatch"
-        causes = sorted({CAUSE_TEXT[n.cause] for n in decisive if n.cause in RULE_CAUSES} or {CAUSE_TEXT[n.cause] for n in decisive})
+        causes = sorted(
+            {CAUSE_TEXT[n.cause] for n in decisive if n.cause in RULE_CAUSES}
+            or {CAUSE_TEXT[n.cause] for n in decisive}
+        )
         reason = "lookup needed chunks the store path did not keep: " + "; ".join(causes)
     else:
         verdict = "mismatch"
@@ -632,7 +727,9 @@ def _explain_one(
         g = by_gid[binding_gid]
         need_b = [n.chunk for n in binding_needed] or [E // g.tpc]
         lo, hi = min(need_b) - 4 * (g.window or 1) - 2, max(need_b) + 4 * (g.window or 1) + 2
-        chain = list({r for r in st_rows.filter(pl.col("seq") < s)["req_id"].drop_nulls().to_list()})
+        chain = list(
+            {r for r in st_rows.filter(pl.col("seq") < s)["req_id"].drop_nulls().to_list()}
+        )
         got = (
             st.filter(
                 (pl.col("instance") == inst)

@@ -120,3 +120,119 @@ def builtin(name: str) -> Geometry:
         return BUILTIN[name]
     except KeyError:
         raise ValueError(f"unknown geometry {name!r}; built-in: {', '.join(BUILTIN)}") from None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def window_chunks(g: GroupGeom, tokens_per_chunk: int) -> int | None:
+    """vLLM's ``get_sliding_window_size_in_chunks`` for the kinds keytrace models."""
+    if g.sliding_window is None:
+        return None
+    return max(
+        _cdiv(g.sliding_window, tokens_per_chunk),
+        _cdiv(g.sliding_window - 1 + g.extra_retained_tokens, tokens_per_chunk),
+    )
+
+
+def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dict[str, Any]:
+    """The header keytrace's hooks would record for ``geometry`` on the harness.
+
+    Used for hand-built traces (tests, examples) and checked against the real recorder's
+    header in the integration tests, so the two cannot drift apart silently.
+    """
+    bpc = geometry.blocks_per_chunk
+    tph = geometry.tokens_per_hash
+    groups = []
+    for gid, g in enumerate(geometry.groups):
+        tpc = g.block_size * bpc
+        groups.append(
+            {
+                "group_id": gid,
+                "offload_index": gid,
+                "offloaded": True,
+                "kind": g.kind,
+                "spec_class": {
+                    "mla": "MLAAttentionSpec",
+                    "full_attention": "FullAttentionSpec",
+                }.get(g.kind, "SlidingWindowSpec"),
+                "block_size": g.block_size,
+                "tokens_per_block": g.block_size,
+                "tokens_per_chunk": tpc,
+                "hashes_per_chunk": tpc // tph,
+                "sliding_window": g.sliding_window,
+                "window_chunks": window_chunks(g, tpc),
+                "extra_retained_tokens": g.extra_retained_tokens,
+                "is_eagle": g.eagle,
+                "requires_cow_source": False,
+                "manager_cls": "SlidingWindowManager"
+                if g.sliding_window
+                else "FullAttentionManager",
+            }
+        )
+    fa = [g["group_id"] for g in groups if g["window_chunks"] is None]
+    swa = sorted(
+        (g for g in groups if g["window_chunks"] is not None),
+        key=lambda g: g["window_chunks"],
+        reverse=True,
+    )
+    fa_tpc = {g["tokens_per_chunk"] for g in groups if g["window_chunks"] is None}
+    alignment = fa_tpc.pop() if len(fa_tpc) == 1 else None
+    return {
+        "vllm_version": vllm_version,
+        "groups": groups,
+        "lookup_order": fa + [g["group_id"] for g in swa],
+        "blocks_per_chunk": bpc,
+        "tokens_per_hash": tph,
+        "alignment_tokens": alignment,
+        "retention_interval": geometry.retention_interval,
+        "max_num_batched_tokens": geometry.max_num_batched_tokens,
+        "long_prefill_token_threshold": geometry.long_prefill_token_threshold,
+        "async_scheduling": geometry.async_scheduling,
+        "max_model_len": geometry.max_model_len,
+        "cpu_num_chunks": geometry.cpu_chunks,
+        "geometry_name": geometry.name,
+    }
+
+
+def geometry_from_header(header: dict[str, Any]) -> Geometry:
+    """Rebuild a `Geometry` from a recorded header (offloaded groups, in group-id order).
+
+    Raises ValueError naming the first field the header lacks.
+    """
+    need = ("groups", "blocks_per_chunk", "max_num_batched_tokens", "max_model_len")
+    for k in need:
+        if header.get(k) is None:
+            raise ValueError(f"trace header lacks {k!r}, which replay needs")
+    groups = []
+    for g in sorted(header["groups"], key=lambda g: g["group_id"]):
+        if not g.get("offloaded"):
+            raise ValueError(
+                f"group {g['group_id']} is not offloaded; the harness offloads every group"
+            )
+        if g["kind"] not in GROUP_KINDS:
+            raise ValueError(
+                f"group {g['group_id']} has kind {g['kind']!r}, which the harness cannot build"
+            )
+        groups.append(
+            GroupGeom(
+                kind=g["kind"],
+                block_size=int(g["block_size"]),
+                sliding_window=g.get("sliding_window"),
+                eagle=bool(g.get("is_eagle")),
+                extra_retained_tokens=int(g.get("extra_retained_tokens") or 0),
+                name=str(g.get("name") or ""),
+            )
+        )
+    return Geometry(
+        name=str(header.get("geometry_name") or "recorded"),
+        groups=tuple(groups),
+        blocks_per_chunk=int(header["blocks_per_chunk"]),
+        retention_interval=header.get("retention_interval"),
+        max_num_batched_tokens=int(header["max_num_batched_tokens"]),
+        long_prefill_token_threshold=int(header.get("long_prefill_token_threshold") or 0),
+        async_scheduling=bool(header.get("async_scheduling")),
+        cpu_chunks=int(header.get("cpu_num_chunks") or 100_000),
+        max_model_len=int(header["max_model_len"]),
+    )

@@ -34,10 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 import vllm
-from keytrace.errors import VllmUnavailableError
-from keytrace.geometry import Geometry, GroupGeom
 from vllm.config import (
     CacheConfig,
     KVTransferConfig,
@@ -72,6 +69,9 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from keytrace.errors import VllmUnavailableError
+from keytrace.geometry import Geometry, GroupGeom
 
 SUPPORTED_VLLM = "0.33.0"
 _VOCAB = 32_000
@@ -217,7 +217,9 @@ def _chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
     from vllm.utils.math_utils import round_up
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv.kv_cache_groups)
+    per_block = sum(
+        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv.kv_cache_groups
+    )
     return round_up(per_block * geometry.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
 
 
@@ -372,17 +374,25 @@ class Harness:
         if num_chunks is None:
             num_chunks = getattr(getattr(base, "info", None), "num_chunks", None)
         if num_chunks is not None and num_chunks != self.geometry.cpu_chunks:
-            raise RuntimeError(f"CPU manager has {num_chunks} chunks, asked for {self.geometry.cpu_chunks}")
+            raise RuntimeError(
+                f"CPU manager has {num_chunks} chunks, asked for {self.geometry.cpu_chunks}"
+            )
         cfgs = self.connector_scheduler.config.kv_group_configs
         if len(cfgs) != len(self.geometry.groups):
-            raise RuntimeError(f"{len(cfgs)} offloaded groups, geometry has {len(self.geometry.groups)}")
+            raise RuntimeError(
+                f"{len(cfgs)} offloaded groups, geometry has {len(self.geometry.groups)}"
+            )
         for cfg, g in zip(cfgs, self.geometry.groups, strict=True):
             if cfg.tokens_per_chunk != g.block_size * self.geometry.blocks_per_chunk:
-                raise RuntimeError(f"group {cfg.group_idx}: tokens_per_chunk {cfg.tokens_per_chunk}")
+                raise RuntimeError(
+                    f"group {cfg.group_idx}: tokens_per_chunk {cfg.tokens_per_chunk}"
+                )
             if bool(cfg.is_eagle_group) != g.eagle:
                 raise RuntimeError(f"group {cfg.group_idx}: is_eagle_group {cfg.is_eagle_group}")
             if (cfg.sliding_window_size_in_chunks is None) != (g.sliding_window is None):
-                raise RuntimeError(f"group {cfg.group_idx}: window {cfg.sliding_window_size_in_chunks}")
+                raise RuntimeError(
+                    f"group {cfg.group_idx}: window {cfg.sliding_window_size_in_chunks}"
+                )
 
     def _observe_connector(self) -> None:
         """Instance-level observers on the connector's public API (harness-owned)."""
@@ -398,7 +408,9 @@ class Harness:
                 obs.accepted.append(None)
             return result
 
-        def update_state_after_alloc(request: Request, blocks: Any, num_external_tokens: int) -> Any:
+        def update_state_after_alloc(
+            request: Request, blocks: Any, num_external_tokens: int
+        ) -> Any:
             obs = self.observations.get(request.request_id)
             # The first allocation after a lookup carries its accepted count; later
             # calls (e.g. when an async load resumes the request) pass 0.

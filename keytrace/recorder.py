@@ -134,9 +134,7 @@ class Recorder:
         if row is None:
             return
         episode, ts, step = row[0], row[1], row[2]
-        self.writer.append(
-            "episode", 1, (episode, ts, *self._common_tail, step, episode, *row[3:])
-        )
+        self.writer.append("episode", 1, (episode, ts, *self._common_tail, step, episode, *row[3:]))
 
     def close_all_episodes(self) -> None:
         for req_id in list(self._pending_episode):
@@ -208,7 +206,9 @@ class Recorder:
         if keys_to_store is None:
             self._keyed("store", "failed", req_id, offered, [pos(k) for k in offered])
             return
-        chosen = keys_to_store if isinstance(keys_to_store, (set, frozenset)) else set(keys_to_store)
+        chosen = (
+            keys_to_store if isinstance(keys_to_store, (set, frozenset)) else set(keys_to_store)
+        )
         if len(chosen) == len(offered):
             self._keyed("store", "prepared", req_id, offered, [pos(k) for k in offered], job_id)
             return
@@ -227,7 +227,9 @@ class Recorder:
     ) -> None:
         ks = list(keys)
         pos = positions.get
-        self._keyed("store", "completed" if success else "failed", req_id, ks, [pos(k) for k in ks], job_id)
+        self._keyed(
+            "store", "completed" if success else "failed", req_id, ks, [pos(k) for k in ks], job_id
+        )
 
     def reset(self) -> None:
         """``manager.reset_cache()``: every stored key left the tier."""
@@ -240,13 +242,17 @@ class Recorder:
         )
 
     # ------------------------------------------------------------------- loads
-    def load(self, event: str, req_id: str, keys: Iterable[bytes], positions: Mapping[bytes, int]) -> None:
+    def load(
+        self, event: str, req_id: str, keys: Iterable[bytes], positions: Mapping[bytes, int]
+    ) -> None:
         ks = list(keys)
         pos = positions.get
         self._keyed("load", event, req_id, ks, [pos(k) for k in ks])
 
     # ------------------------------------------------------------------- steps
-    def step_rows(self, rows: Iterable[tuple[str, int, int, int | None, int | None, bool, bool, bool]]) -> None:
+    def step_rows(
+        self, rows: Iterable[tuple[str, int, int, int | None, int | None, bool, bool, bool]]
+    ) -> None:
         """Per-request rows of one ``build_connector_meta`` call (pre-step values)."""
         ts = time.time_ns()
         for row in rows:

@@ -36,8 +36,18 @@ def render_header(header: dict[str, Any], file: IO[str]) -> None:
         file.write(f"{k:30} {scalars[k]}\n")
     file.write(f"{'lookup_order':30} {header.get('lookup_order')}\n")
     file.write("groups:\n")
-    cols = ("group_id", "kind", "block_size", "tokens_per_chunk", "hashes_per_chunk",
-            "sliding_window", "window_chunks", "extra_retained_tokens", "is_eagle", "offloaded")
+    cols = (
+        "group_id",
+        "kind",
+        "block_size",
+        "tokens_per_chunk",
+        "hashes_per_chunk",
+        "sliding_window",
+        "window_chunks",
+        "extra_retained_tokens",
+        "is_eagle",
+        "offloaded",
+    )
     file.write("  " + "  ".join(f"{c:>12}" for c in cols) + "\n")
     for g in header.get("groups", []):
         file.write("  " + "  ".join(f"{g.get(c)!s:>12}" for c in cols) + "\n")
@@ -62,8 +72,10 @@ def render_summary(s: Summary, file: IO[str]) -> None:
             f"{fmt_int(g.pending):>7} {fmt_int(g.retries):>5}\n"
         )
     if s.episodes:
-        file.write("\nepisodes (first %d):\n" % len(s.episodes))
-        file.write(f"  {'request':<12} {'prompt':>8} {'local':>8} {'external':>9} {'accepted':>9}\n")
+        file.write(f"\nepisodes (first {len(s.episodes)}):\n")
+        file.write(
+            f"  {'request':<12} {'prompt':>8} {'local':>8} {'external':>9} {'accepted':>9}\n"
+        )
         for e in s.episodes:
             ext = "deferred" if e.external_tokens is None else fmt_int(e.external_tokens)
             file.write(
@@ -93,7 +105,11 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
         file.write(f"  why: {v.reason}\n")
     if v.terminal is not None:
         t = v.terminal
-        rng = "" if t.chunk is None else f"chunk {t.chunk:,} (tokens {t.token_start:,}–{t.token_end:,})"
+        rng = (
+            ""
+            if t.chunk is None
+            else f"chunk {t.chunk:,} (tokens {t.token_start:,}–{t.token_end:,})"
+        )
         file.write(
             f"  binding group {v.binding_group} ({v.binding_label}); terminal key {rng} "
             f"looked up as {t.result}: {CAUSE_TEXT.get(t.cause, t.cause)}\n"
@@ -118,7 +134,9 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
     if len(absent) > 12:
         file.write(f"    ... {len(absent) - 12} more absent chunk(s) (use --json for all)\n")
     if unknown:
-        file.write(f"    ({unknown} needed chunk(s) of groups the scan never reached; keys unknown)\n")
+        file.write(
+            f"    ({unknown} needed chunk(s) of groups the scan never reached; keys unknown)\n"
+        )
 
 
 def render_diff(report: Any, file: IO[str]) -> None:
@@ -126,7 +144,9 @@ def render_diff(report: Any, file: IO[str]) -> None:
     if report.first_mismatch is not None:
         v = report.first_mismatch
         t = v.terminal
-        key_txt = "" if t is None or t.chunk is None else f", terminal chunk {t.chunk:,} ({t.result})"
+        key_txt = (
+            "" if t is None or t.chunk is None else f", terminal chunk {t.chunk:,} ({t.result})"
+        )
         file.write(
             f"MISMATCH: request {v.req_id} got {v.external_tokens:,} external tokens, expected "
             f"{(v.E or 0) - v.S:,} (E={v.E:,}); binding group {v.binding_group} ({v.binding_label}){key_txt}\n"
@@ -135,7 +155,9 @@ def render_diff(report: Any, file: IO[str]) -> None:
         n = sum(report.counts.values())
         file.write(f"AGREE: no store/lookup mismatch in {n} reported episode(s)\n")
     if report.counts:
-        file.write("episodes: " + ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) + "\n")
+        file.write(
+            "episodes: " + ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) + "\n"
+        )
     if report.evidence_incomplete:
         file.write("evidence incomplete: some parts were unreadable (see warnings)\n")
     for v in report.episodes:

@@ -80,7 +80,9 @@ def summarize(trace: Trace, *, max_episodes: int = 20) -> Summary:
                 prepared=count(st, gid, "event", "prepared"),
                 rejected=count(st, gid, "event", "rejected"),
                 evicted=count(st, gid, "event", "evicted"),
-                looked_up=sum(count(lk, gid, "result", r) for r in ("HIT", "MISS", "HIT_PENDING", "RETRY")),
+                looked_up=sum(
+                    count(lk, gid, "result", r) for r in ("HIT", "MISS", "HIT_PENDING", "RETRY")
+                ),
                 hits=count(lk, gid, "result", "HIT"),
                 misses=count(lk, gid, "result", "MISS"),
                 pending=count(lk, gid, "result", "HIT_PENDING"),

@@ -319,12 +319,23 @@ def _group_ids(keys: pa.Array) -> pa.Array:
     """Vectorised ``int.from_bytes(key[-4:], 'big')`` over a binary array (nulls stay null)."""
     if len(keys) == 0:
         return pa.array([], type=pa.int32())
-    offsets = np.frombuffer(keys.buffers()[1], dtype=np.int32)[keys.offset : keys.offset + len(keys) + 1]
-    data = np.frombuffer(keys.buffers()[2], dtype=np.uint8) if keys.buffers()[2] else np.zeros(0, np.uint8)
+    offsets = np.frombuffer(keys.buffers()[1], dtype=np.int32)[
+        keys.offset : keys.offset + len(keys) + 1
+    ]
+    data = (
+        np.frombuffer(keys.buffers()[2], dtype=np.uint8)
+        if keys.buffers()[2]
+        else np.zeros(0, np.uint8)
+    )
     ends = offsets[1:]
     valid = (ends - offsets[:-1]) >= 4
     ends = np.where(valid, ends, 4)
-    b = [data[np.maximum(ends - k, 0)].astype(np.uint32) if len(data) else np.zeros(len(ends), np.uint32) for k in (4, 3, 2, 1)]
+    b = [
+        data[np.maximum(ends - k, 0)].astype(np.uint32)
+        if len(data)
+        else np.zeros(len(ends), np.uint32)
+        for k in (4, 3, 2, 1)
+    ]
     gid = (b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
     mask = ~valid
     if keys.null_count:

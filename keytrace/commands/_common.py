@@ -12,7 +12,9 @@ from keytrace.reader import Trace
 F = TypeVar("F", bound=Callable[..., Any])
 
 trace_paths = click.argument("paths", nargs=-1, required=True, metavar="TRACE...")
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout."
+)
 
 
 def echo_trace_warnings(trace: Trace) -> None:

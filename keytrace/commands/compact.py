@@ -11,7 +11,9 @@ from keytrace.compact import compact
 
 @click.command("compact")
 @click.argument("trace_dir", type=str)
-@click.option("-o", "--out", "out_dir", default=None, help="Output folder [default: TRACE_DIR-compact].")
+@click.option(
+    "-o", "--out", "out_dir", default=None, help="Output folder [default: TRACE_DIR-compact]."
+)
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def command(trace_dir: str, out_dir: str | None, force: bool) -> int:
     """Merge TRACE_DIR's parts into OUT/store.parquet, OUT/lookup.parquet, ...

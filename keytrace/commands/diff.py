@@ -19,9 +19,18 @@ from keytrace.render import render_diff, write_json
 @click.option("--request", default=None, help="Only episodes of this request id.")
 @click.option("--engine", default=None, help="Only this engine id (or recorder instance).")
 @click.option("--rank", type=int, default=None, help="Only this data-parallel rank.")
-@click.option("--all", "all_episodes", is_flag=True, help="Report every episode (hit, cold, deferred, explained, mismatch).")
+@click.option(
+    "--all",
+    "all_episodes",
+    is_flag=True,
+    help="Report every episode (hit, cold, deferred, explained, mismatch).",
+)
 @json_option
-@click.option("--progress/--no-progress", default=None, help="Progress on stderr [default: on for a terminal, off with --json].")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr [default: on for a terminal, off with --json].",
+)
 def command(
     paths: tuple[str, ...],
     request: str | None,

@@ -27,7 +27,9 @@ def register() -> None:
         if install(directory):
             log.info("keytrace: recording offload store/lookup keys under %s", directory)
     except Exception as exc:  # never break vLLM start-up
-        log.warning("keytrace: hooks not installed (%s: %s); vLLM is unaffected", type(exc).__name__, exc)
+        log.warning(
+            "keytrace: hooks not installed (%s: %s); vLLM is unaffected", type(exc).__name__, exc
+        )
 
 
 __all__ = ["ENV_DIR", "register"]

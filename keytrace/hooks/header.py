@@ -80,15 +80,21 @@ def build_header(sched: Any, spec: Any, vllm_config: Any, kv_cache_config: Any) 
         "world_size": int(cfg.num_workers),
         "cpu_num_chunks": getattr(manager, "_num_chunks", None),
         "manager_class": type(manager).__name__,
-        "eviction_policy": str(extra.get("eviction_policy", getattr(spec, "eviction_policy", "lru"))),
-        "store_threshold": int(extra.get("store_threshold", getattr(manager, "store_threshold", 0)) or 0),
+        "eviction_policy": str(
+            extra.get("eviction_policy", getattr(spec, "eviction_policy", "lru"))
+        ),
+        "store_threshold": int(
+            extra.get("store_threshold", getattr(manager, "store_threshold", 0)) or 0
+        ),
         "enable_prefix_caching": bool(cc.enable_prefix_caching),
         "hash_algo": str(cc.prefix_caching_hash_algo),
         "pythonhashseed_set": "PYTHONHASHSEED" in os.environ,
         "cache_block_size": int(cc.block_size),
         "num_gpu_blocks": int(kv_cache_config.num_blocks),
         "spec_method": getattr(spec_cfg, "method", None) if spec_cfg else None,
-        "num_speculative_tokens": getattr(spec_cfg, "num_speculative_tokens", None) if spec_cfg else None,
+        "num_speculative_tokens": getattr(spec_cfg, "num_speculative_tokens", None)
+        if spec_cfg
+        else None,
         "model": _model_name(vllm_config.model_config.model),
         "max_model_len": int(vllm_config.model_config.max_model_len),
         "max_num_batched_tokens": int(sc.max_num_batched_tokens),
@@ -105,4 +111,7 @@ def engine_identity(vllm_config: Any) -> tuple[str | None, int | None]:
     rank = getattr(pc, "data_parallel_index", None)
     if rank is None:
         rank = getattr(pc, "data_parallel_rank", None)
-    return (str(engine_id) if engine_id is not None else None, int(rank) if rank is not None else None)
+    return (
+        str(engine_id) if engine_id is not None else None,
+        int(rank) if rank is not None else None,
+    )

@@ -50,7 +50,9 @@ def _rec(sched: Any) -> Recorder | None:
 # --------------------------------------------------------------- class wrappers
 def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
-    def __init__(self: Any, spec: Any, vllm_config: Any, kv_cache_config: Any, *a: Any, **k: Any) -> None:
+    def __init__(
+        self: Any, spec: Any, vllm_config: Any, kv_cache_config: Any, *a: Any, **k: Any
+    ) -> None:
         orig(self, spec, vllm_config, kv_cache_config, *a, **k)
         directory = _STATE.directory
         if directory is None:
@@ -65,7 +67,9 @@ def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
                 header,
                 engine_id=engine_id,
                 dp_rank=rank,
-                tokens_per_chunk={c.group_idx: c.tokens_per_chunk for c in self.config.kv_group_configs},
+                tokens_per_chunk={
+                    c.group_idx: c.tokens_per_chunk for c in self.config.kv_group_configs
+                },
                 max_rows=env_int("KEYTRACE_MAX_ROWS"),
                 max_seconds=env_float("KEYTRACE_MAX_SECONDS"),
             )
@@ -74,7 +78,9 @@ def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
             self.__dict__["_keytrace_recorder"] = rec
             _STATE.recorders.append(rec)
         except Exception as exc:
-            _STATE.warn_once(f"keytrace: not recording this scheduler ({type(exc).__name__}: {exc})")
+            _STATE.warn_once(
+                f"keytrace: not recording this scheduler ({type(exc).__name__}: {exc})"
+            )
 
     return __init__
 
@@ -82,7 +88,12 @@ def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_episode(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def get_num_new_matched_tokens(
-        self: Any, request: Any, num_computed_tokens: int, max_num_new_tokens: int | None = None, *a: Any, **k: Any
+        self: Any,
+        request: Any,
+        num_computed_tokens: int,
+        max_num_new_tokens: int | None = None,
+        *a: Any,
+        **k: Any,
     ) -> Any:
         rec = _rec(self)
         if rec is not None:
@@ -110,7 +121,9 @@ def _wrap_episode(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_alloc(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
-    def update_state_after_alloc(self: Any, request: Any, blocks: Any, num_external_tokens: int, *a: Any, **k: Any) -> Any:
+    def update_state_after_alloc(
+        self: Any, request: Any, blocks: Any, num_external_tokens: int, *a: Any, **k: Any
+    ) -> Any:
         result = orig(self, request, blocks, num_external_tokens, *a, **k)
         rec = _rec(self)
         if rec is not None:
@@ -292,7 +305,9 @@ def _wrap_manager(sched: Any, rec: Recorder) -> None:
         out = prepare_store(keys, req_context, *a, **k)
         try:
             if out is None:
-                rec.store_prepared(req_context.req_id, keys, _positions(req_context), None, (), None)
+                rec.store_prepared(
+                    req_context.req_id, keys, _positions(req_context), None, (), None
+                )
             else:
                 job = sched._job_counter if out.keys_to_store else None
                 rec.store_prepared(
@@ -312,7 +327,9 @@ def _wrap_manager(sched: Any, rec: Recorder) -> None:
         try:
             success = k.get("success", a[0] if a else True)
             job = next((j for j, st in sched._jobs.items() if st.keys is keys), None)
-            rec.store_completed(req_context.req_id, keys, _positions(req_context), job, bool(success))
+            rec.store_completed(
+                req_context.req_id, keys, _positions(req_context), job, bool(success)
+            )
         except Exception as exc:
             rec.fail("manager.complete_store", exc)
         return result
@@ -398,7 +415,9 @@ def install(directory: str | os.PathLike[str]) -> bool:
         cls, _base, problems = load_targets()
         if cls is not None:
             problems += [
-                f"{cls.__name__}.{p.attr}" for p in CLASS_PATCHES if p.essential and not hasattr(cls, p.attr)
+                f"{cls.__name__}.{p.attr}"
+                for p in CLASS_PATCHES
+                if p.essential and not hasattr(cls, p.attr)
             ]
         if problems:
             _STATE.warn_once(
@@ -413,7 +432,11 @@ def install(directory: str | os.PathLike[str]) -> bool:
             original = cls.__dict__.get(patch.attr)
             if original is None:
                 optional_present = False
-                log.debug("keytrace: optional hook %s.%s absent; scans are inferred", cls.__name__, patch.attr)
+                log.debug(
+                    "keytrace: optional hook %s.%s absent; scans are inferred",
+                    cls.__name__,
+                    patch.attr,
+                )
                 continue
             setattr(cls, patch.attr, patch.factory(original))
             stack.callback(setattr, cls, patch.attr, original)

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# What vLLM needs on a CPU-only machine; set before any test imports vLLM.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--keytrace-update-golden",
+        action="store_true",
+        default=False,
+        help="Rewrite tests/golden/* from the current generator output.",
+    )
+
+
+@pytest.fixture
+def update_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--keytrace-update-golden"))
+
+
+REQUIRE_VLLM = os.environ.get("KEYTRACE_REQUIRE_VLLM") == "1"
+
+
+def require_vllm() -> None:
+    """Skip when vLLM is missing, unless KEYTRACE_REQUIRE_VLLM=1 turns that into a failure."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:
+        if REQUIRE_VLLM:
+            pytest.fail(f"vLLM is required (KEYTRACE_REQUIRE_VLLM=1) but not importable: {exc}")
+        pytest.skip(f"vLLM not importable: {exc}")

@@ -1,0 +1,256 @@
+"""The differ on hand-built traces: one test per cause label, and verdict boundaries.
+
+Geometry TINY: FA, SWA (window 32 = 2 chunks) and EAGLE SWA (window 2 + peek), all with 16
+tokens per chunk. A 100-token prompt has keys for chunks 0..5; its cap is
+L = round_down(100 - 1, 16) = 96, so the prime's own boundary is 96 = 6 chunks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from keytrace.commands import main
+from keytrace.diff import EpisodeVerdict, _Group, diff, needed_chunks
+from keytrace.reader import open_trace
+from tests.factories import TINY, TraceBuilder, new_builder
+
+FA_ALL = [(c, "HIT") for c in range(6)]
+
+
+def _r2(episodes: list[EpisodeVerdict]) -> EpisodeVerdict:
+    return next(v for v in episodes if v.req_id == "r2")
+
+
+def _swa_scan(results: dict[int, str], lo: int = 0, hi: int = 5) -> list[tuple[int, str]]:
+    """A right-to-left sliding-window scan that stops once two consecutive hits are found."""
+    out, run = [], 0
+    for c in range(hi, lo - 1, -1):
+        r = results.get(c, "MISS")
+        out.append((c, r))
+        run = run + 1 if r in ("HIT", "HIT_PENDING") else 0
+        if run == 2:
+            break
+    return out
+
+
+def _build(
+    tmp: Path,
+    swa1: list[int],
+    *,
+    episode_external: int,
+    swa1_results: dict[int, str] | None = None,
+    extra: object = None,
+) -> Path:
+    d = tmp / "t"
+    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r1", "c", 100, swa_chunks={1: swa1})
+    if callable(extra):
+        extra(b)
+    res = swa1_results if swa1_results is not None else {c: "HIT" for c in swa1}
+    b.episode(
+        "r2", 100, external=episode_external, chain="c", scans=[(0, FA_ALL), (1, _swa_scan(res))]
+    )
+    b.close()
+    return d
+
+
+def _only(tmp: Path, **kw: object):
+    report = diff(open_trace(str(_build(tmp, **kw))), all_episodes=True)
+    return _r2(report.episodes), report
+
+
+def test_full_hit_agrees(tmp_path: Path) -> None:
+    v, report = _only(tmp_path, swa1=[4, 5], episode_external=96)
+    assert (v.verdict, v.E, v.S) == ("hit", 96, 0)
+    assert report.verdict == "agree" and report.first_mismatch is None
+
+
+def test_never_offered(tmp_path: Path) -> None:
+    # store kept chunk 5 only; the window ending at 96 needs 4 and 5
+    v, report = _only(tmp_path, swa1=[5], episode_external=0)
+    assert v.verdict == "mismatch" and report.first_mismatch == v
+    assert v.binding_group == 1 and v.terminal is not None
+    assert (v.terminal.chunk, v.terminal.result, v.terminal.cause) == (4, "MISS", "never_offered")
+    assert [(n.chunk, n.cause) for n in v.needed if n.group_id == 1] == [
+        (4, "never_offered"),
+        (5, "resident"),
+    ]
+    assert v.stored_chunks == [(5, 5)]
+
+
+def test_offered_not_accepted(tmp_path: Path) -> None:
+    def reject(b: TraceBuilder) -> None:
+        b.store("r1", "c", 1, [], rejected=[4])
+
+    v, _ = _only(tmp_path, swa1=[5], episode_external=0, extra=reject)
+    assert v.verdict == "mismatch" and v.terminal.cause == "offered_not_accepted"
+
+
+def test_pending_is_explained(tmp_path: Path) -> None:
+    def pend(b: TraceBuilder) -> None:
+        b.store("r1", "c", 1, [4], complete=False, job=9)
+
+    v, report = _only(tmp_path, swa1=[5], episode_external=0, extra=pend)
+    assert v.verdict == "explained" and v.terminal.cause == "pending"
+    assert report.verdict == "agree"
+
+
+def test_evicted_is_explained(tmp_path: Path) -> None:
+    def ev(b: TraceBuilder) -> None:
+        b.evict("r3", "c", 1, [4])
+
+    v, _ = _only(tmp_path, swa1=[4, 5], episode_external=0, swa1_results={5: "HIT"}, extra=ev)
+    assert v.verdict == "explained" and v.terminal.cause == "evicted"
+
+
+def test_reset_counts_as_removal(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5]})
+    b.rec.reset()
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, [(0, "MISS")])])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert v.verdict == "cold"  # after a reset nothing is resident: no expected boundary
+
+
+def test_moving_one_row_changes_the_verdict(tmp_path: Path) -> None:
+    # chunk 4's completion before the episode: it was resident and lookup still missed it
+    def before(b: TraceBuilder) -> None:
+        b.store("r1", "c", 1, [4], complete=True)
+
+    v_before, _ = _only(tmp_path / "a", swa1=[5], episode_external=0, extra=before)
+    # the very same completion row written after the episode
+    d = tmp_path / "b" / "t"
+    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r1", "c", 100, swa_chunks={1: [5]})
+    b.store("r1", "c", 1, [4], complete=False)
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.complete("r1", "c", 1, [4])
+    b.close()
+    v_after = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert v_before.verdict == "mismatch" and "resident, yet lookup fell short" in v_before.reason
+    assert v_after.verdict == "explained" and v_after.terminal.cause == "pending"
+
+
+def test_completed_after_and_other_engine(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    geo = TINY.with_(groups=TINY.groups[:2])
+    a = new_builder(d, geometry=geo, engine_id="A")
+    bb = new_builder(d, geometry=geo, engine_id="B")
+    a.prime("r1", "c", 100, swa_chunks={1: [5]})
+    bb.store("rb", "c", 1, [4])  # chunk 4 lives on engine B only
+    a.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    a.close()
+    bb.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert v.verdict == "explained" and v.terminal.cause == "other_engine"
+    # --engine narrows to one engine
+    report = diff(open_trace(str(d)), engine="A", all_episodes=True)
+    assert {e.engine_id for e in report.episodes} == {"A"}
+
+
+def test_completed_after(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r1", "c", 100, swa_chunks={1: [5]})
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.store("r3", "c", 1, [4])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert v.verdict == "explained" and v.terminal.cause == "completed_after"
+
+
+def test_other_group_id(tmp_path: Path) -> None:
+    # group 1's chunks were written under group id 7: its own id never reaches the store
+    d = tmp_path / "t"
+    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r1", "c", 100)
+    wrong = [b.key("c", 1, c)[:-4] + (7).to_bytes(4, "big") for c in (4, 5)]
+    b.rec.store_prepared("r1", wrong, {}, wrong, [], 3)
+    b.rec.store_completed("r1", wrong, {}, 3, True)
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({}))])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert v.verdict == "mismatch" and v.terminal.cause == "other_group"
+
+
+def test_not_keyable_eagle_peek(tmp_path: Path) -> None:
+    # the prime (100 tokens) stored the EAGLE tail 4..5 for its boundary 96; a longer resend
+    # (120 tokens) can query the peek chunk 6 = tokens 96..112, which the prime never keyed
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5], 2: [4, 5]})
+    b.episode(
+        "r2",
+        120,
+        external=0,
+        chain="c",
+        scans=[
+            (0, [*FA_ALL, (6, "MISS")]),
+            (1, _swa_scan({4: "HIT", 5: "HIT"})),
+            (2, [(6, "MISS"), (5, "HIT"), (4, "HIT"), (3, "MISS")]),
+        ],
+    )
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.E, v.binding_group) == ("mismatch", 96, 2)
+    assert (v.terminal.chunk, v.terminal.cause) == (6, "not_keyable")
+    assert [(n.chunk, n.cause) for n in v.needed if n.group_id == 2] == [
+        (4, "resident"),
+        (5, "resident"),
+        (6, "not_keyable"),
+    ]
+
+
+def test_cold_and_deferred(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.episode("r1", 100, external=0, chain="c", scans=[(0, [(0, "MISS")])])
+    b.episode("r2", 100, external=None, chain="c", scans=[(0, [(0, "RETRY")])])
+    b.close()
+    report = diff(open_trace(str(d)), all_episodes=True)
+    assert [v.verdict for v in report.episodes] == ["cold", "deferred"]
+    assert report.verdict == "agree"
+
+
+def test_exact_multiple_of_chunk_is_short_by_design(tmp_path: Path) -> None:
+    # a 96-token prompt: cap 95 rounds down to 80 -- the last chunk is recomputed by design
+    d = tmp_path / "t"
+    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r1", "c", 96, swa_chunks={1: [3, 4]})
+    b.episode(
+        "r2",
+        96,
+        external=80,
+        chain="c",
+        scans=[(0, [(c, "HIT") for c in range(5)]), (1, _swa_scan({3: "HIT", 4: "HIT"}, hi=4))],
+    )
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.E, v.L) == ("hit", 80, 80)
+
+
+def test_request_filter_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _build(tmp_path, swa1=[5], episode_external=0)
+    assert main(["diff", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(
+        "MISMATCH: request r2 got 0 external tokens, expected 96 (E=96); binding group 1 (SWA)"
+    )
+    assert "group 1 (SWA) needed chunks 4–5 for a hit at 96; store wrote 5 near there" in out
+    assert main(["diff", str(d), "--request", "r1"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(d), "--request", "nope"]) == 2
+
+
+def test_needed_chunks_rule() -> None:
+    swa = _Group(1, 64, 2, 128, 0, False, "sliding_window", "SWA")
+    mtp = _Group(2, 64, 2, 128, 0, True, "sliding_window", "SWA, MTP")
+    # DSv4 17,975 tokens: 280 keyed chunks, E = 17,920: no peek chunk exists
+    assert needed_chunks(mtp, 0, 17_920, 280) == [277, 278, 279]
+    # 18,877 tokens: E = 18,688 = chunk 292; the peek chunk 292 is keyed
+    assert needed_chunks(mtp, 0, 18_688, 294) == [290, 291, 292]
+    assert needed_chunks(swa, 0, 18_688, 294) == [290, 291]

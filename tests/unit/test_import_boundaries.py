@@ -1,0 +1,105 @@
+"""The core never imports vLLM or torch; the plugin import path is featherweight.
+
+Each check runs in a fresh interpreter with an import blocker for the forbidden packages,
+so an accidental import fails loudly instead of silently succeeding on a dev machine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+# A None entry in sys.modules makes `import X` raise ModuleNotFoundError and makes
+# importlib.util.find_spec("X") answer "not installed" -- exactly a machine without X.
+BLOCKER = textwrap.dedent(
+    """
+    import sys
+    BLOCKED = sys.argv[1].split(",")
+    for name in BLOCKED:
+        sys.modules[name] = None
+    def loaded(name):
+        return sys.modules.get(name) is not None
+    """
+)
+
+
+def _run(blocked: str, body: str, *args: str) -> subprocess.CompletedProcess[str]:
+    code = BLOCKER + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code, blocked, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_core_and_cli_work_without_vllm_or_torch(tmp_path: Path) -> None:
+    from tests.factories import new_builder
+
+    b = new_builder(tmp_path / "t")
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5], 2: [4, 5]})
+    b.close()
+    r = _run(
+        "vllm,torch",
+        """
+        import keytrace, keytrace.schema, keytrace.writer, keytrace.reader, keytrace.diff
+        import keytrace.summary, keytrace.render, keytrace.compact, keytrace.commands
+        from keytrace.commands import main
+        assert main(["diff", "--help"]) == 0
+        code = main(["diff", sys.argv[2]])
+        assert code == 0, code
+        assert main(["summary", sys.argv[2]]) == 0
+        assert not loaded("vllm") and not loaded("torch")
+        print("OK")
+        """,
+        str(tmp_path / "t"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("OK")
+
+
+def test_blocker_really_blocks() -> None:
+    # the proof above is only worth something if the blocker bites
+    r = _run("sqlite3", "import sqlite3\n")
+    assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr
+
+
+def test_plugin_import_path_is_light() -> None:
+    r = _run(
+        "vllm,torch,polars,click",
+        """
+        import os
+        os.environ.pop("KEYTRACE_DIR", None)
+        import keytrace.hooks
+        keytrace.hooks.register()   # inert without KEYTRACE_DIR
+        for m in ("vllm", "torch", "polars", "click"):
+            assert not loaded(m), m
+        print("OK")
+        """,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_record_path_does_not_import_polars() -> None:
+    r = _run(
+        "polars,vllm,torch",
+        """
+        import keytrace.recorder, keytrace.writer
+        assert not loaded("polars")
+        print("OK")
+        """,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_demo_without_vllm_is_a_clear_error() -> None:
+    r = _run(
+        "vllm,torch",
+        """
+        from keytrace.commands import main
+        code = main(["demo", "--out", sys.argv[2]])
+        sys.exit(code)
+        """,
+        "/tmp/keytrace-no-vllm-demo",
+    )
+    assert r.returncode == 2
+    assert "pip install 'keytrace[vllm]'" in r.stderr and "Traceback" not in r.stderr

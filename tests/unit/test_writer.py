@@ -1,0 +1,314 @@
+"""The crash-safe writer: round trips, rotation, kills, faults and file modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from keytrace.reader import open_trace
+from keytrace.schema import KINDS, SCHEMA_VERSION
+from keytrace.writer import TraceWriter, call_columns
+from tests.factories import TINY, new_builder
+
+HEADER = {"vllm_version": "0.33.0", "groups": [], "blocks_per_chunk": 1}
+
+
+def _parts(d: Path) -> list[Path]:
+    return sorted(p for p in d.rglob("*.parquet"))
+
+
+def test_round_trip_every_kind(tmp_path: Path) -> None:
+    # GIVEN a recorder that writes one call of every row kind
+    b = new_builder(tmp_path)
+    k = b.key("c", 1, 3)
+    b.rec.episode_begin("r1", 16, 64, 100, 100, 6)
+    b.rec.begin_scan()
+    b.rec.lookup(k, "r1", 64, "HIT_PENDING", True)
+    b.rec.episode_end("r1", 48, True)
+    b.rec.accepted("r1", 48)
+    b.rec.store_prepared("r1", [k], {k: 64}, [k], [], 7)
+    b.rec.store_completed("r1", [k], {k: 64}, 7, True)
+    b.rec.reset()
+    b.rec.load("prepared", "r1", [k], {k: 64})
+    b.rec.step_rows([("r1", 16, 84, 100, 100, False, False, True)])
+    b.close()
+    # WHEN it is read back
+    trace = open_trace(str(tmp_path))
+    # THEN every kind is there with the values written
+    assert trace.kinds == list(KINDS)
+    lk = trace.collect("lookup").row(0, named=True)
+    assert (
+        lk["group_id"],
+        lk["chunk_idx"],
+        lk["end_token"],
+        str(lk["result"]),
+        lk["secondary"],
+    ) == (1, 3, 64, "HIT_PENDING", True)
+    assert lk["key"] == k and str(lk["req_id"]) == "r1"
+    ep = trace.collect("episode").row(0, named=True)
+    assert (
+        ep["local_tokens"],
+        ep["external_tokens"],
+        ep["accepted_tokens"],
+        ep["max_new_tokens"],
+    ) == (16, 48, 48, 64)
+    st = trace.collect("store").sort("seq")
+    assert [str(e) for e in st["event"]] == ["prepared", "completed", "reset"]
+    assert st["job_id"].to_list() == [7, 7, None]
+    assert st["key"].to_list()[2] is None and st["group_id"].to_list() == [1, 1, None]
+    assert trace.collect("load")["chunk_idx"].to_list() == [3]
+    step = trace.collect("step").row(0, named=True)
+    assert (step["computed_tokens"], step["scheduled_tokens"], step["resumed"]) == (16, 84, True)
+    # seq is one process-wide order shared by all kinds
+    seqs = sorted(s for kind in KINDS for s in trace.collect(kind)["seq"].to_list())
+    assert len(set(seqs)) >= 6
+
+
+def test_partial_key_has_null_chunk(tmp_path: Path) -> None:
+    b = new_builder(tmp_path)
+    k = b.key("c", 0, 0)
+    b.rec.store_prepared("r", [k], {k: 10}, [k], [], 1)  # 10 is not a multiple of tpc 16
+    b.close()
+    st = open_trace(str(tmp_path)).collect("store")
+    assert st["end_token"].to_list() == [10] and st["chunk_idx"].to_list() == [None]
+
+
+def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
+    w = TraceWriter(tmp_path / "rows", HEADER, max_rows=10, max_seconds=3600)
+    for i in range(35):
+        w.append(
+            "step",
+            1,
+            (i, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False),
+        )
+        time.sleep(0.001)
+    deadline = time.time() + 10
+    while w.stats.parts_written < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert w.stats.parts_written >= 3  # rotated by the row bound while running
+    w.close()
+    assert open_trace(str(tmp_path / "rows")).rows("step") == 35
+
+    w2 = TraceWriter(tmp_path / "time", HEADER, max_rows=10**9, max_seconds=0.2)
+    w2.append(
+        "step", 1, (0, 0, w2.instance, None, None, w2.pid, 0, "r", 0, 1, 1, 1, False, False, False)
+    )
+    deadline = time.time() + 10
+    while w2.stats.parts_written < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert w2.stats.parts_written == 1  # the time bound closed a part without close()
+    w2.close()
+
+
+def test_modes_and_layout(tmp_path: Path) -> None:
+    d = tmp_path / "trace"
+    w = TraceWriter(d, HEADER)
+    w.append(
+        "step", 1, (0, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False)
+    )
+    w.close()
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    parts = _parts(d)
+    assert len(parts) == 1 and parts[0].parent.name == "kind=step"
+    assert stat.S_IMODE(os.stat(parts[0]).st_mode) == 0o600
+    md = pq.ParquetFile(parts[0]).schema_arrow.metadata
+    assert md[b"keytrace.schema_version"] == str(SCHEMA_VERSION).encode()
+    assert md[b"keytrace.kind"] == b"step"
+    # keys are stored once, without a dictionary; zstd everywhere
+    col = pq.ParquetFile(parts[0]).metadata.row_group(0).column(0)
+    assert col.compression == "ZSTD"
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from keytrace.writer import TraceWriter
+    w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=100, max_seconds=3600)
+    def rows(lo, hi):
+        for i in range(lo, hi):
+            w.append("step", 1, (i, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
+    for part, (lo, hi) in enumerate([(0, 100), (100, 200)]):  # two closed parts of 100 rows
+        rows(lo, hi)
+        while w.stats.parts_written < part + 1:
+            time.sleep(0.01)
+    rows(200, 250)  # 50 rows still in memory when the kill comes
+    print("ready", flush=True)
+    if sys.argv[2] == "kill":
+        time.sleep(60)
+    """
+)
+
+
+def test_sigkill_leaves_every_closed_part_readable(tmp_path: Path) -> None:
+    # GIVEN a real child process that closed two parts and holds 50 more rows in memory
+    d = tmp_path / "t"
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(d), "kill"], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    # a torn temporary file, as a kill mid-write would leave
+    (d / "kind=step" / ".torn-000009.parquet.tmp").write_bytes(b"PAR1 half a file")
+    # WHEN it is SIGKILLed
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    # THEN both closed parts read back with exactly their rows; the tmp file is noted
+    trace = open_trace(str(d))
+    assert [p.rows for p in trace.parts] == [100, 100]
+    assert trace.collect("step")["seq"].sort().to_list() == list(range(200))
+    assert any("temporary" in n for n in trace.notes)
+
+
+def test_sigterm_flushes_and_chains_previous_handler(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        def prev(signum, frame):
+            print("previous handler ran", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, prev)
+        from keytrace.writer import TraceWriter
+        w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=10**9, max_seconds=3600)
+        for i in range(7):
+            w.append("step", 1, (i, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    assert "previous handler ran" in out
+    assert open_trace(str(d)).rows("step") == 7
+
+
+def _mount_tmpfs(path: Path, opts: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True
+    )
+    return r.returncode == 0
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def _write_some(directory: Path, n: int = 2000) -> TraceWriter:
+    w = TraceWriter(directory, HEADER, max_rows=500, max_seconds=3600)
+    for i in range(n):
+        w.append(
+            "step",
+            1,
+            (
+                i,
+                0,
+                w.instance,
+                None,
+                None,
+                w.pid,
+                0,
+                "r" * 50 + str(i),
+                i,
+                1,
+                1,
+                1,
+                False,
+                False,
+                False,
+            ),
+        )
+    w.close()
+    return w
+
+
+def test_read_only_directory_warns_once_and_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mnt = tmp_path / "ro"
+    if _mount_tmpfs(mnt, "size=1m,ro"):
+        target = mnt / "trace"
+    else:  # no mount permission here: /sys is a read-only file system in containers
+        target = Path("/sys/keytrace-test-trace")
+    try:
+        with caplog.at_level("WARNING", logger="keytrace"):
+            w = _write_some(target)
+        assert w.stats.dropped_rows == 2000 and w.stats.rows_written == 0
+        assert len([r for r in caplog.records if "cannot write trace" in r.getMessage()]) == 1
+    finally:
+        _umount(mnt)
+
+
+def test_full_disk_warns_once_and_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mnt = tmp_path / "full"
+    mounted = _mount_tmpfs(mnt, "size=64k")
+    if not mounted:  # fall back to a file object that raises ENOSPC on write
+        import errno
+
+        real_fdopen = os.fdopen
+
+        class Full:
+            def __init__(self, fd: int, mode: str) -> None:
+                self.f = real_fdopen(fd, mode)
+
+            def write(self, data: bytes) -> int:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def __getattr__(self, n: str) -> object:
+                return getattr(self.f, n)
+
+            def __enter__(self) -> Full:
+                return self
+
+            def __exit__(self, *a: object) -> None:
+                self.f.close()
+
+        monkeypatch.setattr("keytrace.writer.os.fdopen", lambda fd, mode: Full(fd, mode))
+    try:
+        with caplog.at_level("WARNING", logger="keytrace"):
+            w = _write_some(mnt / "trace", n=20000)
+        assert w.stats.dropped_rows > 0
+        assert w.stats.rows_written + w.stats.dropped_rows == 20000
+        assert len([r for r in caplog.records if "cannot write trace" in r.getMessage()]) == 1
+        # no temporary file is left behind by a failed part
+        assert not list((mnt / "trace").rglob("*.tmp"))
+        if w.stats.rows_written:
+            assert open_trace(str(mnt / "trace")).rows("step") == w.stats.rows_written
+    finally:
+        if mounted:
+            _umount(mnt)
+
+
+def test_call_columns_cover_schema() -> None:
+    # the hot path supplies exactly these; derived and per-row columns are added at flush
+    common = ("seq", "ts_ns", "instance", "engine_id", "dp_rank", "pid", "step")
+    assert call_columns("lookup") == (
+        *common,
+        "episode",
+        "scan",
+        "req_id",
+        "end_token",
+        "key",
+        "result",
+        "secondary",
+    )
+    assert call_columns("store") == (*common, "event", "req_id", "job_id")
+
+
+def test_tiny_geometry_header_is_valid() -> None:
+    from keytrace.geometry import synthetic_header
+
+    h = synthetic_header(TINY)
+    assert h["lookup_order"] == [0, 1, 2] and h["alignment_tokens"] == 16
