@@ -347,8 +347,14 @@ def diff(
             final.append(v)
     tick("episodes", eps.height, eps.height)
     counts: dict[str, int] = {}
-    for v in final:
-        counts[v.verdict] = counts.get(v.verdict, 0) + 1
+    for v in verdicts:
+        d = detailed.get((v.instance, v.episode))
+        name = (
+            d.verdict
+            if d is not None
+            else ("shortfall_unexamined" if v.verdict == "shortfall" else v.verdict)
+        )
+        counts[name] = counts.get(name, 0) + 1
     first = next((v for v in final if v.verdict == "mismatch"), None)
     return DiffReport(
         verdict="mismatch" if first else "agree",

@@ -85,15 +85,16 @@ class Geometry:
 SMALL = Geometry(
     name="small",
     groups=(
-        GroupGeom("full_attention", 16, name="fa"),
+        GroupGeom("full_attention", 64, name="fa"),
         GroupGeom("sliding_window", 16, sliding_window=32, name="swa"),
         GroupGeom("sliding_window", 16, sliding_window=32, eagle=True, name="swa_mtp"),
     ),
-    max_num_batched_tokens=256,
+    max_num_batched_tokens=512,
     max_model_len=16_384,
     cpu_chunks=20_000,
 )
-"""One full-attention group, one sliding-window group, one EAGLE/MTP sliding-window group."""
+"""One full-attention group (block 64, so an alignment segment spans four 16-token
+sliding-window chunks), one sliding-window group and one EAGLE/MTP sliding-window group."""
 
 DSV4 = Geometry(
     name="dsv4",

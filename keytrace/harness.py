@@ -99,10 +99,17 @@ def check_vllm_version() -> None:
 
 @functools.lru_cache(maxsize=8)
 def _model_config(max_model_len: int) -> ModelConfig:
-    """ModelConfig from a tiny local config.json; cached because it costs seconds."""
-    folder = tempfile.mkdtemp(prefix="keytrace-model-")
-    with open(os.path.join(folder, "config.json"), "w") as fh:
+    """ModelConfig from a tiny local config.json; cached because it costs seconds.
+
+    The folder name is fixed per max_model_len, so every process records the same model
+    name in its header (the reader refuses traces whose headers differ).
+    """
+    folder = os.path.join(tempfile.gettempdir(), f"keytrace-tiny-llama-{max_model_len}")
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".config.json.{os.getpid()}")
+    with open(tmp, "w") as fh:
         json.dump({**_TINY_MODEL, "max_position_embeddings": max_model_len}, fh)
+    os.replace(tmp, os.path.join(folder, "config.json"))
     return ModelConfig(
         model=folder,
         tokenizer=None,
@@ -324,14 +331,20 @@ class ScenarioResult:
 class Harness:
     """One real scheduler-side offloading setup built from a `Geometry`."""
 
-    def __init__(self, geometry: Geometry, *, seed: int = 0) -> None:
+    def __init__(self, geometry: Geometry, *, seed: int = 0, dp_rank: int | None = None) -> None:
         check_vllm_version()
+        from keytrace.inject import apply_from_env
+
+        apply_from_env()  # KEYTRACE_INJECT=name: a generated regression's red run
         self.geometry = geometry
         self.seed = seed
         probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
         kv_probe = build_kv_cache_config(geometry, probe)
         self.cpu_bytes_to_use = geometry.cpu_chunks * _chunk_bytes(geometry, kv_probe)
         self.vllm_config = build_vllm_config(geometry, cpu_bytes_to_use=self.cpu_bytes_to_use)
+        if dp_rank is not None:
+            self.vllm_config.parallel_config.data_parallel_index = dp_rank
+            self.vllm_config.parallel_config.data_parallel_rank = dp_rank
         self.kv_cache_config = build_kv_cache_config(geometry, self.vllm_config)
         sched_bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.hash_block_size = hash_bs
@@ -357,6 +370,7 @@ class Harness:
         self.worker = AckWorker()
         self.observations: dict[str, EpisodeObservation] = {}
         self.step_count = 0
+        self.digests: list[tuple[Any, ...]] = []  # one per step: what the scheduler decided
         self._req_counter = 0
         self._observe_connector()
         self._pending_async: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -450,6 +464,7 @@ class Harness:
         self.step_count += 1
         meta = out.kv_connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
+        self.digests.append(_digest(out, meta))
         kv_out = self.worker.run(meta)
         mro = self._model_output(out, kv_out)
         if self.geometry.async_scheduling:
@@ -517,6 +532,24 @@ class Harness:
         while not isinstance(base, CPUOffloadingManager) and hasattr(base, "__wrapped__"):
             base = base.__wrapped__
         return _policy_keys(base)
+
+
+def _digest(out: SchedulerOutput, meta: OffloadingConnectorMetadata) -> tuple[Any, ...]:
+    """A comparable summary of one step's scheduling and transfer decisions."""
+
+    def spec_ids(spec: Any) -> tuple[int, ...]:
+        ids = getattr(spec, "block_ids", None)
+        return tuple(int(x) for x in ids) if ids is not None else ()
+
+    return (
+        tuple(sorted(out.num_scheduled_tokens.items())),
+        tuple(sorted(out.finished_req_ids or ())),
+        tuple(sorted((j, t.req_id, spec_ids(t.src_spec)) for j, t in meta.store_jobs.items())),
+        tuple(
+            sorted((j, t.req_id, spec_ids(t.dst_spec), t.sync) for j, t in meta.load_jobs.items())
+        ),
+        tuple(sorted(meta.jobs_to_flush or ())),
+    )
 
 
 def _policy_keys(manager: CPUOffloadingManager) -> dict[bytes, bool]:

@@ -153,7 +153,7 @@ def render_diff(report: Any, file: IO[str]) -> None:
         )
     else:
         n = sum(report.counts.values())
-        file.write(f"AGREE: no store/lookup mismatch in {n} reported episode(s)\n")
+        file.write(f"AGREE: no store/lookup mismatch in {n} episode(s)\n")
     if report.counts:
         file.write(
             "episodes: " + ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) + "\n"

@@ -23,7 +23,9 @@ def register() -> None:
         return
     try:
         from keytrace.hooks.patches import install
+        from keytrace.inject import apply_from_env
 
+        apply_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
         if install(directory):
             log.info("keytrace: recording offload store/lookup keys under %s", directory)
     except Exception as exc:  # never break vLLM start-up

@@ -1,0 +1,70 @@
+"""The vllm.general_plugins entry point, exercised the way vLLM loads it, in subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.reader import open_trace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CODE = """
+import sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+load_general_plugins()          # vLLM may load plugins more than once: must be idempotent
+from keytrace.hooks.compat import load_targets
+cls, _, _ = load_targets()
+print("patched", hasattr(cls.__init__, "__wrapped__"), flush=True)
+print("double", hasattr(getattr(cls.__init__, "__wrapped__", None), "__wrapped__"), flush=True)
+from keytrace.geometry import SMALL
+from keytrace.harness import Harness
+print("external", Harness(SMALL, dp_rank=int(sys.argv[1])).scenario(1000).external_tokens, flush=True)
+"""
+
+
+def _run(rank: int, trace_dir: Path | None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+    if trace_dir is not None:
+        env["KEYTRACE_DIR"] = str(trace_dir)
+    r = subprocess.run(
+        [sys.executable, "-c", CODE, str(rank)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_plugin_records_per_process_and_rank(tmp_path: Path) -> None:
+    d = tmp_path / "kt"
+    out0 = _run(0, d)
+    out1 = _run(1, d)
+    assert "patched True" in out0 and "double False" in out0 and "patched True" in out1
+    trace = open_trace(str(d))
+    # two processes, two recorder instances, separate files
+    by_part = {p.path: p.source for p in trace.parts}
+    assert len({s["pid"] for s in by_part.values()}) == 2
+    assert {s["dp_rank"] for s in by_part.values()} == {0, 1}
+    for p in trace.parts:
+        ranks = pl.read_parquet(p.path, columns=["dp_rank"])["dp_rank"].unique().to_list()
+        assert ranks == [p.source["dp_rank"]]
+    assert trace.rows("lookup") > 0 and trace.rows("store") > 0
+
+
+def test_plugin_inert_without_variable(tmp_path: Path) -> None:
+    out = _run(0, None)
+    assert "patched False" in out
+    assert "external 960" in out

@@ -1,0 +1,236 @@
+"""Recording from the real vLLM 0.33.0 scheduler: faithful, transparent, fault-tolerant.
+
+Every scenario drives the real Scheduler + OffloadingConnector + CPUOffloadingManager
+(keytrace.harness); only the GPU worker, the weights and KV planning are replaced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
+from keytrace.harness import Harness, ScenarioResult  # noqa: E402
+from keytrace.hooks.patches import recording  # noqa: E402
+from keytrace.reader import open_trace  # noqa: E402
+
+# (geometry, prompt tokens): one-step prefill and chunked prefill over several steps,
+# blocks_per_chunk 1 and 2.
+CASES = [
+    pytest.param(SMALL, 1000, id="small-onestep"),
+    pytest.param(SMALL.with_(max_num_batched_tokens=128), 1000, id="small-chunked"),
+    pytest.param(
+        SMALL.with_(blocks_per_chunk=2, max_num_batched_tokens=96), 1000, id="small-bpc2-chunked"
+    ),
+    pytest.param(DSV4.with_(max_num_batched_tokens=32_768), 18_877, id="dsv4-onestep"),
+    pytest.param(DSV4, 18_877, id="dsv4-chunked"),
+    pytest.param(
+        DSV4.with_(blocks_per_chunk=2, max_num_batched_tokens=4096), 17_975, id="dsv4-bpc2-chunked"
+    ),
+]
+
+
+class Spy:
+    """Test-owned view of the manager's calls, installed outside the recorder's wrapper."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.lookups: list[tuple[bytes, str, str]] = []
+        m = harness.manager
+        inner = m.lookup
+
+        def lookup(key: bytes, req_context: Any, *a: Any, **k: Any) -> Any:
+            r = inner(key, req_context, *a, **k)
+            self.lookups.append((bytes(key), req_context.req_id, r.name))
+            return r
+
+        m.lookup = lookup
+
+
+def _run(
+    geometry: Geometry, n: int, trace_dir: Path | None
+) -> tuple[Harness, ScenarioResult, Spy | None]:
+    if trace_dir is None:
+        h = Harness(geometry)
+        return h, h.scenario(n), None
+    with recording(trace_dir) as recs:
+        h = Harness(geometry)
+        spy = Spy(h)
+        res = h.scenario(n)
+        assert len(recs) == 1 and recs[0].failures == 0
+    return h, res, spy
+
+
+@pytest.mark.parametrize(("geometry", "n"), CASES)
+def test_faithful(geometry: Geometry, n: int, tmp_path: Path) -> None:
+    # GIVEN a real scheduler recorded by keytrace and watched by the test's own spy
+    h, res, spy = _run(geometry, n, tmp_path / "t")
+    assert spy is not None
+    trace = open_trace(str(tmp_path / "t"))
+    # THEN the lookup rows are the manager's lookup calls, one to one, in order
+    lk = trace.collect("lookup").sort("seq")
+    rows = list(
+        zip(
+            lk["key"].to_list(),
+            lk["req_id"].cast(pl.String).to_list(),
+            lk["result"].cast(pl.String).to_list(),
+            strict=True,
+        )
+    )
+    assert rows == spy.lookups and len(rows) > 0
+    # AND the completed store keys are exactly what the real CPU manager holds
+    st = trace.collect("store")
+    completed = set(st.filter(pl.col("event").cast(pl.String) == "completed")["key"].to_list())
+    held = h.cpu_keys()
+    assert completed == set(held) and all(held.values())
+    # AND every row's group and chunk agree with the key and the geometry
+    for gid, tpc in enumerate(geometry.tokens_per_chunk(g) for g in range(len(geometry.groups))):
+        sel = lk.filter(pl.col("group_id") == gid)
+        assert (sel["end_token"] == (sel["chunk_idx"] + 1) * tpc).all()
+    assert set(lk["group_id"].unique().to_list()) <= set(range(len(geometry.groups)))
+    # AND episodes say what the scheduler saw and accepted
+    ep = trace.collect("episode").sort("seq")
+    assert ep["external_tokens"].to_list() == [res.prime.external_tokens, res.external_tokens]
+    assert ep["accepted_tokens"].to_list()[-1] == res.accepted_tokens
+
+
+@pytest.mark.parametrize(("geometry", "n"), CASES)
+def test_episode_and_step_identities(geometry: Geometry, n: int, tmp_path: Path) -> None:
+    _run(geometry, n, tmp_path / "t")
+    trace = open_trace(str(tmp_path / "t"))
+    ep = trace.collect("episode").with_columns(pl.col("req_id").cast(pl.String))
+    steps = trace.collect("step").with_columns(pl.col("req_id").cast(pl.String))
+    for e in ep.iter_rows(named=True):
+        sched = steps.filter((pl.col("req_id") == e["req_id"]) & ~pl.col("finished"))[
+            "scheduled_tokens"
+        ].sum()
+        # prefill tokens the scheduler computed = prompt - local - accepted external
+        assert sched == e["num_prompt_tokens"] - e["local_tokens"] - (e["accepted_tokens"] or 0)
+        assert e["accepted_tokens"] == e["external_tokens"]
+    # steps count up from 0 without gaps in the trace's own numbering
+    assert steps["step"].min() == 0
+
+
+@pytest.mark.parametrize(("geometry", "n"), [CASES[1], CASES[4]])
+def test_transparent(geometry: Geometry, n: int, tmp_path: Path) -> None:
+    h_off, res_off, _ = _run(geometry, n, None)
+    h_on, res_on, _ = _run(geometry, n, tmp_path / "t")
+    assert res_on.external_tokens == res_off.external_tokens
+    assert res_on.accepted_tokens == res_off.accepted_tokens
+    assert h_on.cpu_keys() == h_off.cpu_keys()
+    assert h_on.digests == h_off.digests and len(h_on.digests) == res_on.steps
+
+
+def test_header_matches_geometry(tmp_path: Path) -> None:
+    _run(DSV4, 1000, tmp_path / "t")
+    header = open_trace(str(tmp_path / "t")).header
+    expected = synthetic_header(DSV4)
+    for key in (
+        "lookup_order",
+        "blocks_per_chunk",
+        "tokens_per_hash",
+        "alignment_tokens",
+        "retention_interval",
+        "max_num_batched_tokens",
+        "cpu_num_chunks",
+        "max_model_len",
+        "vllm_version",
+    ):
+        assert header[key] == expected[key], key
+    for got, want in zip(header["groups"], expected["groups"], strict=True):
+        for key in (
+            "group_id",
+            "kind",
+            "block_size",
+            "tokens_per_chunk",
+            "hashes_per_chunk",
+            "sliding_window",
+            "window_chunks",
+            "is_eagle",
+            "offloaded",
+        ):
+            assert got[key] == want[key], (got["group_id"], key)
+
+
+def _mount(path: Path, opts: str) -> bool:
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def _umount(path: Path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", str(path)], capture_output=True)
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full-disk"])
+def test_faults_leave_results_unchanged(
+    fault: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    geometry = SMALL.with_(max_num_batched_tokens=128)
+    h_off, res_off, _ = _run(geometry, 1000, None)
+    mnt = tmp_path / "mnt"
+    ok = _mount(mnt, "size=1m,ro" if fault == "read-only" else "size=16k")
+    target = (mnt / "trace") if ok else Path("/sys/keytrace-fault")
+    try:
+        with caplog.at_level("WARNING", logger="keytrace"), recording(target) as recs:
+            h = Harness(geometry)
+            res = h.scenario(1000)
+            rec = recs[0]
+        assert rec.writer.stats.dropped_rows > 0
+        assert res.external_tokens == res_off.external_tokens
+        assert h.cpu_keys() == h_off.cpu_keys() and h.digests == h_off.digests
+        assert sum("cannot write trace" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        if ok:
+            _umount(mnt)
+
+
+def test_missing_hook_point_records_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from keytrace.hooks import patches
+    from keytrace.hooks.compat import load_targets
+
+    cls, _, _ = load_targets()
+    init_before = cls.__init__
+    monkeypatch.delattr(cls, "update_state_after_alloc")
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"lacks hook point\(s\) OffloadingConnectorScheduler.update_state_after_alloc; keytrace supports vllm==0.33.0",
+    ):
+        assert patches.install(tmp_path / "t") is False
+    assert cls.__init__ is init_before and not patches.installed()
+    assert not (tmp_path / "t").exists()
+
+
+def test_recorder_failure_is_contained(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from keytrace.recorder import Recorder
+
+    def boom(self: Recorder, *a: object, **k: object) -> None:
+        raise RuntimeError("recorder bug")
+
+    monkeypatch.setattr(Recorder, "lookup", boom)
+    h_off, res_off, _ = _run(SMALL, 1000, None)
+    with caplog.at_level("WARNING", logger="keytrace"), recording(tmp_path / "t") as recs:
+        h = Harness(SMALL)
+        res = h.scenario(1000)
+        failures = recs[0].failures
+    assert res.external_tokens == res_off.external_tokens and h.digests == h_off.digests
+    assert failures > 10
+    assert sum("recording failed in manager.lookup" in r.getMessage() for r in caplog.records) == 1
