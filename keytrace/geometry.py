@@ -236,4 +236,5 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
         async_scheduling=bool(header.get("async_scheduling")),
         cpu_chunks=int(header.get("cpu_num_chunks") or 100_000),
         max_model_len=int(header["max_model_len"]),
+        num_gpu_blocks=header.get("num_gpu_blocks"),
     )

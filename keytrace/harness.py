@@ -136,9 +136,14 @@ def _spec(g: GroupGeom) -> KVCacheSpec:
     )
 
 
-def default_num_gpu_blocks(geometry: Geometry) -> int:
-    """Enough GPU blocks for two max-length requests in every group (bookkeeping only)."""
-    per_req = sum(-(-geometry.max_model_len // g.block_size) + 2 for g in geometry.groups)
+def default_num_gpu_blocks(geometry: Geometry, max_prompt_tokens: int | None = None) -> int:
+    """Enough GPU blocks for two requests of the longest prompt in every group.
+
+    The pool is bookkeeping only, but building it costs time per block, so a harness that
+    knows its longest prompt sizes the pool to it instead of to ``max_model_len``.
+    """
+    tokens = min(geometry.max_model_len, (max_prompt_tokens or geometry.max_model_len) + 64)
+    per_req = sum(-(-tokens // g.block_size) + 2 for g in geometry.groups)
     return 2 * per_req + 64
 
 
@@ -198,14 +203,16 @@ def _check_unchanged(config: VllmConfig, geometry: Geometry) -> None:
         raise RuntimeError("VllmConfig changed the geometry: " + ", ".join(problems))
 
 
-def build_kv_cache_config(geometry: Geometry, config: VllmConfig) -> KVCacheConfig:
+def build_kv_cache_config(
+    geometry: Geometry, config: VllmConfig, *, max_prompt_tokens: int | None = None
+) -> KVCacheConfig:
     """The KVCacheConfig planning would produce, with the fields EngineCore then sets."""
     groups = [
         KVCacheGroupSpec([f"layer.{i}.{g.name or g.kind}"], _spec(g), is_eagle_group=g.eagle)
         for i, g in enumerate(geometry.groups)
     ]
     kv = KVCacheConfig(
-        num_blocks=geometry.num_gpu_blocks or default_num_gpu_blocks(geometry),
+        num_blocks=geometry.num_gpu_blocks or default_num_gpu_blocks(geometry, max_prompt_tokens),
         kv_cache_tensors=[],
         kv_cache_groups=groups,
     )
@@ -331,7 +338,14 @@ class ScenarioResult:
 class Harness:
     """One real scheduler-side offloading setup built from a `Geometry`."""
 
-    def __init__(self, geometry: Geometry, *, seed: int = 0, dp_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        seed: int = 0,
+        dp_rank: int | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
         check_vllm_version()
         from keytrace.inject import apply_from_env
 
@@ -345,7 +359,9 @@ class Harness:
         if dp_rank is not None:
             self.vllm_config.parallel_config.data_parallel_index = dp_rank
             self.vllm_config.parallel_config.data_parallel_rank = dp_rank
-        self.kv_cache_config = build_kv_cache_config(geometry, self.vllm_config)
+        self.kv_cache_config = build_kv_cache_config(
+            geometry, self.vllm_config, max_prompt_tokens=max_prompt_tokens
+        )
         sched_bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.hash_block_size = hash_bs
         cls = AsyncScheduler if geometry.async_scheduling else Scheduler

@@ -67,7 +67,7 @@ def run_one(
     d = keep_dir or tempfile.mkdtemp(prefix="keytrace-sweep-")
     try:
         with injected(inject), recording(d):
-            h = Harness(geometry)
+            h = Harness(geometry, max_prompt_tokens=length)
             res = h.scenario(length)
         report = diff(open_trace(d), request=res.replay.req_id, all_episodes=True)
     finally:
