@@ -1,0 +1,5 @@
+"""``python -m keytrace`` runs the CLI."""
+
+from keytrace.commands import entry
+
+entry()
