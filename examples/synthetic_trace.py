@@ -33,8 +33,8 @@ def main(out: str) -> None:
     rec.episode_begin("r1", 0, None, 100, 100, 6)
     rec.episode_end("r1", 0, False)
     fa = [key(c, 0) for c in range(6)]
-    rec.store_prepared("r1", fa + [key(5, 1)], pos, fa + [key(5, 1)], [], 0)
-    rec.store_completed("r1", fa + [key(5, 1)], pos, 0, True)
+    rec.store_prepared("r1", [*fa, key(5, 1)], pos, [*fa, key(5, 1)], [], 0)
+    rec.store_completed("r1", [*fa, key(5, 1)], pos, 0, True)
     # the identical resend: full attention hits 0..5; the window scan finds 5 but not 4
     rec.episode_begin("r2", 0, None, 100, 100, 6)
     rec.begin_scan()

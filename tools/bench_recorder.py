@@ -71,8 +71,8 @@ def main() -> int:
             shutil.rmtree(d, ignore_errors=True)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     print(f"rounds {args.rounds}, prompts {lengths} (+ resend after a GPU-only reset)")
-    print(f"off   median {off:.3f} s  {['%.3f' % x for x in times['off']]}")
-    print(f"on    median {on:.3f} s  {['%.3f' % x for x in times['on']]}")
+    print(f"off   median {off:.3f} s  {[f'{x:.3f}' for x in times['off']]}")
+    print(f"on    median {on:.3f} s  {[f'{x:.3f}' for x in times['on']]}")
     print(f"ratio {on / off:.3f}   (goal <= 1.05)")
     print(f"key rows {key_rows:,}; all rows {rows_total:,}; bytes on disk {bytes_on_disk:,}")
     print(
