@@ -28,6 +28,7 @@ episodes, which the default mode stops at after the first mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class TerminalKey:
 class EpisodeVerdict:
     verdict: str
     instance: str
+    instance_id: int
     engine_id: str | None
     dp_rank: int | None
     req_id: str
@@ -241,20 +243,24 @@ def diff(
             )
         raise TraceError("trace holds no lookup episodes (only store-side rows); nothing to diff")
 
+    # Internally "instance" is the recorder's int64 instance_id: joins never hash strings.
     eps_all = (
         trace.frame("episode")
         .with_columns(
-            _s("instance").alias("instance"),
+            _s("instance").alias("instance_name"),
+            pl.col("instance_id").alias("instance"),
             _s("req_id").alias("req_id"),
             _s("engine_id").alias("engine_id"),
         )
+        .drop("instance_id")
         .collect()
     )
+    name_of = dict(eps_all.select("instance", "instance_name").unique().iter_rows())
     eps = eps_all
     if request is not None:
         eps = eps.filter(pl.col("req_id") == request)
     if engine is not None:
-        eps = eps.filter((pl.col("engine_id") == engine) | (pl.col("instance") == engine))
+        eps = eps.filter((pl.col("engine_id") == engine) | (pl.col("instance_name") == engine))
     if rank is not None:
         eps = eps.filter(pl.col("dp_rank") == rank)
     if eps.height == 0:
@@ -262,9 +268,12 @@ def diff(
     eps = eps.sort("seq")
     tick("episodes", 0, eps.height)
 
-    lk = trace.frame("lookup").with_columns(_s("instance").alias("instance"))
-    st = trace.frame("store").with_columns(
-        _s("instance").alias("instance"), _s("req_id").alias("req_id"), _s("event").alias("event")
+    lk = trace.frame("lookup").drop("instance").rename({"instance_id": "instance"})
+    st = (
+        trace.frame("store")
+        .drop("instance")
+        .rename({"instance_id": "instance"})
+        .with_columns(_s("req_id").alias("req_id"), _s("event").alias("event"))
     )
 
     # L per episode.
@@ -278,31 +287,57 @@ def diff(
     )
     ep_keys = eps.select("instance", "episode", "seq", "local_tokens").lazy()
 
-    # F: end of the resident full-attention prefix at s, per episode (min over FA groups).
-    F = _resident_fa_prefix(lk, st, ep_keys, fa)
-    tick("resident prefix", 1, 4)
-    # Intended boundaries from earlier stored requests on the same chain.
+    # Intended boundaries from earlier stored requests on the same chain (cheap: one key
+    # per stored request is joined against the episodes' anchor-group lookups).
     B = _chain_boundaries(lk, st, eps_all, ep_keys, groups, has_swa, unit)
-    tick("boundaries", 2, 4)
+    tick("boundaries", 1, 3)
+    eps = eps.join(B, on=["instance", "episode"], how="left")
 
-    eps = eps.join(F, on=["instance", "episode"], how="left").join(
-        B, on=["instance", "episode"], how="left"
-    )
-    verdicts: list[EpisodeVerdict] = []
-    shortfalls: list[dict[str, Any]] = []
-    for r in eps.iter_rows(named=True):
-        S, L, X = r["local_tokens"], r["L"], r["external_tokens"]
-        Fv = r.get("F")
-        top = L if not fa else min(L, Fv if Fv is not None else S)
+    def candidates(r: dict[str, Any], top: int) -> list[int]:
+        S = r["local_tokens"]
         cands = set(r.get("boundaries") or [])
         if retention and retention > 0:
             cands.update(range(retention, top + 1, retention))
         if not has_swa:
             cands.update(range(unit, top + 1, unit))
-        fit = [b for b in cands if S < b <= top]
+        return [b for b in cands if S < b <= top]
+
+    # First pass without residency: deferred, cold, and hits that reach every candidate
+    # (a real hit proves the full-attention prefix it loaded was resident). Only the rest
+    # need the resident full-attention prefix F, an as-of join over store history.
+    rows_all = list(eps.iter_rows(named=True))
+    need_f = []
+    for r in rows_all:
+        if r["external_tokens"] is None:
+            continue
+        c = candidates(r, r["L"])
+        if c and r["external_tokens"] < max(c) - r["local_tokens"]:
+            need_f.append((r["instance"], r["episode"]))
+    F = pl.DataFrame(schema={"instance": pl.Int64, "episode": pl.Int64, "F": pl.Int64})
+    if need_f and fa:
+        sub = pl.DataFrame(need_f, schema={"instance": pl.Int64, "episode": pl.Int64}, orient="row")
+        F = _resident_fa_prefix(
+            lk, st, ep_keys.join(sub.lazy(), on=["instance", "episode"], how="semi"), fa
+        )
+    f_by = {(a, b): f for a, b, f in F.iter_rows()}
+    need_f_set = set(need_f)
+    tick("resident prefix", 2, 3)
+
+    verdicts: list[EpisodeVerdict] = []
+    shortfalls: list[dict[str, Any]] = []
+    for r in rows_all:
+        S, L, X = r["local_tokens"], r["L"], r["external_tokens"]
+        key = (r["instance"], r["episode"])
+        if key in need_f_set:
+            Fv = f_by.get(key)
+            top = min(L, Fv if Fv is not None else S)
+        else:
+            top = L
+        fit = candidates(r, top)
         E = max(fit) if fit else None
         base = dict(
-            instance=r["instance"],
+            instance=name_of.get(r["instance"], str(r["instance"])),
+            instance_id=r["instance"],
             engine_id=r["engine_id"],
             dp_rank=r["dp_rank"],
             req_id=r["req_id"],
@@ -338,7 +373,7 @@ def diff(
     detailed = _explain(shortfalls, lk, st, eps_all, groups, by_gid, tph, all_episodes, tick)
     final = []
     for v in verdicts:
-        d = detailed.get((v.instance, v.episode))
+        d = detailed.get((v.instance_id, v.episode))
         if v.verdict == "shortfall":
             if d is None:
                 continue  # not reached: default mode stopped at an earlier mismatch
@@ -348,7 +383,7 @@ def diff(
     tick("episodes", eps.height, eps.height)
     counts: dict[str, int] = {}
     for v in verdicts:
-        d = detailed.get((v.instance, v.episode))
+        d = detailed.get((v.instance_id, v.episode))
         name = (
             d.verdict
             if d is not None
@@ -372,7 +407,7 @@ def _resident_fa_prefix(
 ) -> pl.DataFrame:
     """Per episode, F = min over FA groups of S + tpc * (leading resident chunks)."""
     if not fa:
-        return pl.DataFrame(schema={"instance": pl.String, "episode": pl.Int64, "F": pl.Int64})
+        return pl.DataFrame(schema={"instance": pl.Int64, "episode": pl.Int64, "F": pl.Int64})
     tpc = {g.gid: g.tpc for g in fa}
     rows = (
         lk.filter(pl.col("group_id").is_in(list(tpc)))
@@ -385,7 +420,7 @@ def _resident_fa_prefix(
     )
     rows = rows.collect().sort("seq")
     if rows.height == 0:
-        return pl.DataFrame(schema={"instance": pl.String, "episode": pl.Int64, "F": pl.Int64})
+        return pl.DataFrame(schema={"instance": pl.Int64, "episode": pl.Int64, "F": pl.Int64})
     resident = _residency(rows, st)
     per = (
         resident.sort("chunk_idx")
@@ -480,56 +515,49 @@ def _chain_boundaries(
 ) -> pl.DataFrame:
     """Per episode, the end boundaries of earlier requests that share its prefix there.
 
-    A request r' is on the episode's chain through chunk c of the anchor group (the first
-    group in lookup order, full attention when there is one) when r' has a store row for the
-    episode's own key at c (keys are content-addressed, chained hashes). r' contributes its
-    own end boundary b = its cap, if r' shares the prefix through b and stored before s.
+    Every stored request r' has one end boundary b (its own cap). Keys are chained,
+    content-addressed hashes, so r' shares an episode's prefix through b exactly when the
+    episode looked up the same anchor-group key (full attention when there is one) for the
+    chunk ending at b as r' offered for it. Only that one key per stored request is joined,
+    so the cost is one pass over the anchor group's lookup rows.
     """
-    anchor = groups[0]
-    for g in groups:
-        if g.window is None:
-            anchor = g
-            break
+    anchor = next((g for g in groups if g.window is None), groups[0])
     empty = pl.DataFrame(
-        schema={"instance": pl.String, "episode": pl.Int64, "boundaries": pl.List(pl.Int64)}
+        schema={"instance": pl.Int64, "episode": pl.Int64, "boundaries": pl.List(pl.Int64)}
     )
-    ep_rows = (
+    minus = 1 if has_swa else 0
+    prompts = (
+        eps_all.group_by("instance", "req_id")
+        .agg(pl.col("num_prompt_tokens").max().alias("P"))
+        .with_columns((((pl.col("P") - minus) // unit) * unit).alias("b"))
+        .filter(pl.col("b") > 0)
+        .with_columns((pl.col("b") // anchor.tpc - 1).alias("cb"))
+    )
+    bkeys = (
+        st.filter(
+            (pl.col("group_id") == anchor.gid)
+            & pl.col("event").is_in(["prepared", "rejected", "completed", "failed"])
+        )
+        .select("instance", "req_id", "chunk_idx", "key", "seq")
+        .join(prompts.lazy(), on=["instance", "req_id"])
+        .filter(pl.col("chunk_idx") == pl.col("cb"))
+        .group_by("key", "b")
+        .agg(pl.col("seq").min().alias("st_seq"))
+    )
+    m = (
         lk.filter(pl.col("group_id") == anchor.gid)
+        .select("instance", "episode", "key")
+        .join(bkeys, on="key")
         .join(
             ep_keys.select("instance", "episode", pl.col("seq").alias("s")),
             on=["instance", "episode"],
         )
-        .select("instance", "episode", "s", "key", "chunk_idx")
-        .unique(["instance", "episode", "key"])
+        .filter(pl.col("st_seq") < pl.col("s"))
+        .collect()
     )
-    stores = st.filter(
-        (pl.col("group_id") == anchor.gid)
-        & pl.col("event").is_in(["prepared", "rejected", "completed", "failed"])
-    ).select(
-        pl.col("req_id").alias("other"),
-        pl.col("instance").alias("other_instance"),
-        "key",
-        pl.col("seq").alias("st_seq"),
-    )
-    m = ep_rows.join(stores, on="key").filter(pl.col("st_seq") < pl.col("s")).collect()
     if m.height == 0:
         return empty
-    shared = m.group_by("instance", "episode", "other", "other_instance").agg(
-        ((pl.col("chunk_idx").max() + 1) * anchor.tpc).alias("shared_end")
-    )
-    prompts = eps_all.group_by("instance", "req_id").agg(
-        pl.col("num_prompt_tokens").max().alias("P")
-    )
-    shared = shared.join(
-        prompts.rename({"instance": "other_instance", "req_id": "other"}),
-        on=["other_instance", "other"],
-        how="left",
-    )
-    minus = 1 if has_swa else 0
-    shared = shared.with_columns((((pl.col("P") - minus) // unit) * unit).alias("b")).filter(
-        pl.col("b").is_not_null() & (pl.col("b") > 0) & (pl.col("b") <= pl.col("shared_end"))
-    )
-    return shared.group_by("instance", "episode").agg(pl.col("b").unique().alias("boundaries"))
+    return m.group_by("instance", "episode").agg(pl.col("b").unique().alias("boundaries"))
 
 
 # ------------------------------------------------------------- explanations
@@ -544,41 +572,241 @@ def _explain(
     all_episodes: bool,
     tick: Callable[[str, int, int], None],
 ) -> dict[tuple[str, int], EpisodeVerdict]:
+    """Explain every shortfall episode with a fixed handful of lazy queries.
+
+    Nothing proportional to the trace is collected: the queries return per-episode facts
+    (binding scan, terminal row, the keys of the needed chunks, chain requests) and the
+    store history of just those keys. Python then works per episode on dictionaries.
+    """
     out: dict[tuple[str, int], EpisodeVerdict] = {}
-    batch = 1 if not all_episodes else 256
-    for i in range(0, len(shortfalls), batch):
-        chunk = shortfalls[i : i + batch]
-        sel = pl.DataFrame(
-            {"instance": [c["instance"] for c in chunk], "episode": [c["episode"] for c in chunk]},
-            schema={"instance": pl.String, "episode": pl.Int64},
+    if not shortfalls:
+        return out
+    tick("shortfalls", 0, len(shortfalls))
+    sel = pl.DataFrame(
+        {
+            "instance": [c["instance_id"] for c in shortfalls],
+            "episode": [c["episode"] for c in shortfalls],
+            "s": [c["seq"] for c in shortfalls],
+        },
+        schema={"instance": pl.Int64, "episode": pl.Int64, "s": pl.Int64},
+    )
+    # An int64 is_in prefilter first (cheap), then the exact (instance, episode) match.
+    lk_sf = (
+        lk.filter(pl.col("episode").is_in(sel["episode"].unique().implode()))
+        .join(sel.lazy().drop("s"), on=["instance", "episode"], how="semi")
+        .with_columns(pl.col("result").cast(pl.String))
+    )
+    facts = _scan_facts(lk_sf, shortfalls, groups, tph)
+    tick("shortfalls", len(shortfalls) // 3, len(shortfalls))
+
+    # The keys whose store history decides a cause: needed chunks and terminal keys.
+    wanted: set[bytes] = set()
+    for f in facts.values():
+        wanted.update(k for k, _ in f.seen.values())
+        if f.terminal is not None:
+            wanted.add(f.terminal["key"])
+    keys = pl.DataFrame({"key": sorted(wanted)}, schema={"key": pl.Binary})
+    anchor = next((g for g in groups if g.window is None), groups[0])
+    hashes = keys.select(pl.col("key").bin.slice(0, pl.col("key").bin.size() - 4).alias("h"))
+    st_rows_q = st.join(keys.lazy(), on="key", how="semi").select(
+        "instance", "req_id", "event", "key", "seq"
+    )
+    other_q = (
+        st.filter(pl.col("event") == "completed")
+        .with_columns(pl.col("key").bin.slice(0, pl.col("key").bin.size() - 4).alias("h"))
+        .join(hashes.lazy(), on="h", how="semi")
+        .select("instance", "group_id", "h")
+        .unique()
+    )
+    # Requests on each episode's chain: they stored the episode's own anchor-group keys.
+    chain_q = (
+        lk_sf.filter(pl.col("group_id") == anchor.gid)
+        .select("instance", "episode", "key")
+        .join(
+            st.filter(pl.col("group_id") == anchor.gid).select(
+                "key", "req_id", pl.col("seq").alias("q")
+            ),
+            on="key",
         )
-        rows = lk.join(sel.lazy(), on=["instance", "episode"], how="semi").collect().sort("seq")
-        keys = rows.select("key").unique()
-        st_rows = (
-            st.join(keys.lazy(), on="key", how="semi")
-            .select("instance", "req_id", "event", "group_id", "chunk_idx", "key", "seq")
-            .collect()
+        .join(sel.lazy(), on=["instance", "episode"])
+        .filter(pl.col("q") < pl.col("s"))
+        .group_by("instance", "episode")
+        .agg(pl.col("req_id").drop_nulls().unique())
+    )
+    first_q = (
+        st.filter(pl.col("event") == "prepared")
+        .group_by("instance", "group_id")
+        .agg(pl.col("seq").min())
+    )
+    resets_q = st.filter(pl.col("event") == "reset").select("instance", "seq")
+    st_rows, other, chains, first_df, resets_df = pl.collect_all(
+        [st_rows_q, other_q, chain_q, first_q, resets_q]
+    )
+    tick("shortfalls", 2 * len(shortfalls) // 3, len(shortfalls))
+
+    events: dict[bytes, list[tuple[int, str, str]]] = {}
+    for inst, _rid, e, k, q in st_rows.sort("seq").iter_rows():
+        events.setdefault(k, []).append((q, e, inst))  # in sequence order
+    other_groups: dict[tuple[str, bytes], set[int]] = {}
+    for inst, g, h in other.iter_rows():
+        other_groups.setdefault((inst, h), set()).add(g)
+    first_prepared = {(i, g): q for i, g, q in first_df.iter_rows()}
+    resets: dict[str, list[int]] = {}
+    for i, q in resets_df.iter_rows():
+        resets.setdefault(i, []).append(q)
+    prompts: dict[str, int] = {}
+    for rid, p in eps_all.select("req_id", "num_prompt_tokens").iter_rows():
+        if p is not None and p > prompts.get(rid, -1):
+            prompts[rid] = p
+    chain_of = {(a, b): sorted(c) for a, b, c in chains.iter_rows()}
+    ctx = _Context(events, other_groups, first_prepared, resets, prompts)
+    done = [
+        _explain_one(
+            c,
+            facts.get((c["instance_id"], c["episode"]), _ScanFacts()),
+            chain_of.get((c["instance_id"], c["episode"]), []),
+            ctx,
+            groups,
+            by_gid,
+            tph,
         )
-        hashes = keys.with_columns(
-            pl.col("key").bin.slice(0, pl.col("key").bin.size() - 4).alias("h")
-        )
-        st_by_hash = (
-            st.filter(pl.col("event") == "completed")
-            .with_columns(pl.col("key").bin.slice(0, pl.col("key").bin.size() - 4).alias("h"))
-            .join(hashes.select("h").lazy(), on="h", how="semi")
-            .select("instance", "group_id", "h", "seq")
-            .collect()
-        )
-        for c in chunk:
-            ep_rows = rows.filter(
-                (pl.col("instance") == c["instance"]) & (pl.col("episode") == c["episode"])
-            )
-            v = _explain_one(c, ep_rows, st_rows, st_by_hash, st, eps_all, groups, by_gid, tph)
-            out[(c["instance"], c["episode"])] = v
-            tick("shortfalls", len(out), len(shortfalls))
-            if v.verdict == "mismatch" and not all_episodes:
-                return out
+        for c in shortfalls
+    ]
+    _fill_stored_chunks(done, st, out)
+    tick("shortfalls", len(shortfalls), len(shortfalls))
     return out
+
+
+@dataclass
+class _ScanFacts:
+    """What one episode's recorded lookup rows say, extracted for a whole batch at once."""
+
+    seen: dict[tuple[int, int], tuple[bytes, str]] = field(default_factory=dict)  # needed chunks
+    binding_gid: int | None = None
+    terminal: dict[str, Any] | None = None  # the terminal lookup row
+
+
+def _scan_facts(
+    lk_sf: pl.LazyFrame, chunk: list[dict[str, Any]], groups: list[_Group], tph: int
+) -> dict[tuple[str, int], _ScanFacts]:
+    """Needed-chunk keys, binding scan and terminal key for every shortfall episode.
+
+    Binding scan: the last scan (in call order) holding a non-HIT result; terminal key: its
+    first MISS or RETRY in scan order (else its first non-HIT). With no non-HIT at all the
+    binding group is the group of the episode's last lookup.
+    """
+    out: dict[tuple[str, int], _ScanFacts] = {
+        (c["instance_id"], c["episode"]): _ScanFacts() for c in chunk
+    }
+    need = []
+    for c in chunk:
+        keyed = c["num_hashes"] * tph
+        for g in groups:
+            for ch in needed_chunks(g, c["S"], c["E"], keyed // g.tpc):
+                need.append((c["instance_id"], c["episode"], g.gid, ch))
+    need_df = pl.DataFrame(
+        need,
+        schema={
+            "instance": pl.Int64,
+            "episode": pl.Int64,
+            "group_id": pl.Int32,
+            "chunk_idx": pl.Int64,
+        },
+        orient="row",
+    )
+    seen_q = (
+        lk_sf.select("instance", "episode", "group_id", "chunk_idx", "key", "result", "seq")
+        .join(need_df.lazy(), on=["instance", "episode", "group_id", "chunk_idx"])
+        .sort("seq")
+        .unique(["instance", "episode", "group_id", "chunk_idx"], keep="last")
+    )
+    per_ep_q = lk_sf.group_by("instance", "episode").agg(
+        pl.col("group_id").get(pl.col("seq").arg_max()).alias("last_gid"),
+        pl.col("scan").filter(pl.col("result") != "HIT").max().alias("last_scan"),
+    )
+    seen, per_ep = pl.collect_all([seen_q, per_ep_q])
+    for inst, ep, gid, ch, k, res, _q in seen.iter_rows():
+        out[(inst, ep)].seen[(gid, ch)] = (k, res)
+    for inst, ep, gid, _ls in per_ep.iter_rows():
+        out[(inst, ep)].binding_gid = int(gid)
+    last_scan = per_ep.filter(pl.col("last_scan").is_not_null()).select(
+        "instance", "episode", "last_scan"
+    )
+    if last_scan.height:
+        # The terminal row's seq: the first MISS/RETRY of the last non-HIT scan, else its
+        # first non-HIT; aggregations instead of a sort over the scans' rows.
+        bad = pl.col("result").is_in(["MISS", "RETRY"])
+        term_seq = (
+            lk_sf.join(last_scan.lazy(), on=["instance", "episode"])
+            .filter(pl.col("scan") == pl.col("last_scan"))
+            .group_by("instance", "episode")
+            .agg(
+                pl.coalesce(
+                    pl.col("seq").filter(bad).min(),
+                    pl.col("seq").filter(pl.col("result") != "HIT").min(),
+                ).alias("seq")
+            )
+            .collect()
+        )
+        term = lk_sf.join(term_seq.lazy(), on=["instance", "episode", "seq"]).collect()
+        for t in term.iter_rows(named=True):
+            f = out[(t["instance"], t["episode"])]
+            f.binding_gid = int(t["group_id"])
+            f.terminal = t
+    return out
+
+
+@dataclass
+class _Context:
+    events: dict[bytes, list[tuple[int, str, int]]]  # key -> (seq, event, instance id)
+    other_groups: dict[tuple[int, bytes], set[int]]  # (instance id, block hash) -> group ids
+    first_prepared: dict[tuple[int, int], int]  # (instance id, group) -> first prepared seq
+    resets: dict[int, list[int]]  # instance id -> reset seqs
+    prompts: dict[str, int]  # req_id -> prompt tokens
+
+
+def _fill_stored_chunks(
+    done: list[tuple[EpisodeVerdict, list[str], tuple[int, int] | None]],
+    st: pl.LazyFrame,
+    out: dict[tuple[str, int], EpisodeVerdict],
+) -> None:
+    """One query for the whole batch: which binding-group chunks the chain stored near E."""
+    wanted = [
+        (v, chain, span)
+        for v, chain, span in done
+        if span is not None and v.binding_group is not None
+    ]
+    got = pl.DataFrame()
+    if wanted:
+        lo = min(span[0] for _, _, span in wanted)
+        hi = max(span[1] for _, _, span in wanted)
+        got = (
+            st.filter(
+                (pl.col("event") == "completed")
+                & pl.col("instance").is_in(list({v.instance_id for v, _, _ in wanted}))
+                & pl.col("group_id").is_in(list({v.binding_group for v, _, _ in wanted}))
+                & pl.col("chunk_idx").is_between(lo, hi)
+            )
+            .select("instance", "group_id", "chunk_idx", "req_id", "seq")
+            .collect()
+        )
+    by_ig: dict[tuple[str, int], list[tuple[int, str, int]]] = {}
+    for inst, gid, ch, rid, q in got.iter_rows() if got.height else ():
+        by_ig.setdefault((inst, gid), []).append((ch, rid, q))
+    for v, chain, span in done:
+        stored: list[tuple[int, int]] = []
+        if span is not None and v.binding_group is not None:
+            members = set(chain)
+            stored = _ranges(
+                sorted(
+                    {
+                        ch
+                        for ch, rid, q in by_ig.get((v.instance_id, v.binding_group), ())
+                        if q < v.episode and rid in members and span[0] <= ch <= span[1]
+                    }
+                )
+            )
+        out[(v.instance_id, v.episode)] = dataclasses.replace(v, stored_chunks=stored)
 
 
 def _hex(k: bytes | None) -> str | None:
@@ -587,67 +815,28 @@ def _hex(k: bytes | None) -> str | None:
 
 def _explain_one(
     c: dict[str, Any],
-    rows: pl.DataFrame,
-    st_rows: pl.DataFrame,
-    st_by_hash: pl.DataFrame,
-    st: pl.LazyFrame,
-    eps_all: pl.DataFrame,
+    facts: _ScanFacts,
+    chain_reqs: list[str],
+    ctx: _Context,
     groups: list[_Group],
     by_gid: dict[int, _Group],
     tph: int,
-) -> EpisodeVerdict:
-    inst, s, S, E = c["instance"], c["seq"], c["S"], c["E"]
-    seen: dict[tuple[int, int], tuple[bytes, str]] = {}
-    for r in rows.iter_rows(named=True):
-        if r["chunk_idx"] is not None:
-            seen[(r["group_id"], r["chunk_idx"])] = (r["key"], str(r["result"]))
-
-    # Requests on this episode's chain: they have store rows for the episode's own keys.
-    chain_reqs = set(st_rows.filter(pl.col("seq") < s)["req_id"].drop_nulls().to_list())
-    chain_P = [
-        p
-        for p in eps_all.filter(pl.col("req_id").is_in(list(chain_reqs)))[
-            "num_prompt_tokens"
-        ].to_list()
-        if p is not None
-    ]
-    max_keyable_tokens = max(chain_P, default=0)
-
-    events: dict[bytes, list[tuple[int, str, str]]] = {}
-    for r in st_rows.iter_rows(named=True):
-        events.setdefault(bytes(r["key"]), []).append((r["seq"], r["event"], r["instance"]))
-    other_groups: dict[bytes, set[int]] = {}
-    for r in st_by_hash.filter(pl.col("instance") == inst).iter_rows(named=True):
-        other_groups.setdefault(bytes(r["h"]), set()).add(r["group_id"])
-    # Group ids the store path wrote on this instance before s: a hash stored only under
-    # other ids, for a group that never appears here, points at a group-id skew.
-    stored_gids = set(
-        st.filter(
-            (pl.col("instance") == inst) & (pl.col("seq") < s) & (pl.col("event") == "prepared")
-        )
-        .select("group_id")
-        .unique()
-        .collect()["group_id"]
-        .drop_nulls()
-        .to_list()
-    )
-    resets = sorted(
-        st.filter((pl.col("event") == "reset") & (pl.col("instance") == inst))
-        .select("seq")
-        .collect()["seq"]
-        .to_list()
-    )
+) -> tuple[EpisodeVerdict, list[str], tuple[int, int] | None]:
+    inst, s, S, E = c["instance_id"], c["seq"], c["S"], c["E"]
+    keyed_tokens = c["num_hashes"] * tph
+    need_by_group = {g.gid: needed_chunks(g, S, E, keyed_tokens // g.tpc) for g in groups}
+    seen = facts.seen
+    max_keyable_tokens = max((ctx.prompts.get(r, 0) for r in chain_reqs), default=0)
+    resets = [q for q in ctx.resets.get(inst, []) if q < s]
 
     def cause_of(key: bytes | None, gid: int, token_end: int) -> str:
         if key is None:
             return "not_looked_up"
-        evs = sorted(events.get(bytes(key), []))
+        evs = ctx.events.get(bytes(key), ())
         here = [(q, e) for q, e, i in evs if i == inst]
         before = [(q, e) for q, e in here if q < s]
         last_c = max((q for q, e in before if e == "completed"), default=None)
-        last_rm = max(
-            [q for q, e in before if e == "evicted"] + [q for q in resets if q < s], default=-1
-        )
+        last_rm = max([q for q, e in before if e == "evicted"] + resets, default=-1)
         if last_c is not None and last_c > last_rm:
             return "resident"
         if last_c is not None:
@@ -663,44 +852,33 @@ def _explain_one(
             return "other_engine"
         if any(e in ("rejected", "failed") for q, e in before):
             return "offered_not_accepted"
-        h = bytes(key)[:-4]
-        if gid not in stored_gids and other_groups.get(h, set()) - {gid}:
+        first = ctx.first_prepared.get((inst, gid))
+        gid_stored = first is not None and first < s
+        if not gid_stored and ctx.other_groups.get((inst, bytes(key)[:-4]), set()) - {gid}:
             return "other_group"
         if token_end <= max_keyable_tokens:
             return "never_offered"
         return "not_keyable"
 
-    # Binding scan: the last scan holding a non-HIT result; terminal key: its first MISS/RETRY.
-    binding_gid: int | None = None
+    binding_gid = facts.binding_gid
     terminal: TerminalKey | None = None
-    if rows.height:
-        nonhit = rows.filter(pl.col("result").cast(pl.String) != "HIT")
-        if nonhit.height:
-            last_scan = nonhit["scan"].max()
-            scan_rows = rows.filter(pl.col("scan") == last_scan)
-            binding_gid = int(scan_rows["group_id"][0])
-            bad = scan_rows.filter(pl.col("result").cast(pl.String).is_in(["MISS", "RETRY"]))
-            if bad.height == 0:
-                bad = scan_rows.filter(pl.col("result").cast(pl.String) != "HIT")
-            t = bad.row(0, named=True)
-            g = by_gid[binding_gid]
-            ch = t["chunk_idx"]
-            terminal = TerminalKey(
-                group_id=binding_gid,
-                chunk=ch,
-                token_start=None if ch is None else ch * g.tpc,
-                token_end=None if ch is None else (ch + 1) * g.tpc,
-                key=_hex(t["key"]) or "",
-                result=str(t["result"]),
-                cause=cause_of(t["key"], binding_gid, t["end_token"] or 0),
-            )
-        else:
-            binding_gid = int(rows["group_id"][-1])
+    if facts.terminal is not None and binding_gid is not None:
+        t = facts.terminal
+        g = by_gid[binding_gid]
+        ch = t["chunk_idx"]
+        terminal = TerminalKey(
+            group_id=binding_gid,
+            chunk=ch,
+            token_start=None if ch is None else ch * g.tpc,
+            token_end=None if ch is None else (ch + 1) * g.tpc,
+            key=_hex(t["key"]) or "",
+            result=str(t["result"]),
+            cause=cause_of(t["key"], binding_gid, t["end_token"] or 0),
+        )
 
-    keyed_tokens = c["num_hashes"] * tph
     needed: list[NeededChunk] = []
     for g in groups:
-        for ch in needed_chunks(g, S, E, keyed_tokens // g.tpc):
+        for ch in need_by_group[g.gid]:
             key, res = seen.get((g.gid, ch), (None, None))
             cause = cause_of(key, g.gid, (ch + 1) * g.tpc)
             needed.append(
@@ -719,42 +897,24 @@ def _explain_one(
         reason = "shortfall explained by timing/capacity/routing: " + "; ".join(causes)
     elif decisive:
         verdict = "mismatch"
-        causes = sorted(
-            {CAUSE_TEXT[n.cause] for n in decisive if n.cause in RULE_CAUSES}
-            or {CAUSE_TEXT[n.cause] for n in decisive}
-        )
+        rule = {CAUSE_TEXT[n.cause] for n in decisive if n.cause in RULE_CAUSES}
+        causes = sorted(rule or {CAUSE_TEXT[n.cause] for n in decisive})
         reason = "lookup needed chunks the store path did not keep: " + "; ".join(causes)
     else:
         verdict = "mismatch"
         reason = "every chunk vLLM's rule needs for a hit at E was resident, yet lookup fell short"
 
-    stored: list[tuple[int, int]] = []
+    span: tuple[int, int] | None = None
     if binding_gid is not None:
         g = by_gid[binding_gid]
         need_b = [n.chunk for n in binding_needed] or [E // g.tpc]
-        lo, hi = min(need_b) - 4 * (g.window or 1) - 2, max(need_b) + 4 * (g.window or 1) + 2
-        chain = list(
-            {r for r in st_rows.filter(pl.col("seq") < s)["req_id"].drop_nulls().to_list()}
-        )
-        got = (
-            st.filter(
-                (pl.col("instance") == inst)
-                & (pl.col("group_id") == binding_gid)
-                & (pl.col("event") == "completed")
-                & (pl.col("seq") < s)
-                & pl.col("req_id").is_in(chain)
-                & pl.col("chunk_idx").is_between(lo, hi)
-            )
-            .select("chunk_idx")
-            .unique()
-            .collect()["chunk_idx"]
-            .to_list()
-        )
-        stored = _ranges(sorted(got))
+        margin = 4 * (g.window or 1) + 2
+        span = (min(need_b) - margin, max(need_b) + margin)
 
-    return EpisodeVerdict(
+    v = EpisodeVerdict(
         verdict=verdict,
-        instance=inst,
+        instance=c["instance"],
+        instance_id=inst,
         engine_id=c["engine_id"],
         dp_rank=c["dp_rank"],
         req_id=c["req_id"],
@@ -770,9 +930,10 @@ def _explain_one(
         binding_label=by_gid[binding_gid].label if binding_gid is not None else None,
         terminal=terminal,
         needed=needed,
-        stored_chunks=stored,
+        stored_chunks=[],
         reason=reason,
     )
+    return v, chain_reqs, span
 
 
 def _ranges(xs: Iterable[int]) -> list[tuple[int, int]]:

@@ -58,7 +58,7 @@ class Recorder:
             **kw,
         )
         w = self.writer
-        self._common_tail = (w.instance, w.engine_id, w.dp_rank, w.pid)
+        self._common_tail = (w.instance, w.instance_id, w.engine_id, w.dp_rank, w.pid)
         self.step = 0
         self.episode = -1
         self.scan = -1

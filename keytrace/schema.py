@@ -56,12 +56,14 @@ COMMON_FIELDS: tuple[pa.Field, ...] = (
     pa.field("seq", pa.int64(), nullable=False),
     pa.field("ts_ns", pa.int64(), nullable=False),
     pa.field("instance", _STR, nullable=False),
+    pa.field("instance_id", pa.int64(), nullable=False),
     pa.field("engine_id", _STR),
     pa.field("dp_rank", pa.int32()),
     pa.field("pid", pa.int32(), nullable=False),
     pa.field("step", pa.int64(), nullable=False),
 )
-"""Columns every row carries. ``seq`` is one per-process counter shared by all kinds and
+"""Columns every row carries. ``instance_id`` is a random 63-bit id of the recorder instance
+(the integer twin of ``instance``, so fleet-scale joins never hash strings). ``seq`` is one per-process counter shared by all kinds and
 incremented once per recorded call, so "before/after" between any two rows of one process is
 decidable; rows produced by one call share its ``seq``. ``step`` counts
 ``build_connector_meta`` calls seen by this scheduler instance."""

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import signal
 import socket
 import threading
@@ -126,6 +127,7 @@ class TraceWriter:
         self.pid = os.getpid()
         self.host = socket.gethostname()
         self.instance = f"{self.host}-{self.pid}-{next(_INSTANCE_COUNTER)}"
+        self.instance_id = random.getrandbits(63)
         self.engine_id = engine_id
         self.dp_rank = dp_rank
         self.tokens_per_chunk = dict(tokens_per_chunk or {})
@@ -142,6 +144,7 @@ class TraceWriter:
         self._usable = self._prepare_directory()
         self._source = {
             "instance": self.instance,
+            "instance_id": self.instance_id,
             "host": self.host,
             "pid": self.pid,
             "engine_id": engine_id,
@@ -180,7 +183,16 @@ class TraceWriter:
 
     def common(self, seq: int, ts_ns: int, step: int) -> tuple[Any, ...]:
         """The common per-call column values, in schema order."""
-        return (seq, ts_ns, self.instance, self.engine_id, self.dp_rank, self.pid, step)
+        return (
+            seq,
+            ts_ns,
+            self.instance,
+            self.instance_id,
+            self.engine_id,
+            self.dp_rank,
+            self.pid,
+            step,
+        )
 
     # ---------------------------------------------------------------- flushing
     def flush(self) -> None:

@@ -88,7 +88,7 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
         w.append(
             "step",
             1,
-            (i, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False),
+            (i, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False),
         )
         time.sleep(0.001)
     deadline = time.time() + 10
@@ -100,7 +100,7 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
 
     w2 = TraceWriter(tmp_path / "time", HEADER, max_rows=10**9, max_seconds=0.2)
     w2.append(
-        "step", 1, (0, 0, w2.instance, None, None, w2.pid, 0, "r", 0, 1, 1, 1, False, False, False)
+        "step", 1, (0, 0, w2.instance, w2.instance_id, None, None, w2.pid, 0, "r", 0, 1, 1, 1, False, False, False)
     )
     deadline = time.time() + 10
     while w2.stats.parts_written < 1 and time.time() < deadline:
@@ -113,7 +113,7 @@ def test_modes_and_layout(tmp_path: Path) -> None:
     d = tmp_path / "trace"
     w = TraceWriter(d, HEADER)
     w.append(
-        "step", 1, (0, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False)
+        "step", 1, (0, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False)
     )
     w.close()
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
@@ -135,7 +135,7 @@ _CHILD = textwrap.dedent(
     w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=100, max_seconds=3600)
     def rows(lo, hi):
         for i in range(lo, hi):
-            w.append("step", 1, (i, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
+            w.append("step", 1, (i, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
     for part, (lo, hi) in enumerate([(0, 100), (100, 200)]):  # two closed parts of 100 rows
         rows(lo, hi)
         while w.stats.parts_written < part + 1:
@@ -179,7 +179,7 @@ def test_sigterm_flushes_and_chains_previous_handler(tmp_path: Path) -> None:
         from keytrace.writer import TraceWriter
         w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=10**9, max_seconds=3600)
         for i in range(7):
-            w.append("step", 1, (i, 0, w.instance, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
+            w.append("step", 1, (i, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
         print("ready", flush=True)
         time.sleep(60)
         """
@@ -293,7 +293,7 @@ def test_full_disk_warns_once_and_counts(
 
 def test_call_columns_cover_schema() -> None:
     # the hot path supplies exactly these; derived and per-row columns are added at flush
-    common = ("seq", "ts_ns", "instance", "engine_id", "dp_rank", "pid", "step")
+    common = ("seq", "ts_ns", "instance", "instance_id", "engine_id", "dp_rank", "pid", "step")
     assert call_columns("lookup") == (
         *common,
         "episode",

@@ -1,0 +1,88 @@
+"""`keytrace diff` at fleet scale, against a bare polars scan of the same key columns.
+
+    python tools/bench_diff.py [--rows 10_000_000 50_000_000] [--work /tmp/kt-bench]
+
+For each size: generate a trace with tools/gen_trace.py (reused if present), then, each in a
+fresh subprocess so peak RSS is its own, run (1) `keytrace diff TRACE --all --json` through
+the CLI and (2) a bare polars scan that reads the same lookup and store key columns once and
+aggregates them. Prints wall times, `ratio` (diff / scan), key rows per second, peak RSS,
+and checks that the diff found exactly the planted mismatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCAN = r"""
+import sys, polars as pl
+d = sys.argv[1]
+lk = pl.scan_parquet(d + "/kind=lookup/*.parquet").select(
+    "instance", "episode", "seq", "scan", "group_id", "chunk_idx", "key", "result")
+st = pl.scan_parquet(d + "/kind=store/*.parquet").select(
+    "instance", "req_id", "event", "group_id", "chunk_idx", "key", "seq")
+a = lk.group_by("group_id", "result").agg(pl.len(), pl.col("key").bin.size().sum(), pl.col("seq").max(),
+    pl.col("chunk_idx").max(), pl.col("episode").n_unique(), pl.col("scan").max()).collect()
+b = st.group_by("group_id", "event").agg(pl.len(), pl.col("key").bin.size().sum(), pl.col("seq").max(),
+    pl.col("chunk_idx").max()).collect()
+print(a.height + b.height)
+"""
+
+
+def timed(cmd: list[str]) -> tuple[float, int, str, int]:
+    wrapped = ["/usr/bin/time", "-f", "__RSS_KB__ %M", *cmd]
+    t = time.perf_counter()
+    p = subprocess.run(wrapped, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    rss_kb = 0
+    for line in p.stderr.splitlines():
+        if line.startswith("__RSS_KB__"):
+            rss_kb = int(line.split()[1])
+    if p.returncode not in (0, 1):
+        sys.stderr.write(p.stderr[-2000:])
+    return wall, rss_kb * 1024, p.stdout, p.returncode
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[10_000_000, 50_000_000])
+    ap.add_argument("--work", default="/tmp/kt-bench")
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    results = []
+    for n in args.rows:
+        d = os.path.join(args.work, f"trace-{n}")
+        if not os.path.exists(d + ".planted.json"):
+            print(f"generating {n:,} rows into {d} ...", file=sys.stderr)
+            t = time.perf_counter()
+            subprocess.run([sys.executable, os.path.join(HERE, "gen_trace.py"), d, "--rows", str(n)], check=True)
+            print(f"  generated in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+        planted = {tuple(x) for x in json.load(open(d + ".planted.json"))}
+        w_scan, rss_scan, _, _ = timed([sys.executable, "-c", SCAN, d])
+        w_diff, rss_diff, out, code = timed([sys.executable, "-m", "keytrace.commands", "diff", d, "--all", "--json"])
+        report = json.loads(out)
+        found = {(e["engine_id"], e["req_id"]) for e in report["episodes"] if e["verdict"] == "mismatch"}
+        import polars as pl
+
+        key_rows = sum(
+            pl.scan_parquet(os.path.join(d, f"kind={k}", "*.parquet")).select(pl.len()).collect().item()
+            for k in ("lookup", "store")
+        )
+        results.append((n, key_rows, w_scan, w_diff, rss_scan, rss_diff, code, found == planted, report["counts"]))
+    print(f"{'rows':>12} {'key rows':>12} {'scan s':>8} {'diff s':>8} {'ratio':>6} {'diff rows/s':>12} "
+          f"{'scan RSS':>9} {'diff RSS':>9}  exit  planted-found-exactly  counts")
+    for n, kr, ws, wd, rs, rd, code, ok, counts in results:
+        print(f"{n:>12,} {kr:>12,} {ws:>8.1f} {wd:>8.1f} {wd / ws:>6.2f} {kr / wd:>12,.0f} "
+              f"{rs / 2**30:>8.2f}G {rd / 2**30:>8.2f}G  {code:>4}  {ok!s:>21}  {counts}")
+    print("goals: ratio <= 3, diff peak RSS <= 4 GiB at 50M rows")
+    return 0 if all(r[7] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Write a large synthetic trace in the real schema v1 through keytrace's own recorder.
+
+    python tools/gen_trace.py OUT_DIR --rows 10_000_000 [--engines 4] [--planted 5] [--seed 0]
+
+The geometry is the real `dsv4` header (five groups, their chunk sizes and windows). Each
+request stores what vLLM 0.33.0 stores for its own end boundary (every full-attention chunk,
+each sliding-window group's needed tail, computed with the differ's own `needed_chunks`),
+then is resent with one of these outcomes:
+
+- hit (most): prefix scan over the full-attention group, right-to-left window scans that
+  find their tails at once;
+- evicted: the C4 tail is evicted by another request first; the C4 window scan then runs
+  right to left to chunk 0 (the long scans that dominate real traces);
+- pending: a sliding-window tail is still being written: lookup sees HIT_PENDING and vLLM
+  defers; the store completes afterwards;
+- retry: a full-attention key answers RETRY (a busy tier): deferred;
+- cold: a new chain, nothing stored;
+- planted mismatch (exactly --planted of them): the MTP group's leftmost needed chunk is
+  never offered, so its window scan fails all the way left and the episode returns 0.
+
+Planted episodes are listed in OUT_DIR.planted.json as [engine_id, req_id] pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from keytrace.diff import _groups, needed_chunks
+from keytrace.geometry import DSV4, synthetic_header
+from keytrace.recorder import Recorder
+
+TPH = DSV4.tokens_per_hash  # 4 tokens per hash block
+ORDER = None  # filled from the header's lookup order
+
+
+def key(chain: int, end_token: int, gid: int) -> bytes:
+    """Content-addressed like vLLM: the hash of the chunk's last hash block + group id."""
+    j = end_token // TPH - 1
+    return ((chain << 40) | j).to_bytes(32, "big") + gid.to_bytes(4, "big")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--rows", type=int, default=10_000_000, help="approximate key rows to write")
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--planted", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=100_000)
+    args = ap.parse_args()
+
+    rng = random.Random(args.seed)
+    header = synthetic_header(DSV4)
+    groups = _groups(header)
+    by_gid = {g.gid: g for g in groups}
+    order = header["lookup_order"]
+    fa = by_gid[0]
+    tpcs = {g.gid: g.tpc for g in groups}
+    recs = [
+        Recorder(args.out, header, engine_id=f"engine-{e}", dp_rank=e, tokens_per_chunk=tpcs, max_seconds=3600)
+        for e in range(args.engines)
+    ]
+    for r in recs:
+        r.exact_scans = True
+
+    # Spread the planted mismatches over the run: by expected row count.
+    avg_rows = 2_500
+    n_req_est = max(args.rows // avg_rows, args.planted * 4)
+    planted_at = set(rng.sample(range(10, n_req_est), args.planted))
+    planted: list[list[str]] = []
+    rows = 0
+    req_no = 0
+    t0 = time.time()
+    chain = 0
+    while rows < args.rows or len(planted) < args.planted:
+        rec = recs[req_no % len(recs)]
+        P = rng.randrange(8_000, args.max_tokens)
+        chain += 1
+        rid = f"req-{req_no}"
+        rid2 = f"req-{req_no}-resend"
+        E = (P - 1) // fa.tpc * fa.tpc
+        outcome = "planted" if req_no in planted_at else rng.choices(
+            ["hit", "evicted", "pending", "retry", "cold"], weights=[70, 10, 8, 5, 7]
+        )[0]
+        req_no += 1
+        if outcome == "cold":
+            rec.episode_begin(rid, 0, None, P, P, P // TPH)
+            rec.begin_scan()
+            rec.lookup(key(chain, fa.tpc, 0), rid, fa.tpc, "MISS", False)
+            rec.episode_end(rid, 0, False)
+            rows += 1
+            continue
+        # --- prime: a cold lookup, then the store path of vLLM 0.33.0 for boundary E
+        rec.episode_begin(rid, 0, None, P, P, P // TPH)
+        rec.begin_scan()
+        rec.lookup(key(chain, fa.tpc, 0), rid, fa.tpc, "MISS", False)
+        rec.episode_end(rid, 0, False)
+        need = {g.gid: needed_chunks(g, 0, E, P // g.tpc) for g in groups}
+        stored = {g.gid: list(range(P // g.tpc)) if g.window is None else list(need[g.gid]) for g in groups}
+        if outcome == "planted":
+            stored[2] = stored[2][1:]  # the MTP group's leftmost needed chunk: never offered
+        late: list[tuple[int, list[int]]] = []
+        if outcome == "pending":
+            late.append((1, stored[1]))
+        job = req_no * 10
+        for gid, chunks in stored.items():
+            if not chunks:
+                continue
+            tpc = tpcs[gid]
+            ks = [key(chain, (c + 1) * tpc, gid) for c in chunks]
+            pos = {k: (c + 1) * tpc for k, c in zip(ks, chunks, strict=True)}
+            rec.store_prepared(rid, ks, pos, ks, [], job)
+            if not any(g == gid for g, _ in late):
+                rec.store_completed(rid, ks, pos, job, True)
+            rows += 2 * len(ks)
+            job += 1
+        if outcome == "evicted":
+            ks = [key(chain, (c + 1) * 4, 3) for c in stored[3]]
+            rec.store_prepared(f"other-{req_no}", [], {}, [], ks, None)
+            rows += len(ks)
+        # --- the resend
+        rec.episode_begin(rid2, 0, None, P, P, P // TPH)
+        rec.begin_scan()
+        external: int | None = E
+        for c in range(E // fa.tpc):
+            res = "RETRY" if outcome == "retry" and c == 3 else "HIT"
+            rec.lookup(key(chain, (c + 1) * fa.tpc, 0), rid2, (c + 1) * fa.tpc, res, False)
+            rows += 1
+        if outcome == "retry":
+            external = None
+        for gid in order[1:]:
+            g = by_gid[gid]
+            rec.begin_scan()
+            present = set(stored[gid])
+            if outcome == "evicted" and gid == 3:
+                present = set()
+            hits_needed = len(need[gid])
+            run = 0
+            for c in range(need[gid][-1], -1, -1):
+                if outcome == "pending" and gid == 1 and c in present:
+                    res = "HIT_PENDING"
+                else:
+                    res = "HIT" if c in present else "MISS"
+                rec.lookup(key(chain, (c + 1) * g.tpc, gid), rid2, (c + 1) * g.tpc, res, False)
+                rows += 1
+                run = run + 1 if res != "MISS" else 0
+                if run == hits_needed:
+                    break
+            if run < hits_needed:
+                external = 0
+                break
+            if outcome == "pending" and gid == 1:
+                external = None
+        rec.episode_end(rid2, external, bool(external))
+        if external:
+            rec.accepted(rid2, external)
+        for gid, chunks in late:
+            ks = [key(chain, (c + 1) * tpcs[gid], gid) for c in chunks]
+            rec.store_completed(rid, ks, {}, None, True)
+            rows += len(ks)
+        if outcome == "planted":
+            planted.append([rec.writer.engine_id or "", rid2])
+        if req_no % 2000 == 0:
+            print(f"\r{rows:,} rows, {req_no:,} requests, {time.time() - t0:.0f}s", end="", file=sys.stderr)
+    for r in recs:
+        r.close()
+    with open(args.out.rstrip("/") + ".planted.json", "w") as fh:
+        json.dump(planted, fh)
+    print(f"\nwrote ~{rows:,} key rows, {req_no:,} requests, {len(planted)} planted mismatches "
+          f"in {time.time() - t0:.0f}s -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
