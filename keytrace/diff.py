@@ -590,12 +590,9 @@ def _explain(
         },
         schema={"instance": pl.Int64, "episode": pl.Int64, "s": pl.Int64},
     )
-    # An int64 is_in prefilter first (cheap), then the exact (instance, episode) match.
-    lk_sf = (
-        lk.filter(pl.col("episode").is_in(sel["episode"].unique().implode()))
-        .join(sel.lazy().drop("s"), on=["instance", "episode"], how="semi")
-        .with_columns(pl.col("result").cast(pl.String))
-    )
+    # An int64 is_in filter only: episode ids may repeat across instances, so every query
+    # below ends in an exact join on (instance, episode) with small per-episode tables.
+    lk_sf = lk.filter(pl.col("episode").is_in(sel["episode"].unique().implode()))
     facts = _scan_facts(lk_sf, shortfalls, groups, tph)
     tick("shortfalls", len(shortfalls) // 3, len(shortfalls))
 
@@ -720,15 +717,30 @@ def _scan_facts(
         .sort("seq")
         .unique(["instance", "episode", "group_id", "chunk_idx"], keep="last")
     )
-    per_ep_q = lk_sf.group_by("instance", "episode").agg(
-        pl.col("group_id").get(pl.col("seq").arg_max()).alias("last_gid"),
-        pl.col("scan").filter(pl.col("result") != "HIT").max().alias("last_scan"),
+    keys_df = pl.DataFrame(
+        [k for k in out], schema={"instance": pl.Int64, "episode": pl.Int64}, orient="row"
+    )
+    per_ep_q = (
+        lk_sf.filter(pl.col("result") != "HIT")
+        .group_by("instance", "episode")
+        .agg(pl.col("scan").max().alias("last_scan"))
+        .join(keys_df.lazy(), on=["instance", "episode"])
     )
     seen, per_ep = pl.collect_all([seen_q, per_ep_q])
     for inst, ep, gid, ch, k, res, _q in seen.iter_rows():
-        out[(inst, ep)].seen[(gid, ch)] = (k, res)
-    for inst, ep, gid, _ls in per_ep.iter_rows():
-        out[(inst, ep)].binding_gid = int(gid)
+        out[(inst, ep)].seen[(gid, ch)] = (k, str(res))
+    # Episodes whose lookups were all HIT (rare): the binding group is their last lookup's.
+    all_hit = keys_df.join(per_ep, on=["instance", "episode"], how="anti")
+    if all_hit.height:
+        last = (
+            lk_sf.join(all_hit.lazy(), on=["instance", "episode"])
+            .sort("seq")
+            .group_by("instance", "episode")
+            .agg(pl.col("group_id").last())
+            .collect()
+        )
+        for inst, ep, gid in last.iter_rows():
+            out[(inst, ep)].binding_gid = int(gid)
     last_scan = per_ep.filter(pl.col("last_scan").is_not_null()).select(
         "instance", "episode", "last_scan"
     )
@@ -748,7 +760,11 @@ def _scan_facts(
             )
             .collect()
         )
-        term = lk_sf.join(term_seq.lazy(), on=["instance", "episode", "seq"]).collect()
+        term = (
+            lk_sf.filter(pl.col("seq").is_in(term_seq["seq"].implode()))
+            .join(term_seq.lazy(), on=["instance", "episode", "seq"])
+            .collect()
+        )
         for t in term.iter_rows(named=True):
             f = out[(t["instance"], t["episode"])]
             f.binding_gid = int(t["group_id"])
@@ -876,11 +892,16 @@ def _explain_one(
             cause=cause_of(t["key"], binding_gid, t["end_token"] or 0),
         )
 
+    # A HIT recorded in this very episode is the manager's own word that the key was
+    # resident and ready: no history look-up needed. Full-attention chunks that were
+    # resident are not listed (they are the long prefix E rests on); everything else is.
     needed: list[NeededChunk] = []
     for g in groups:
         for ch in need_by_group[g.gid]:
             key, res = seen.get((g.gid, ch), (None, None))
-            cause = cause_of(key, g.gid, (ch + 1) * g.tpc)
+            cause = "resident" if res == "HIT" else cause_of(key, g.gid, (ch + 1) * g.tpc)
+            if g.window is None and cause == "resident":
+                continue
             needed.append(
                 NeededChunk(g.gid, ch, ch * g.tpc, (ch + 1) * g.tpc, _hex(key), res, cause)
             )

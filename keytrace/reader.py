@@ -248,11 +248,27 @@ def _mixed_message(a: Part, b: Part) -> str:
 
 
 def _check_values(trace: Trace) -> None:
-    """Reject enum columns holding values this version does not know (cheap: dictionary)."""
-    for part in trace.parts_of("lookup"):
+    """Reject enum columns holding values this version does not know.
+
+    One lazy pass over the dictionary-encoded ``result`` column of every lookup part; on
+    failure the parts are checked one by one so the message names the offending file.
+    """
+    parts = trace.parts_of("lookup")
+    if not parts:
+        return
+    values = set(
+        trace.frame("lookup")
+        .select(pl.col("result").cast(pl.String).unique())
+        .collect()["result"]
+        .to_list()
+    )
+    if not (values - set(LOOKUP_RESULTS) - {None}):
+        return
+    for part in parts:
         col = pq.read_table(part.path, columns=["result"]).column("result")
-        values = set(pa.compute.unique(col.cast(pa.string())).to_pylist())
-        unknown = values - set(LOOKUP_RESULTS) - {None}
+        unknown = (
+            set(pa.compute.unique(col.cast(pa.string())).to_pylist()) - set(LOOKUP_RESULTS) - {None}
+        )
         if unknown:
             raise TraceError(
                 f"{part.path}: unknown lookup result value(s) {', '.join(sorted(unknown))} "

@@ -61,25 +61,51 @@ def main() -> int:
         if not os.path.exists(d + ".planted.json"):
             print(f"generating {n:,} rows into {d} ...", file=sys.stderr)
             t = time.perf_counter()
-            subprocess.run([sys.executable, os.path.join(HERE, "gen_trace.py"), d, "--rows", str(n)], check=True)
+            subprocess.run(
+                [sys.executable, os.path.join(HERE, "gen_trace.py"), d, "--rows", str(n)],
+                check=True,
+            )
             print(f"  generated in {time.perf_counter() - t:.0f}s", file=sys.stderr)
         planted = {tuple(x) for x in json.load(open(d + ".planted.json"))}
         w_scan, rss_scan, _, _ = timed([sys.executable, "-c", SCAN, d])
-        w_diff, rss_diff, out, code = timed([sys.executable, "-m", "keytrace.commands", "diff", d, "--all", "--json"])
+        w_diff, rss_diff, out, code = timed(
+            [sys.executable, "-m", "keytrace.commands", "diff", d, "--all", "--json"]
+        )
         report = json.loads(out)
-        found = {(e["engine_id"], e["req_id"]) for e in report["episodes"] if e["verdict"] == "mismatch"}
+        found = {
+            (e["engine_id"], e["req_id"]) for e in report["episodes"] if e["verdict"] == "mismatch"
+        }
         import polars as pl
 
         key_rows = sum(
-            pl.scan_parquet(os.path.join(d, f"kind={k}", "*.parquet")).select(pl.len()).collect().item()
+            pl.scan_parquet(os.path.join(d, f"kind={k}", "*.parquet"))
+            .select(pl.len())
+            .collect()
+            .item()
             for k in ("lookup", "store")
         )
-        results.append((n, key_rows, w_scan, w_diff, rss_scan, rss_diff, code, found == planted, report["counts"]))
-    print(f"{'rows':>12} {'key rows':>12} {'scan s':>8} {'diff s':>8} {'ratio':>6} {'diff rows/s':>12} "
-          f"{'scan RSS':>9} {'diff RSS':>9}  exit  planted-found-exactly  counts")
+        results.append(
+            (
+                n,
+                key_rows,
+                w_scan,
+                w_diff,
+                rss_scan,
+                rss_diff,
+                code,
+                found == planted,
+                report["counts"],
+            )
+        )
+    print(
+        f"{'rows':>12} {'key rows':>12} {'scan s':>8} {'diff s':>8} {'ratio':>6} {'diff rows/s':>12} "
+        f"{'scan RSS':>9} {'diff RSS':>9}  exit  planted-found-exactly  counts"
+    )
     for n, kr, ws, wd, rs, rd, code, ok, counts in results:
-        print(f"{n:>12,} {kr:>12,} {ws:>8.1f} {wd:>8.1f} {wd / ws:>6.2f} {kr / wd:>12,.0f} "
-              f"{rs / 2**30:>8.2f}G {rd / 2**30:>8.2f}G  {code:>4}  {ok!s:>21}  {counts}")
+        print(
+            f"{n:>12,} {kr:>12,} {ws:>8.1f} {wd:>8.1f} {wd / ws:>6.2f} {kr / wd:>12,.0f} "
+            f"{rs / 2**30:>8.2f}G {rd / 2**30:>8.2f}G  {code:>4}  {ok!s:>21}  {counts}"
+        )
     print("goals: ratio <= 3, diff peak RSS <= 4 GiB at 50M rows")
     return 0 if all(r[7] for r in results) else 1
 

@@ -61,7 +61,14 @@ def main() -> int:
     fa = by_gid[0]
     tpcs = {g.gid: g.tpc for g in groups}
     recs = [
-        Recorder(args.out, header, engine_id=f"engine-{e}", dp_rank=e, tokens_per_chunk=tpcs, max_seconds=3600)
+        Recorder(
+            args.out,
+            header,
+            engine_id=f"engine-{e}",
+            dp_rank=e,
+            tokens_per_chunk=tpcs,
+            max_seconds=3600,
+        )
         for e in range(args.engines)
     ]
     for r in recs:
@@ -83,9 +90,13 @@ def main() -> int:
         rid = f"req-{req_no}"
         rid2 = f"req-{req_no}-resend"
         E = (P - 1) // fa.tpc * fa.tpc
-        outcome = "planted" if req_no in planted_at else rng.choices(
-            ["hit", "evicted", "pending", "retry", "cold"], weights=[70, 10, 8, 5, 7]
-        )[0]
+        outcome = (
+            "planted"
+            if req_no in planted_at
+            else rng.choices(
+                ["hit", "evicted", "pending", "retry", "cold"], weights=[70, 10, 8, 5, 7]
+            )[0]
+        )
         req_no += 1
         if outcome == "cold":
             rec.episode_begin(rid, 0, None, P, P, P // TPH)
@@ -100,7 +111,10 @@ def main() -> int:
         rec.lookup(key(chain, fa.tpc, 0), rid, fa.tpc, "MISS", False)
         rec.episode_end(rid, 0, False)
         need = {g.gid: needed_chunks(g, 0, E, P // g.tpc) for g in groups}
-        stored = {g.gid: list(range(P // g.tpc)) if g.window is None else list(need[g.gid]) for g in groups}
+        stored = {
+            g.gid: list(range(P // g.tpc)) if g.window is None else list(need[g.gid])
+            for g in groups
+        }
         if outcome == "planted":
             stored[2] = stored[2][1:]  # the MTP group's leftmost needed chunk: never offered
         late: list[tuple[int, list[int]]] = []
@@ -165,13 +179,20 @@ def main() -> int:
         if outcome == "planted":
             planted.append([rec.writer.engine_id or "", rid2])
         if req_no % 2000 == 0:
-            print(f"\r{rows:,} rows, {req_no:,} requests, {time.time() - t0:.0f}s", end="", file=sys.stderr)
+            print(
+                f"\r{rows:,} rows, {req_no:,} requests, {time.time() - t0:.0f}s",
+                end="",
+                file=sys.stderr,
+            )
     for r in recs:
         r.close()
     with open(args.out.rstrip("/") + ".planted.json", "w") as fh:
         json.dump(planted, fh)
-    print(f"\nwrote ~{rows:,} key rows, {req_no:,} requests, {len(planted)} planted mismatches "
-          f"in {time.time() - t0:.0f}s -> {args.out}", file=sys.stderr)
+    print(
+        f"\nwrote ~{rows:,} key rows, {req_no:,} requests, {len(planted)} planted mismatches "
+        f"in {time.time() - t0:.0f}s -> {args.out}",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -35,9 +35,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from keytrace.commands import compact, demo, diff, header, summary
+    from keytrace.commands import compact, demo, diff, fixture, header, replay, summary
 
-    for mod in (demo, diff, summary, header, compact):
+    for mod in (demo, diff, summary, header, replay, fixture, compact):
         cli.add_command(mod.command)
 
 

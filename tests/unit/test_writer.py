@@ -88,7 +88,24 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
         w.append(
             "step",
             1,
-            (i, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False),
+            (
+                i,
+                0,
+                w.instance,
+                w.instance_id,
+                None,
+                None,
+                w.pid,
+                0,
+                "r",
+                0,
+                1,
+                1,
+                1,
+                False,
+                False,
+                False,
+            ),
         )
         time.sleep(0.001)
     deadline = time.time() + 10
@@ -100,7 +117,26 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
 
     w2 = TraceWriter(tmp_path / "time", HEADER, max_rows=10**9, max_seconds=0.2)
     w2.append(
-        "step", 1, (0, 0, w2.instance, w2.instance_id, None, None, w2.pid, 0, "r", 0, 1, 1, 1, False, False, False)
+        "step",
+        1,
+        (
+            0,
+            0,
+            w2.instance,
+            w2.instance_id,
+            None,
+            None,
+            w2.pid,
+            0,
+            "r",
+            0,
+            1,
+            1,
+            1,
+            False,
+            False,
+            False,
+        ),
     )
     deadline = time.time() + 10
     while w2.stats.parts_written < 1 and time.time() < deadline:
@@ -113,7 +149,26 @@ def test_modes_and_layout(tmp_path: Path) -> None:
     d = tmp_path / "trace"
     w = TraceWriter(d, HEADER)
     w.append(
-        "step", 1, (0, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False)
+        "step",
+        1,
+        (
+            0,
+            0,
+            w.instance,
+            w.instance_id,
+            None,
+            None,
+            w.pid,
+            0,
+            "r",
+            0,
+            1,
+            1,
+            1,
+            False,
+            False,
+            False,
+        ),
     )
     w.close()
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700

@@ -1,0 +1,139 @@
+"""Replay and generated regressions on the real vLLM scheduler.
+
+Proof both ways: fixtures generated from traces recorded with an injected historical bug
+are red when the bug is injected (KEYTRACE_INJECT) and green on stock vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.commands import main  # noqa: E402
+from keytrace.fixture import file_name, render_fixture  # noqa: E402
+from keytrace.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
+from keytrace.plan import plan_from_trace  # noqa: E402
+from keytrace.reader import open_trace  # noqa: E402
+from keytrace.regress import replay  # noqa: E402
+from keytrace.sweep import run_one  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+INJECTED = [
+    (DSV4, 18_877, "pre48911"),
+    (DSV4, 18_877, "no_eagle_plus1"),
+    (SMALL, 1_024, "pre48911"),
+    (SMALL, 1_024, "no_eagle_plus1"),
+]
+
+
+def _pytest(folder: Path, inject: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KEYTRACE_INJECT"}
+    if inject:
+        env["KEYTRACE_INJECT"] = inject
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(folder),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder,
+        timeout=600,
+    )
+
+
+def test_generated_fixtures_red_with_bug_green_without(tmp_path: Path) -> None:
+    folders: dict[str, Path] = {}
+    for geo, n, inject in INJECTED:
+        trace = tmp_path / f"trace-{geo.name}-{inject}"
+        row = run_one(geo, n, inject=inject, keep_dir=str(trace))
+        assert row.verdict == "mismatch"
+        plan = plan_from_trace(open_trace(str(trace)))
+        text = render_fixture(plan)
+        folder = folders.setdefault(inject, tmp_path / f"fixtures-{inject}")
+        folder.mkdir(exist_ok=True)
+        (folder / file_name(plan, text)).write_text(text)
+    for inject, folder in folders.items():
+        red = _pytest(folder, inject)
+        assert red.returncode == 1 and "2 failed" in red.stdout, red.stdout[-3000:]
+        # the failure explains itself: binding group, terminal chunk and cause
+        assert "binding group 2 (SWA, MTP), terminal chunk" in red.stdout
+        assert "never offered by the store path" in red.stdout
+        green = _pytest(folder, None)
+        assert green.returncode == 0 and "2 passed" in green.stdout, green.stdout[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("geo", "n", "inject"),
+    [
+        (DSV4, 17_975, None),
+        (DSV4, 18_877, None),
+        (SMALL, 1_030, None),
+        (SMALL.with_(blocks_per_chunk=2, max_num_batched_tokens=96), 1_000, None),
+        (DSV4.with_(max_num_batched_tokens=2048), 18_877, "pre48911"),
+    ],
+    ids=[
+        "dsv4-17975",
+        "dsv4-18877",
+        "small-1030",
+        "small-bpc2-chunked-1000",
+        "dsv4-chunked-pre48911",
+    ],
+)
+def test_replay_reproduces_recorded_run(
+    geo: Geometry, n: int, inject: str | None, tmp_path: Path
+) -> None:
+    row = run_one(geo, n, inject=inject, keep_dir=str(tmp_path / "t"))
+    plan = plan_from_trace(open_trace(str(tmp_path / "t")))
+    assert plan.prime_lengths == [n] and plan.episode_length == n
+    result = replay(
+        plan.geometry,
+        plan.prime_lengths,
+        plan.episode_length,
+        inject=inject,
+        trace_dir=tmp_path / "r",
+    )
+    assert result.external_tokens == plan.recorded_external == row.external
+    assert result.steps == plan.recorded_steps
+    assert (result.verdict, result.terminal_chunk) == (row.verdict, row.terminal_chunk)
+
+
+def test_replay_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_one(DSV4, 17_975, keep_dir=str(tmp_path / "t"))
+    assert main(["replay", str(tmp_path / "t")]) == 1
+    out = capsys.readouterr().out
+    assert "step schedule: identical to the recorded one" in out
+    assert "binding group 2 (SWA, MTP), terminal chunk 277" in out
+    run_one(DSV4, 18_877, keep_dir=str(tmp_path / "h"))
+    assert main(["replay", str(tmp_path / "h")]) == 0
+
+
+def test_replay_refuses_other_vllm_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.factories import new_builder
+
+    b = new_builder(tmp_path / "t", header={**synthetic_header(SMALL), "vllm_version": "0.34.0"})
+    b.geometry = SMALL
+    b.prime("r1", "c", 1000)
+    b.episode("r2", 1000, external=0, chain="c", scans=[(0, [(0, "MISS")])])
+    b.close()
+    assert main(["replay", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "recorded on vLLM 0.34.0" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,101 @@
+"""The fixture generator: golden text, determinism, CLI == library, and valid Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from keytrace.commands import main
+from keytrace.fixture import file_name, render_fixture
+from keytrace.geometry import SMALL
+from keytrace.plan import ReplayPlan, plan_from_trace
+from keytrace.reader import open_trace
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+PLAN = ReplayPlan(
+    geometry=SMALL.to_dict(),
+    prime_lengths=[1030],
+    episode_length=1030,
+    local_tokens=0,
+    expected_E=1024,
+    recorded_external=0,
+    recorded_verdict="mismatch",
+    binding_group=2,
+    terminal_chunk=61,
+    cause="never_offered",
+    request="r2",
+    recorded_steps=[[512, 512, 6], [512, 512, 6]],
+    keytrace_version="0.1.0",
+    schema_version=1,
+    vllm_version="0.33.0",
+)
+
+
+def _golden(name: str, actual: str, update: bool) -> str:
+    path = GOLDEN / name
+    if update:
+        path.write_text(actual)
+    return path.read_text()
+
+
+def test_golden(update_golden: bool) -> None:
+    actual = render_fixture(PLAN, xfail_reason="known upstream bug")
+    expected = _golden("fixture_small_1030.py.txt", actual, update_golden)
+    assert actual == expected
+    compile(expected, "fixture_small_1030.py", "exec")
+
+
+def test_deterministic_and_content_named() -> None:
+    a, b = render_fixture(PLAN), render_fixture(PLAN)
+    assert a == b and file_name(PLAN, a) == file_name(PLAN, b)
+    assert file_name(PLAN, a).startswith("test_keytrace_small_1030_")
+    other = render_fixture(ReplayPlan(**{**PLAN.to_dict(), "episode_length": 1031}))
+    assert file_name(PLAN, a) != file_name(PLAN, other)
+
+
+def test_cold_episode_has_nothing_to_assert() -> None:
+    with pytest.raises(ValueError, match="cold"):
+        render_fixture(ReplayPlan(**{**PLAN.to_dict(), "expected_E": None}))
+
+
+def test_cli_equals_library(tmp_path: Path) -> None:
+    # the committed v1 trace: rendering needs no vLLM
+    out = tmp_path / "t.py"
+    assert main(["fixture", str(DATA / "v1"), "-o", str(out)]) == 0
+    plan = plan_from_trace(open_trace(str(DATA / "v1")))
+    assert out.read_text() == render_fixture(plan)
+    assert (
+        plan.prime_lengths,
+        plan.episode_length,
+        plan.expected_E,
+        plan.binding_group,
+        plan.terminal_chunk,
+    ) == (
+        [1030],
+        1030,
+        1024,
+        2,
+        61,
+    )
+    # refuses to overwrite without --force
+    assert main(["fixture", str(DATA / "v1"), "-o", str(out)]) == 2
+    assert main(["fixture", str(DATA / "v1"), "-o", str(out), "--force"]) == 0
+
+
+def test_replay_needs_a_complete_header(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from keytrace.geometry import synthetic_header
+    from tests.factories import TINY, new_builder
+
+    header = {k: v for k, v in synthetic_header(TINY).items() if k != "max_num_batched_tokens"}
+    b = new_builder(tmp_path / "t", header=header)
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5], 2: [4, 5]})
+    b.close()
+    assert main(["replay", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "keytrace: error: cannot replay: trace header lacks 'max_num_batched_tokens', which replay needs"
+    )
