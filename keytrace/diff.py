@@ -745,9 +745,9 @@ def _scan_facts(
         "instance", "episode", "last_scan"
     )
     if last_scan.height:
-        # The terminal row's seq: the first MISS/RETRY of the last non-HIT scan, else its
-        # first non-HIT; aggregations instead of a sort over the scans' rows.
         bad = pl.col("result").is_in(["MISS", "RETRY"])
+        # The terminal row's seq: the first MISS/RETRY of the last non-HIT scan, else its
+        # first non-HIT; then fetch just those rows by seq (an int is_in, no wide join).
         term_seq = (
             lk_sf.join(last_scan.lazy(), on=["instance", "episode"])
             .filter(pl.col("scan") == pl.col("last_scan"))
@@ -806,19 +806,19 @@ def _fill_stored_chunks(
             .select("instance", "group_id", "chunk_idx", "req_id", "seq")
             .collect()
         )
-    by_ig: dict[tuple[str, int], list[tuple[int, str, int]]] = {}
+    by_req: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
     for inst, gid, ch, rid, q in got.iter_rows() if got.height else ():
-        by_ig.setdefault((inst, gid), []).append((ch, rid, q))
+        by_req.setdefault((inst, gid, rid), []).append((ch, q))
     for v, chain, span in done:
         stored: list[tuple[int, int]] = []
         if span is not None and v.binding_group is not None:
-            members = set(chain)
             stored = _ranges(
                 sorted(
                     {
                         ch
-                        for ch, rid, q in by_ig.get((v.instance_id, v.binding_group), ())
-                        if q < v.episode and rid in members and span[0] <= ch <= span[1]
+                        for rid in chain
+                        for ch, q in by_req.get((v.instance_id, v.binding_group, rid), ())
+                        if q < v.episode and span[0] <= ch <= span[1]
                     }
                 )
             )

@@ -66,7 +66,8 @@ def main() -> int:
                 check=True,
             )
             print(f"  generated in {time.perf_counter() - t:.0f}s", file=sys.stderr)
-        planted = {tuple(x) for x in json.load(open(d + ".planted.json"))}
+        with open(d + ".planted.json") as fh:
+            planted = {tuple(x) for x in json.load(fh)}
         w_scan, rss_scan, _, _ = timed([sys.executable, "-c", SCAN, d])
         w_diff, rss_diff, out, code = timed(
             [sys.executable, "-m", "keytrace.commands", "diff", d, "--all", "--json"]
