@@ -35,9 +35,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from keytrace.commands import compact, demo, diff, fixture, header, replay, summary
+    from keytrace.commands import compact, demo, diff, fixture, header, replay, summary, sweep
 
-    for mod in (demo, diff, summary, header, replay, fixture, compact):
+    for mod in (demo, diff, summary, header, replay, fixture, sweep, compact):
         cli.add_command(mod.command)
 
 

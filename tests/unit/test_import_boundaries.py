@@ -96,7 +96,7 @@ def test_demo_without_vllm_is_a_clear_error() -> None:
         "vllm,torch",
         """
         from keytrace.commands import main
-        code = main(["demo", "--out", sys.argv[2]])
+        code = main(["demo", "--out", sys.argv[2] + "-" + str(__import__("os").getpid())])
         sys.exit(code)
         """,
         "/tmp/keytrace-no-vllm-demo",

@@ -1,0 +1,50 @@
+"""`keytrace demo` runs the whole loop on the real scheduler and says what it found."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.commands import main  # noqa: E402
+
+
+def test_demo_whole_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    blocks = text.split("\n== ")
+    assert blocks[1].startswith("injected pre48911: 18,877 tokens -> 0 external tokens")
+    assert "MISMATCH" in blocks[1] and "binding group 2 (SWA, MTP), terminal chunk 292" in blocks[1]
+    assert (
+        blocks[2].startswith("stock: 18,877 tokens -> 18,688 external tokens")
+        and "AGREE" in blocks[2]
+    )
+    assert (
+        blocks[3].startswith("stock: 17,975 tokens -> 0 external tokens")
+        and "terminal chunk 277" in blocks[3]
+    )
+    files = set(os.listdir(out))
+    assert {"sweep.csv", "sweep.png", "sweep.svg"} <= files
+    fixture = [f for f in files if f.startswith("test_keytrace_") and f.endswith(".py")]
+    assert len(fixture) == 1
+    compile((out / fixture[0]).read_text(), fixture[0], "exec")
+    # 63 lengths: every mismatch satisfies the stock rule (P mod 256 in [1, 63])
+    rows = (out / "sweep.csv").read_text().splitlines()[1:]
+    assert len(rows) == 63
+    for row in rows:
+        length, _e, _x, verdict = row.split(",")[:4]
+        assert (verdict == "mismatch") == (1 <= int(length) % 256 <= 63), row
+
+
+def test_demo_refuses_a_non_empty_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "x").write_text("keep me")
+    assert main(["demo", "--out", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
