@@ -117,6 +117,7 @@ class DiffReport:
     evidence_incomplete: bool
     warnings: list[str]
     header: dict[str, Any]
+    all_episodes: bool = False
 
 
 # ---------------------------------------------------------------- geometry
@@ -220,8 +221,9 @@ def diff(
 ) -> DiffReport:
     """Evaluate episodes; see the module docstring. Returns data, never prints.
 
-    ``all_episodes=False`` stops detailed work at the first mismatch (in sequence order) and
-    reports only shortfall episodes; ``True`` evaluates and returns every episode.
+    ``all_episodes=False`` returns only the shortfall episodes (explained and mismatch), with
+    ``first_mismatch`` the earliest mismatch in sequence order; ``True`` returns every
+    episode (hit, cold and deferred too). Counts always cover every selected episode.
     """
     header = trace.header
     groups = _groups(header)
@@ -399,6 +401,7 @@ def diff(
         evidence_incomplete=trace.incomplete,
         warnings=list(trace.warnings),
         header=header,
+        all_episodes=all_episodes,
     )
 
 

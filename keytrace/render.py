@@ -167,6 +167,10 @@ def render_diff(report: Any, file: IO[str]) -> None:
         )
     if report.evidence_incomplete:
         file.write("evidence incomplete: some parts were unreadable (see warnings)\n")
-    for v in report.episodes:
+    shown = report.episodes if report.all_episodes else [v for v in [report.first_mismatch] if v]
+    for v in shown:
         file.write("\n")
         render_episode(v, file, header=report.header)
+    hidden = len(report.episodes) - len(shown)
+    if hidden > 0 and not report.all_episodes:
+        file.write(f"\n({hidden} more shortfall episode(s) not shown; --all lists every episode)\n")
