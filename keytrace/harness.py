@@ -182,6 +182,10 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
     # __post_init__ the flag is read only by the connector factory's HMA check and by
     # planning, which the harness replaces (cpu-scheduler-harness.md).
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    # The CPU platform turns async scheduling off; CUDA's uniproc executor keeps an explicit
+    # request on. The flag only selects scheduling behaviour that the harness drives itself
+    # (AsyncScheduler, output of step t applied after step t + 1 is scheduled).
+    config.scheduler_config.async_scheduling = geometry.async_scheduling
     _check_unchanged(config, geometry)
     return config
 

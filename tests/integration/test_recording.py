@@ -34,6 +34,12 @@ CASES = [
     pytest.param(
         DSV4.with_(blocks_per_chunk=2, max_num_batched_tokens=4096), 17_975, id="dsv4-bpc2-chunked"
     ),
+    pytest.param(DSV4.with_(async_scheduling=True), 17_975, id="dsv4-async"),
+    pytest.param(
+        SMALL.with_(async_scheduling=True, max_num_batched_tokens=128),
+        1030,
+        id="small-async-chunked",
+    ),
 ]
 
 
