@@ -33,6 +33,42 @@ class SweepRow:
     seconds: float
 
 
+SWEEP_SCHEMA = {
+    "length": "Int64",
+    "budget": "Int64",
+    "blocks_per_chunk": "Int64",
+    "E": "Int64",
+    "external": "Int64",
+    "verdict": "String",
+    "binding_group": "Int64",
+    "terminal_chunk": "Int64",
+    "cause": "String",
+    "seconds": "Float64",
+}
+
+
+def write_rows(
+    rows: Sequence[SweepRow], *, csv_path: str | None = None, parquet_path: str | None = None
+) -> None:
+    """Write a sweep table as CSV and/or Parquet, with an explicit schema (a column may be
+    null in every leading row, which inference would get wrong)."""
+    import csv
+
+    import polars as pl
+
+    names = list(SWEEP_SCHEMA)
+    if csv_path:
+        with open(csv_path, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(names)
+            w.writerows([getattr(r, n) for n in names] for r in rows)
+    if parquet_path:
+        schema = {n: getattr(pl, t) for n, t in SWEEP_SCHEMA.items()}
+        pl.DataFrame(
+            [[getattr(r, n) for n in names] for r in rows], schema=schema, orient="row"
+        ).write_parquet(parquet_path)
+
+
 def parse_lengths(spec: str) -> list[int]:
     """``17000:19000:1`` (start:stop:step, stop inclusive), ``a,b,c``, or a mix of both."""
     out: list[int] = []

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import sys
 
 import click
@@ -11,7 +9,7 @@ import click
 from keytrace.commands._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.geometry import BUILTIN, builtin, geometry_from_header
-from keytrace.sweep import SweepRow, parse_lengths
+from keytrace.sweep import SweepRow, parse_lengths, write_rows
 
 
 def _table(rows: list[SweepRow]) -> None:
@@ -121,16 +119,7 @@ def command(
     rows = run_sweep(geo, todo, inject=inject, progress=progress_printer() if show else None)
     if not quiet:
         _table(rows)
-    fields = [f.name for f in dataclasses.fields(SweepRow)]
-    if csv_path:
-        with open(csv_path, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(fields)
-            w.writerows([getattr(r, f) for f in fields] for r in rows)
-    if parquet_path:
-        import polars as pl
-
-        pl.DataFrame([dataclasses.asdict(r) for r in rows]).write_parquet(parquet_path)
+    write_rows(rows, csv_path=csv_path, parquet_path=parquet_path)
     if plot_prefix:
         from keytrace.plot import plot_sweep
 

@@ -254,3 +254,21 @@ def test_needed_chunks_rule() -> None:
     # 18,877 tokens: E = 18,688 = chunk 292; the peek chunk 292 is keyed
     assert needed_chunks(mtp, 0, 18_688, 294) == [290, 291, 292]
     assert needed_chunks(swa, 0, 18_688, 294) == [290, 291]
+
+
+def test_not_looked_up_when_an_earlier_group_ended_the_lookup(tmp_path: Path) -> None:
+    # group 1 misses first, so vLLM never scans group 2: its needed chunks have unknown keys
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.prime("r1", "c", 100, swa_chunks={1: [5], 2: [4, 5]})
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.binding_group, v.terminal.chunk) == ("mismatch", 1, 4)
+    g2 = [(n.chunk, n.cause, n.key) for n in v.needed if n.group_id == 2]
+    # E = 96: the MTP group would need 3, 4, 5 (no peek chunk: 100 tokens key chunks 0..5)
+    assert g2 == [
+        (3, "not_looked_up", None),
+        (4, "not_looked_up", None),
+        (5, "not_looked_up", None),
+    ]

@@ -1,0 +1,36 @@
+"""Sweep tables: length specs, and CSV/Parquet output whose leading rows hold nulls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from keytrace.sweep import SweepRow, parse_lengths, write_rows
+
+
+def test_parse_lengths() -> None:
+    assert parse_lengths("10:14") == [10, 11, 12, 13, 14]
+    assert parse_lengths("10:20:5,7, 1_000") == [10, 15, 20, 7, 1000]
+    for bad in ("", "a", "5:1", "1:5:0"):
+        with pytest.raises(ValueError):
+            parse_lengths(bad)
+
+
+def test_write_rows_with_null_leading_columns(tmp_path: Path) -> None:
+    hits = [
+        SweepRow(n, 8192, 1, 1024, 1024, "hit", None, None, None, 0.1) for n in range(1030, 1130)
+    ]
+    miss = SweepRow(1153, 8192, 1, 1152, 0, "mismatch", 2, 69, "never_offered", 0.1)
+    rows = [*hits, miss]  # 100 rows without a binding group before the first with one
+    write_rows(rows, csv_path=str(tmp_path / "s.csv"), parquet_path=str(tmp_path / "s.parquet"))
+    df = pl.read_parquet(tmp_path / "s.parquet")
+    assert (
+        df.height == 101
+        and df["binding_group"].to_list()[-1] == 2
+        and df["cause"].null_count() == 100
+    )
+    assert (tmp_path / "s.csv").read_text().splitlines()[
+        -1
+    ] == "1153,8192,1,1152,0,mismatch,2,69,never_offered,0.1"
