@@ -137,57 +137,33 @@ def _wrap_alloc(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _step_rows(sched: Any, out: Any) -> list[tuple[Any, ...]]:
-    """Pre-step per-request values, read before vLLM mutates them in this call."""
-    rows = []
+    """Pre-step per-request values, read before vLLM mutates them in this call.
+
+    One row per scheduled request, per finished request and per preempted request that
+    was not scheduled: (req_id, computed, scheduled, prompt, num_tokens, finished,
+    preempted, resumed).
+    """
     statuses = sched._req_status
     preempted = set(out.preempted_req_ids or ())
-    cached = out.scheduled_cached_reqs
-    resumed = set(getattr(cached, "resumed_req_ids", None) or ())
-    for rid, n in out.num_scheduled_tokens.items():
+    resumed = set(getattr(out.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+
+    def row(rid: str, scheduled: int, finished: bool) -> tuple[Any, ...]:
         st = statuses.get(rid)
         req = st.req if st is not None else None
-        rows.append(
-            (
-                rid,
-                int(req.num_computed_tokens) if req is not None else -1,
-                int(n),
-                int(req.num_prompt_tokens) if req is not None else None,
-                int(req.num_tokens) if req is not None else None,
-                False,
-                rid in preempted,
-                rid in resumed,
-            )
+        return (
+            rid,
+            int(req.num_computed_tokens) if req is not None else -1,
+            scheduled,
+            int(req.num_prompt_tokens) if req is not None else None,
+            int(req.num_tokens) if req is not None else None,
+            finished,
+            rid in preempted,
+            rid in resumed and not finished,
         )
-    for rid in out.finished_req_ids or ():
-        st = statuses.get(rid)
-        req = st.req if st is not None else None
-        rows.append(
-            (
-                rid,
-                int(req.num_computed_tokens) if req is not None else -1,
-                0,
-                int(req.num_prompt_tokens) if req is not None else None,
-                int(req.num_tokens) if req is not None else None,
-                True,
-                rid in preempted,
-                False,
-            )
-        )
-    for rid in preempted - set(out.num_scheduled_tokens):
-        st = statuses.get(rid)
-        req = st.req if st is not None else None
-        rows.append(
-            (
-                rid,
-                int(req.num_computed_tokens) if req is not None else -1,
-                0,
-                int(req.num_prompt_tokens) if req is not None else None,
-                int(req.num_tokens) if req is not None else None,
-                False,
-                True,
-                False,
-            )
-        )
+
+    rows = [row(rid, int(n), False) for rid, n in out.num_scheduled_tokens.items()]
+    rows += [row(rid, 0, True) for rid in out.finished_req_ids or ()]
+    rows += [row(rid, 0, False) for rid in preempted - set(out.num_scheduled_tokens)]
     return rows
 
 
