@@ -56,6 +56,7 @@ class WriterStats:
     bytes_written: int = 0
     dropped_rows: int = 0
     errors: int = 0
+    rejected_calls: int = 0  # appends refused for bad input (a recorder bug, not the disk)
 
 
 class _Buffer:
@@ -141,6 +142,7 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         self._closed = False
         self._warned = False
+        self._warned_reject = False
         self._usable = self._prepare_directory()
         self._source = {
             "instance": self.instance,
@@ -178,8 +180,8 @@ class TraceWriter:
                 full = buf.rows >= self.max_rows
             if full:
                 self._wake.set()
-        except Exception as exc:  # pragma: no cover - defensive: bad caller input
-            self._fail(exc, n_rows)
+        except Exception as exc:  # defensive: a caller bug, never a disk problem
+            self._fail(exc, n_rows, what="rejected a row (recorder bug)")
 
     def common(self, seq: int, ts_ns: int, step: int) -> tuple[Any, ...]:
         """The common per-call column values, in schema order."""
@@ -313,9 +315,20 @@ class TraceWriter:
             chunk = np.where(aligned, endf // tpcs - 1, 0).astype(np.int64)
         return pa.array(chunk, mask=~aligned, type=pa.int64())
 
-    def _fail(self, exc: BaseException, rows: int) -> None:
+    def _fail(self, exc: BaseException, rows: int, *, what: str = "") -> None:
         self.stats.errors += 1
         self.stats.dropped_rows += rows
+        if what:
+            self.stats.rejected_calls += 1
+            if not self._warned_reject:
+                self._warned_reject = True
+                log.warning(
+                    "keytrace: writer %s: %s: %s; vLLM is not affected",
+                    what,
+                    type(exc).__name__,
+                    exc,
+                )
+            return
         if not self._warned:
             self._warned = True
             log.warning(

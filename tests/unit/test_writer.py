@@ -22,6 +22,11 @@ from tests.factories import TINY, new_builder
 HEADER = {"vllm_version": "0.33.0", "groups": [], "blocks_per_chunk": 1}
 
 
+def _step_row(w: TraceWriter, seq: int, req: str = "r") -> tuple[object, ...]:
+    """One step row's per-call values: the common columns, then the step columns."""
+    return (*w.common(seq, 0, 0), req, 0, 1, 1, 1, False, False, False)
+
+
 def _parts(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*.parquet"))
 
@@ -85,28 +90,7 @@ def test_partial_key_has_null_chunk(tmp_path: Path) -> None:
 def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
     w = TraceWriter(tmp_path / "rows", HEADER, max_rows=10, max_seconds=3600)
     for i in range(35):
-        w.append(
-            "step",
-            1,
-            (
-                i,
-                0,
-                w.instance,
-                w.instance_id,
-                None,
-                None,
-                w.pid,
-                0,
-                "r",
-                0,
-                1,
-                1,
-                1,
-                False,
-                False,
-                False,
-            ),
-        )
+        w.append("step", 1, (*w.common(i, 0, 0), "r", 0, 1, 1, 1, False, False, False))
         time.sleep(0.001)
     deadline = time.time() + 10
     while w.stats.parts_written < 3 and time.time() < deadline:
@@ -116,28 +100,7 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
     assert open_trace(str(tmp_path / "rows")).rows("step") == 35
 
     w2 = TraceWriter(tmp_path / "time", HEADER, max_rows=10**9, max_seconds=0.2)
-    w2.append(
-        "step",
-        1,
-        (
-            0,
-            0,
-            w2.instance,
-            w2.instance_id,
-            None,
-            None,
-            w2.pid,
-            0,
-            "r",
-            0,
-            1,
-            1,
-            1,
-            False,
-            False,
-            False,
-        ),
-    )
+    w2.append("step", 1, _step_row(w2, 0))
     deadline = time.time() + 10
     while w2.stats.parts_written < 1 and time.time() < deadline:
         time.sleep(0.05)
@@ -148,28 +111,7 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
 def test_modes_and_layout(tmp_path: Path) -> None:
     d = tmp_path / "trace"
     w = TraceWriter(d, HEADER)
-    w.append(
-        "step",
-        1,
-        (
-            0,
-            0,
-            w.instance,
-            w.instance_id,
-            None,
-            None,
-            w.pid,
-            0,
-            "r",
-            0,
-            1,
-            1,
-            1,
-            False,
-            False,
-            False,
-        ),
-    )
+    w.append("step", 1, _step_row(w, 0))
     w.close()
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     parts = _parts(d)
@@ -190,7 +132,7 @@ _CHILD = textwrap.dedent(
     w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=100, max_seconds=3600)
     def rows(lo, hi):
         for i in range(lo, hi):
-            w.append("step", 1, (i, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
+            w.append("step", 1, (*w.common(i, 0, 0), "r", 0, 1, 1, 1, False, False, False))
     for part, (lo, hi) in enumerate([(0, 100), (100, 200)]):  # two closed parts of 100 rows
         rows(lo, hi)
         while w.stats.parts_written < part + 1:
@@ -235,7 +177,7 @@ def test_sigterm_flushes_and_chains_previous_handler(tmp_path: Path) -> None:
         from keytrace.writer import TraceWriter
         w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=10**9, max_seconds=3600)
         for i in range(7):
-            w.append("step", 1, (i, 0, w.instance, w.instance_id, None, None, w.pid, 0, "r", 0, 1, 1, 1, False, False, False))
+            w.append("step", 1, (*w.common(i, 0, 0), "r", 0, 1, 1, 1, False, False, False))
         print("ready", flush=True)
         time.sleep(60)
         """
@@ -263,28 +205,11 @@ def _umount(path: Path) -> None:
 def _write_some(directory: Path, n: int = 2000) -> TraceWriter:
     w = TraceWriter(directory, HEADER, max_rows=500, max_seconds=3600)
     for i in range(n):
-        w.append(
-            "step",
-            1,
-            (
-                i,
-                0,
-                w.instance,
-                None,
-                None,
-                w.pid,
-                0,
-                "r" * 50 + str(i),
-                i,
-                1,
-                1,
-                1,
-                False,
-                False,
-                False,
-            ),
-        )
+        w.append("step", 1, _step_row(w, i, req="r" * 50 + str(i)))
     w.close()
+    # every row was accepted by the hot path: what is dropped was dropped by the disk
+    assert w.stats.rejected_calls == 0
+    assert w.stats.errors >= 1 and w.stats.rows_written + w.stats.dropped_rows == n
     return w
 
 
@@ -368,3 +293,16 @@ def test_tiny_geometry_header_is_valid() -> None:
 
     h = synthetic_header(TINY)
     assert h["lookup_order"] == [0, 1, 2] and h["alignment_tokens"] == 16
+
+
+def test_bad_append_is_a_recorder_bug_not_a_disk_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = TraceWriter(tmp_path / "t", HEADER)
+    with caplog.at_level("WARNING", logger="keytrace"):
+        w.append("step", 1, (1, 2, 3))  # wrong arity: refused, counted, never raised
+        w.append("step", 1, _step_row(w, 0))
+        w.close()
+    assert (w.stats.rejected_calls, w.stats.dropped_rows, w.stats.rows_written) == (1, 1, 1)
+    assert [r.getMessage() for r in caplog.records if "recorder bug" in r.getMessage()]
+    assert not [r for r in caplog.records if "cannot write trace" in r.getMessage()]
