@@ -138,6 +138,7 @@ class TraceWriter:
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
         self._bufs = {k: self._new_buffer(k) for k in SCHEMAS}
+        self._arity = {k: len(call_columns(k)) for k in SCHEMAS}
         self._part_no = itertools.count()
         self._last_flush = time.monotonic()
         self._closed = False
@@ -170,6 +171,8 @@ class TraceWriter:
         lists of ``_KEY_COLUMNS[kind]`` (each of length ``n_rows``).
         """
         try:
+            if len(call) != self._arity[kind]:
+                raise ValueError(f"{kind} call has {len(call)} values, expected {self._arity[kind]}")
             with self._lock:
                 buf = self._bufs[kind]
                 buf.calls.append(call)
