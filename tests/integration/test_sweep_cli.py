@@ -1,0 +1,67 @@
+"""`keytrace sweep` through the CLI on the real scheduler: table, files, plot, --from, --inject."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.commands import main  # noqa: E402
+
+
+def test_sweep_table_files_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "sweep",
+            "--lengths",
+            "17970:17990:5",
+            "--csv",
+            str(tmp_path / "s.csv"),
+            "--parquet",
+            str(tmp_path / "s.parquet"),
+            "--plot",
+            str(tmp_path / "s"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 1  # some length mismatched
+    # 17,970..17,980 have P mod 256 in 1..63: mismatch; 17,985 and 17,990 hit
+    df = pl.read_parquet(tmp_path / "s.parquet")
+    assert df["verdict"].to_list() == ["mismatch"] * 3 + ["hit"] * 2
+    assert df.filter(pl.col("verdict") == "mismatch")["terminal_chunk"].to_list() == [277, 277, 277]
+    assert "  17,975   8,192   1   17,920         0 mismatch       2     277  never_offered" in out
+    assert (tmp_path / "s.csv").read_text().count("\n") == 6
+    assert (tmp_path / "s.png").stat().st_size > 1000 and (
+        tmp_path / "s.svg"
+    ).read_text().startswith("<?xml")
+
+
+def test_sweep_from_trace_and_inject(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = Path(__file__).resolve().parents[1] / "data" / "v1"  # small geometry, recorded
+    assert main(["sweep", "--from", str(data), "--lengths", "1024", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--from",
+                str(data),
+                "--lengths",
+                "1024",
+                "--inject",
+                "pre48911",
+                "--parquet",
+                str(tmp_path / "i.parquet"),
+                "--quiet",
+            ]
+        )
+        == 1
+    )
+    row = pl.read_parquet(tmp_path / "i.parquet").row(0, named=True)
+    assert (row["verdict"], row["binding_group"], row["terminal_chunk"]) == ("mismatch", 2, 61)
+    assert main(["sweep", "--lengths", "9:1"]) == 2
+    assert "bad range" in capsys.readouterr().err
