@@ -172,7 +172,9 @@ class TraceWriter:
         """
         try:
             if len(call) != self._arity[kind]:
-                raise ValueError(f"{kind} call has {len(call)} values, expected {self._arity[kind]}")
+                raise ValueError(
+                    f"{kind} call has {len(call)} values, expected {self._arity[kind]}"
+                )
             with self._lock:
                 buf = self._bufs[kind]
                 buf.calls.append(call)
