@@ -271,12 +271,9 @@ def diff(
     tick("episodes", 0, eps.height)
 
     lk = trace.frame("lookup").drop("instance").rename({"instance_id": "instance"})
-    st = (
-        trace.frame("store")
-        .drop("instance")
-        .rename({"instance_id": "instance"})
-        .with_columns(_s("req_id").alias("req_id"), _s("event").alias("event"))
-    )
+    # event and req_id stay categorical (string literals compare fine); only small results
+    # are cast, so no query materialises strings for every store row.
+    st = trace.frame("store").drop("instance").rename({"instance_id": "instance"})
 
     # L per episode.
     eps = eps.with_columns(
@@ -415,7 +412,7 @@ def _resident_fa_prefix(
     rows = (
         lk.filter(pl.col("group_id").is_in(list(tpc)))
         .join(ep_keys.select("instance", "episode"), on=["instance", "episode"], how="semi")
-        .select("instance", "episode", "seq", "scan", "group_id", "chunk_idx", "key")
+        .select("instance", "episode", "seq", "scan", "group_id", "chunk_idx", "key", "result")
     )
     # The first scan of each FA group is the prefix scan over [S, cap).
     rows = rows.filter(
@@ -424,7 +421,12 @@ def _resident_fa_prefix(
     rows = rows.collect().sort("seq")
     if rows.height == 0:
         return pl.DataFrame(schema={"instance": pl.Int64, "episode": pl.Int64, "F": pl.Int64})
-    resident = _residency(rows, st)
+    # A HIT in the episode is the manager's word that the key was resident and ready; only
+    # the other rows need the store history (as-of joins), usually one MISS per scan.
+    hit = rows.filter(pl.col("result") == "HIT").with_columns(pl.lit(True).alias("resident"))
+    other = rows.filter(pl.col("result") != "HIT")
+    checked = _residency(other, st).select(*hit.columns) if other.height else hit.clear()
+    resident = pl.concat([hit, checked])
     per = (
         resident.sort("chunk_idx")
         .group_by("instance", "episode", "group_id", maintain_order=True)
@@ -541,7 +543,7 @@ def _chain_boundaries(
             (pl.col("group_id") == anchor.gid)
             & pl.col("event").is_in(["prepared", "rejected", "completed", "failed"])
         )
-        .select("instance", "req_id", "chunk_idx", "key", "seq")
+        .select("instance", _s("req_id").alias("req_id"), "chunk_idx", "key", "seq")
         .join(prompts.lazy(), on=["instance", "req_id"])
         .filter(pl.col("chunk_idx") == pl.col("cb"))
         .group_by("key", "b")
@@ -600,9 +602,11 @@ def _explain(
     tick("shortfalls", len(shortfalls) // 3, len(shortfalls))
 
     # The keys whose store history decides a cause: needed chunks and terminal keys.
+    # Only keys that need a cause: a needed chunk the episode itself saw as HIT is resident
+    # by the manager's own word (see _explain_one), so its history is never consulted.
     wanted: set[bytes] = set()
     for f in facts.values():
-        wanted.update(k for k, _ in f.seen.values())
+        wanted.update(k for k, res in f.seen.values() if res != "HIT")
         if f.terminal is not None:
             wanted.add(f.terminal["key"])
     keys = pl.DataFrame({"key": sorted(wanted)}, schema={"key": pl.Binary})
@@ -631,7 +635,7 @@ def _explain(
         .join(sel.lazy(), on=["instance", "episode"])
         .filter(pl.col("q") < pl.col("s"))
         .group_by("instance", "episode")
-        .agg(pl.col("req_id").drop_nulls().unique())
+        .agg(pl.col("req_id").cast(pl.String).drop_nulls().unique())
     )
     first_q = (
         st.filter(pl.col("event") == "prepared")

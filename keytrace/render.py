@@ -8,16 +8,25 @@ from typing import IO, Any
 
 from keytrace.summary import Summary
 
+_SCALARS = (int, str, float, bool, type(None))
+
 
 def to_jsonable(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    """Plain JSON values from dataclasses, containers, bytes (hex). Hot for big reports, so
+    it dispatches on exact types first."""
+    if isinstance(obj, _SCALARS):
+        return obj
+    d = getattr(obj, "__dict__", None)
+    if d is not None and hasattr(obj, "__dataclass_fields__"):
+        return {k: to_jsonable(v) for k, v in d.items()}
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, bytes):
         return obj.hex()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # slotted dataclasses
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     return obj
 
 
