@@ -107,6 +107,13 @@ class EpisodeVerdict:
     stored_chunks: list[tuple[int, int]] = field(default_factory=list)
     reason: str = ""
 
+    def evidence(self) -> tuple[int | None, int | None, str | None]:
+        """(binding group, terminal chunk, cause) for a shortfall; all None otherwise."""
+        if self.verdict not in ("mismatch", "explained"):
+            return None, None, None
+        t = self.terminal
+        return self.binding_group, (t.chunk if t else None), (t.cause if t else None)
+
 
 @dataclass(frozen=True)
 class DiffReport:

@@ -116,7 +116,7 @@ def plan_from_trace(trace: Trace, *, request: str | None = None) -> ReplayPlan:
         "scheduled_tokens"
     ]
     recorded_steps[-1] = own.to_list()
-    t = v.terminal
+    group, chunk, cause = v.evidence()
     return ReplayPlan(
         geometry=geometry.to_dict(),
         prime_lengths=[p for _, p in primes],
@@ -125,11 +125,9 @@ def plan_from_trace(trace: Trace, *, request: str | None = None) -> ReplayPlan:
         expected_E=v.E,
         recorded_external=v.external_tokens,
         recorded_verdict=v.verdict,
-        binding_group=v.binding_group if v.verdict in ("mismatch", "explained") else None,
-        terminal_chunk=t.chunk
-        if t is not None and v.verdict in ("mismatch", "explained")
-        else None,
-        cause=t.cause if t is not None and v.verdict in ("mismatch", "explained") else None,
+        binding_group=group,
+        terminal_chunk=chunk,
+        cause=cause,
         request=v.req_id,
         recorded_steps=recorded_steps,
         vllm_version=str(trace.header.get("vllm_version", "?")),

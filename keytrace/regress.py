@@ -92,17 +92,17 @@ def replay(
         .collect()
     )
     steps = [steps_df.filter(pl.col("req_id") == r)["scheduled_tokens"].to_list() for r in order]
-    short = v.verdict in ("mismatch", "explained")
+    group, chunk, cause = v.evidence()
     return ReplayResult(
         external_tokens=h.observations[rid].external_tokens,
         local_tokens=h.observations[rid].local_tokens,
         expected_E=v.E,
         verdict=v.verdict,
-        binding_group=v.binding_group if short else None,
-        binding_label=v.binding_label if short else None,
-        terminal_chunk=v.terminal.chunk if short and v.terminal is not None else None,
-        cause=v.terminal.cause if short and v.terminal is not None else None,
-        reason=v.reason if short else "",
+        binding_group=group,
+        binding_label=v.binding_label if group is not None else None,
+        terminal_chunk=chunk,
+        cause=cause,
+        reason=v.reason if group is not None else "",
         steps=steps,
         trace_dir=d,
     )

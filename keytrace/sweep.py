@@ -110,7 +110,7 @@ def run_one(
         if keep_dir is None:
             shutil.rmtree(d, ignore_errors=True)
     v = report.episodes[-1]
-    term = v.terminal
+    group, chunk, cause = v.evidence()
     return SweepRow(
         length=length,
         budget=geometry.max_num_batched_tokens,
@@ -118,11 +118,9 @@ def run_one(
         E=v.E,
         external=res.external_tokens,
         verdict=v.verdict,
-        binding_group=v.binding_group if v.verdict in ("mismatch", "explained") else None,
-        terminal_chunk=term.chunk
-        if term is not None and v.verdict in ("mismatch", "explained")
-        else None,
-        cause=term.cause if term is not None and v.verdict in ("mismatch", "explained") else None,
+        binding_group=group,
+        terminal_chunk=chunk,
+        cause=cause,
         seconds=time.monotonic() - t,
     )
 
