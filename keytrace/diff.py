@@ -485,31 +485,21 @@ def _residency(rows: pl.DataFrame, st: pl.LazyFrame) -> pl.DataFrame:
         .collect()
         .sort("z_seq")
     )
+    # For each row: the last completion, eviction and reset at or before it (as-of joins).
     out = rows.sort("seq")
-    out = out.join_asof(
-        comp.sort("c_seq"),
-        left_on="seq",
-        right_on="c_seq",
-        by=["instance", "key"],
-        strategy="backward",
-        check_sortedness=False,
-    )
-    out = out.join_asof(
-        evic.sort("e_seq"),
-        left_on="seq",
-        right_on="e_seq",
-        by=["instance", "key"],
-        strategy="backward",
-        check_sortedness=False,
-    )
-    out = out.join_asof(
-        resets,
-        left_on="seq",
-        right_on="z_seq",
-        by="instance",
-        strategy="backward",
-        check_sortedness=False,
-    )
+    for right, col, by in (
+        (comp, "c_seq", ["instance", "key"]),
+        (evic, "e_seq", ["instance", "key"]),
+        (resets, "z_seq", ["instance"]),
+    ):
+        out = out.join_asof(
+            right.sort(col),
+            left_on="seq",
+            right_on=col,
+            by=by,
+            strategy="backward",
+            check_sortedness=False,
+        )
     removed = pl.max_horizontal(pl.col("e_seq").fill_null(-1), pl.col("z_seq").fill_null(-1))
     return out.with_columns(
         (pl.col("c_seq").is_not_null() & (pl.col("c_seq") > removed)).alias("resident")
