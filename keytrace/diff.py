@@ -373,7 +373,9 @@ def diff(
                 EpisodeVerdict(verdict="hit", reason=f"external tokens reach E={E:,}", **base)
             )
         else:
-            shortfalls.append({**base, "num_hashes": r["num_hashes"], "seq": r["seq"]})
+            shortfalls.append(
+                {**base, "base": base, "num_hashes": r["num_hashes"], "seq": r["seq"]}
+            )
             verdicts.append(EpisodeVerdict(verdict="shortfall", **base))
 
     detailed = _explain(shortfalls, lk, st, eps_all, groups, by_gid, tph, all_episodes, tick)
@@ -937,20 +939,8 @@ def _explain_one(
         span = (min(need_b) - margin, max(need_b) + margin)
 
     v = EpisodeVerdict(
+        **c["base"],
         verdict=verdict,
-        instance=c["instance"],
-        instance_id=inst,
-        engine_id=c["engine_id"],
-        dp_rank=c["dp_rank"],
-        req_id=c["req_id"],
-        episode=c["episode"],
-        step=c["step"],
-        num_prompt_tokens=c["num_prompt_tokens"],
-        S=S,
-        L=c["L"],
-        E=E,
-        external_tokens=c["external_tokens"],
-        accepted_tokens=c["accepted_tokens"],
         binding_group=binding_gid,
         binding_label=by_gid[binding_gid].label if binding_gid is not None else None,
         terminal=terminal,

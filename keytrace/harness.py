@@ -25,11 +25,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import contextlib
 import functools
 import json
 import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -579,25 +577,3 @@ def _policy_keys(manager: CPUOffloadingManager) -> dict[bytes, bool]:
         if isinstance(table, dict):
             return {bytes(k): bool(getattr(v, "is_ready", True)) for k, v in table.items()}
     raise RuntimeError("cannot read the CPU manager's key table")
-
-
-@contextlib.contextmanager
-def quiet_vllm() -> Iterator[None]:
-    """Silence vLLM's INFO chatter while a harness is built (warnings still show)."""
-    import logging
-
-    lg = logging.getLogger("vllm")
-    old = lg.level
-    lg.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        lg.setLevel(old)
-
-
-def run_scenario(geometry: Geometry, num_tokens: int, **kw: Any) -> ScenarioResult:
-    """Convenience: a fresh harness, one scenario."""
-    return Harness(geometry).scenario(num_tokens, **kw)
-
-
-ProgressFn = Callable[[int, int], None]

@@ -104,18 +104,18 @@ def plan_from_trace(trace: Trace, *, request: str | None = None) -> ReplayPlan:
         .sort("seq")
         .collect()
     )
-    order = [rid for rid, _ in primes] + [v.req_id]
+    # Primes: their steps before the episode; the episode's own request: its steps after it.
     recorded_steps = [
-        steps.filter(
-            (pl.col("req_id") == rid) & (pl.col("seq") < (v.episode if rid != v.req_id else 2**62))
-        )["scheduled_tokens"].to_list()
-        for rid in order
+        steps.filter((pl.col("req_id") == rid) & (pl.col("seq") < v.episode))[
+            "scheduled_tokens"
+        ].to_list()
+        for rid, _ in primes
     ]
-    # The episode's own request: only the steps after its episode belong to this replay.
-    own = steps.filter((pl.col("req_id") == v.req_id) & (pl.col("seq") > v.episode))[
-        "scheduled_tokens"
-    ]
-    recorded_steps[-1] = own.to_list()
+    recorded_steps.append(
+        steps.filter((pl.col("req_id") == v.req_id) & (pl.col("seq") > v.episode))[
+            "scheduled_tokens"
+        ].to_list()
+    )
     group, chunk, cause = v.evidence()
     return ReplayPlan(
         geometry=geometry.to_dict(),

@@ -107,11 +107,11 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
             if not matches:
                 raise TraceError(f"{arg}: the glob matches nothing")
             for m in matches:
-                out.extend(_expand_one(m, from_glob=True))
+                out.extend(_expand_one(m))
             continue
         if not os.path.exists(arg):
             raise TraceError(f"{arg}: no such file or directory")
-        found = _expand_one(arg, from_glob=False)
+        found = _expand_one(arg)
         if os.path.isdir(arg) and not any(f.endswith(".parquet") for f in found):
             raise TraceError(f"{arg}: directory holds no keytrace trace (no .parquet files)")
         out.extend(found)
@@ -125,7 +125,7 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return unique
 
 
-def _expand_one(path: str, *, from_glob: bool) -> list[str]:
+def _expand_one(path: str) -> list[str]:
     if os.path.isdir(path):
         found = []
         for root, dirs, files in os.walk(path):

@@ -148,13 +148,3 @@ def part_metadata(
         META_SOURCE: canonical_json(source).encode(),
         META_KEYTRACE_VERSION: keytrace_version.encode(),
     }
-
-
-def group_id_of_key(key: bytes) -> int:
-    """The KV-cache group id vLLM packs into an OffloadKey: its last 4 bytes, big-endian."""
-    return int.from_bytes(key[-4:], "big")
-
-
-def block_hash_of_key(key: bytes) -> bytes:
-    """The block hash part of an OffloadKey (everything but the 4-byte group id)."""
-    return key[:-4]

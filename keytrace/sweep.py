@@ -6,7 +6,6 @@ recorder on, then `keytrace.diff.diff` judges the resend episode. Imports vLLM l
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -131,14 +130,12 @@ def run_sweep(
     *,
     inject: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
-    keep_root: str | None = None,
 ) -> list[SweepRow]:
-    """Run `run_one` for every length; ``keep_root`` keeps each trace under it."""
+    """Run `run_one` for every length (each on a fresh harness, trace discarded)."""
     todo: Sequence[int] = list(lengths)
     rows = []
     for i, n in enumerate(todo):
-        keep = os.path.join(keep_root, f"len-{n}") if keep_root else None
-        rows.append(run_one(geometry, n, inject=inject, keep_dir=keep))
+        rows.append(run_one(geometry, n, inject=inject))
         if progress is not None:
             progress("lengths", i + 1, len(todo))
     return rows

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -412,6 +412,3 @@ def _register_for_shutdown(writer: TraceWriter) -> None:
         with contextlib.suppress(ValueError, OSError):
             _PREV_SIGTERM = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-SigHandler = Callable[[int, FrameType | None], Any]

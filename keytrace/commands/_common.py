@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import click
 
 from keytrace.reader import Trace
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 trace_paths = click.argument("paths", nargs=-1, required=True, metavar="TRACE...")
 json_option = click.option(
