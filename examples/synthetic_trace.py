@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import sys
 
-from keytrace.geometry import Geometry, GroupGeom, synthetic_header
-from keytrace.recorder import Recorder
+from keytrace.analysis.geometry import Geometry, GroupGeom, synthetic_header
+from keytrace.record.recorder import Recorder
 
 GEO = Geometry(
     name="example",

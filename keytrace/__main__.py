@@ -1,5 +1,5 @@
 """``python -m keytrace`` runs the CLI."""
 
-from keytrace.commands import entry
+from keytrace.cli import entry
 
 entry()

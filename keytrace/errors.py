@@ -1,4 +1,4 @@
-"""One error hierarchy for keytrace; `keytrace.commands.main` turns it into exit codes.
+"""One error hierarchy for keytrace; `keytrace.cli.main` turns it into exit codes.
 
 Library code raises these; it never calls ``sys.exit`` or prints. Every error carries the
 exit code the CLI should use, so the mapping lives in exactly one place.

@@ -11,8 +11,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from keytrace.geometry import Geometry, GroupGeom, synthetic_header
-from keytrace.recorder import Recorder
+from keytrace.analysis.geometry import Geometry, GroupGeom, synthetic_header
+from keytrace.record.recorder import Recorder
 
 # One FA group, one plain SWA group (window 32 = 2 chunks), one EAGLE SWA group: tpc 16.
 TINY = Geometry(

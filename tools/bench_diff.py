@@ -70,7 +70,7 @@ def main() -> int:
             planted = {tuple(x) for x in json.load(fh)}
         w_scan, rss_scan, _, _ = timed([sys.executable, "-c", SCAN, d])
         w_diff, rss_diff, out, code = timed(
-            [sys.executable, "-m", "keytrace.commands", "diff", d, "--all", "--json"]
+            [sys.executable, "-m", "keytrace.cli", "diff", d, "--all", "--json"]
         )
         report = json.loads(out)
         found = {

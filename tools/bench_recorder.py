@@ -35,10 +35,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=100_000)
     args = ap.parse_args()
 
-    from keytrace.geometry import DSV4
-    from keytrace.harness import Harness
-    from keytrace.hooks.patches import recording
-    from keytrace.reader import open_trace
+    from keytrace.analysis.geometry import DSV4
+    from keytrace.format.reader import open_trace
+    from keytrace.vllm.harness import Harness
+    from keytrace.vllm.patches import recording
 
     top = args.max_tokens
     lengths = [top, int(top * 0.6), int(top * 0.3), int(top * 0.12)]
@@ -59,7 +59,7 @@ def main() -> int:
                 h = Harness(geo, max_prompt_tokens=top)
                 t = time.perf_counter()
                 workload(h, lengths)
-                from keytrace.hooks.patches import recorders
+                from keytrace.vllm.patches import recorders
 
                 for rec in recorders():
                     rec.close()  # the final flush is part of the cost

@@ -18,9 +18,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, default=100)
     args = ap.parse_args()
-    from keytrace.geometry import DSV4
-    from keytrace.harness import Harness
-    from keytrace.sweep import run_one
+    from keytrace.analysis.geometry import DSV4
+    from keytrace.vllm.harness import Harness
+    from keytrace.vllm.sweep import run_one
 
     lengths = [17_900 + 7 * i for i in range(args.lengths)]
     Harness(DSV4, max_prompt_tokens=lengths[0]).scenario(lengths[0])  # warm imports and caches

@@ -29,9 +29,9 @@ import random
 import sys
 import time
 
-from keytrace.diff import _groups, needed_chunks
-from keytrace.geometry import DSV4, synthetic_header
-from keytrace.recorder import Recorder
+from keytrace.analysis.diff import _groups, needed_chunks
+from keytrace.analysis.geometry import DSV4, synthetic_header
+from keytrace.record.recorder import Recorder
 
 TPH = DSV4.tokens_per_hash  # 4 tokens per hash block
 ORDER = None  # filled from the header's lookup order

@@ -15,10 +15,10 @@ import shutil
 import sys
 import tempfile
 
-from keytrace.compact import compact
-from keytrace.geometry import SMALL
-from keytrace.schema import SCHEMA_VERSION
-from keytrace.sweep import run_one
+from keytrace.analysis.geometry import SMALL
+from keytrace.format.compact import compact
+from keytrace.format.schema import SCHEMA_VERSION
+from keytrace.vllm.sweep import run_one
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 """`keytrace diff` on traces recorded from the real vLLM 0.33.0 scheduler.
 
-Historical store-side bugs are reintroduced with keytrace.inject; the lookup side is stock.
+Historical store-side bugs are reintroduced with keytrace.vllm.inject; the lookup side is stock.
 Every expected value below is derived by hand in the comment above it.
 
-Geometries (keytrace.geometry):
+Geometries (keytrace.analysis.geometry):
 - dsv4: MLA tpc 256 (the alignment A); group 1 SWA tpc 64 window 128 -> W = 2 chunks;
   group 2 the same but MTP (EAGLE); group 3 C4 tpc 4 W 2; group 4 C128 tpc 8 W 16.
   Lookup order: [0, 4, 1, 2, 3] (full attention first, then windows descending, stable).
@@ -20,9 +20,9 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
-from keytrace.commands import main  # noqa: E402
-from keytrace.geometry import DSV4, SMALL, Geometry  # noqa: E402
-from keytrace.sweep import run_one  # noqa: E402
+from keytrace.analysis.geometry import DSV4, SMALL, Geometry  # noqa: E402
+from keytrace.cli import main  # noqa: E402
+from keytrace.vllm.sweep import run_one  # noqa: E402
 
 ONE_STEP = {"dsv4": 32_768, "small": 2048}
 CHUNKED = {"dsv4": 2048, "small": 128}
@@ -98,8 +98,8 @@ def test_stock_hits_agree(geo: str, n: int, E: int, tmp_path: Path) -> None:
 
 
 def test_cold_lookup_agrees(tmp_path: Path) -> None:
-    from keytrace.harness import Harness
-    from keytrace.hooks.patches import recording
+    from keytrace.vllm.harness import Harness
+    from keytrace.vllm.patches import recording
 
     d = tmp_path / "t"
     with recording(d):

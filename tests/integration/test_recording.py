@@ -1,7 +1,7 @@
 """Recording from the real vLLM 0.33.0 scheduler: faithful, transparent, fault-tolerant.
 
 Every scenario drives the real Scheduler + OffloadingConnector + CPUOffloadingManager
-(keytrace.harness); only the GPU worker, the weights and KV planning are replaced.
+(keytrace.vllm.harness); only the GPU worker, the weights and KV planning are replaced.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
-from keytrace.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
-from keytrace.harness import Harness, ScenarioResult  # noqa: E402
-from keytrace.hooks.patches import recording  # noqa: E402
-from keytrace.reader import open_trace  # noqa: E402
+from keytrace.analysis.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
+from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.vllm.harness import Harness, ScenarioResult  # noqa: E402
+from keytrace.vllm.patches import recording  # noqa: E402
 
 # (geometry, prompt tokens): one-step prefill and chunked prefill over several steps,
 # blocks_per_chunk 1 and 2.
@@ -208,8 +208,8 @@ def test_faults_leave_results_unchanged(
 def test_missing_hook_point_records_nothing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from keytrace.hooks import patches
-    from keytrace.hooks.compat import load_targets
+    from keytrace.vllm import patches
+    from keytrace.vllm.compat import load_targets
 
     cls, _, _ = load_targets()
     init_before = cls.__init__
@@ -226,7 +226,7 @@ def test_missing_hook_point_records_nothing(
 def test_recorder_failure_is_contained(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from keytrace.recorder import Recorder
+    from keytrace.record.recorder import Recorder
 
     def boom(self: Recorder, *a: object, **k: object) -> None:
         raise RuntimeError("recorder bug")

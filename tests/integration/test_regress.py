@@ -17,13 +17,13 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
-from keytrace.commands import main  # noqa: E402
-from keytrace.fixture import file_name, render_fixture  # noqa: E402
-from keytrace.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
-from keytrace.plan import plan_from_trace  # noqa: E402
-from keytrace.reader import open_trace  # noqa: E402
-from keytrace.regress import replay  # noqa: E402
-from keytrace.sweep import run_one  # noqa: E402
+from keytrace.analysis.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
+from keytrace.analysis.plan import plan_from_trace  # noqa: E402
+from keytrace.cli import main  # noqa: E402
+from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.report.fixture import file_name, render_fixture  # noqa: E402
+from keytrace.vllm.replay import replay  # noqa: E402
+from keytrace.vllm.sweep import run_one  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 INJECTED = [

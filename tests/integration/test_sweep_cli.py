@@ -11,7 +11,7 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
-from keytrace.commands import main  # noqa: E402
+from keytrace.cli import main  # noqa: E402
 
 
 def test_sweep_table_files_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

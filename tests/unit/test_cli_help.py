@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from keytrace.commands import cli, main
+from keytrace.cli import cli, main
 
 
 @pytest.mark.parametrize("name", sorted(cli.commands))

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from keytrace.commands import main
-from keytrace.diff import diff
-from keytrace.reader import open_trace
+from keytrace.analysis.diff import diff
+from keytrace.cli import main
+from keytrace.format.reader import open_trace
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

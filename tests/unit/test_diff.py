@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from keytrace.commands import main
-from keytrace.diff import EpisodeVerdict, _Group, diff, needed_chunks
-from keytrace.reader import open_trace
+from keytrace.analysis.diff import EpisodeVerdict, _Group, diff, needed_chunks
+from keytrace.cli import main
+from keytrace.format.reader import open_trace
 from tests.factories import TINY, TraceBuilder, new_builder
 
 FA_ALL = [(c, "HIT") for c in range(6)]

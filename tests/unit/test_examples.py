@@ -19,7 +19,7 @@ def test_synthetic_example_is_a_mismatch(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     d = subprocess.run(
-        [sys.executable, "-m", "keytrace.commands", "diff", str(out)],
+        [sys.executable, "-m", "keytrace.cli", "diff", str(out)],
         capture_output=True,
         text=True,
         timeout=120,

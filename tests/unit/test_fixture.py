@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from keytrace.commands import main
-from keytrace.fixture import file_name, render_fixture
-from keytrace.geometry import SMALL
-from keytrace.plan import ReplayPlan, plan_from_trace
-from keytrace.reader import open_trace
+from keytrace.analysis.geometry import SMALL
+from keytrace.analysis.plan import ReplayPlan, plan_from_trace
+from keytrace.cli import main
+from keytrace.format.reader import open_trace
+from keytrace.report.fixture import file_name, render_fixture
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -86,7 +86,7 @@ def test_cli_equals_library(tmp_path: Path) -> None:
 
 
 def test_replay_needs_a_complete_header(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from keytrace.geometry import synthetic_header
+    from keytrace.analysis.geometry import synthetic_header
     from tests.factories import TINY, new_builder
 
     header = {k: v for k, v in synthetic_header(TINY).items() if k != "max_num_batched_tokens"}

@@ -41,9 +41,9 @@ def test_core_and_cli_work_without_vllm_or_torch(tmp_path: Path) -> None:
     r = _run(
         "vllm,torch",
         """
-        import keytrace, keytrace.schema, keytrace.writer, keytrace.reader, keytrace.diff
-        import keytrace.summary, keytrace.render, keytrace.compact, keytrace.commands
-        from keytrace.commands import main
+        import keytrace, keytrace.format.schema, keytrace.format.writer, keytrace.format.reader, keytrace.analysis.diff
+        import keytrace.analysis.summary, keytrace.report.text, keytrace.format.compact, keytrace.cli
+        from keytrace.cli import main
         assert main(["diff", "--help"]) == 0
         code = main(["diff", sys.argv[2]])
         assert code == 0, code
@@ -69,8 +69,8 @@ def test_plugin_import_path_is_light() -> None:
         """
         import os
         os.environ.pop("KEYTRACE_DIR", None)
-        import keytrace.hooks
-        keytrace.hooks.register()   # inert without KEYTRACE_DIR
+        import keytrace.vllm.plugin
+        keytrace.vllm.plugin.register()   # inert without KEYTRACE_DIR
         for m in ("vllm", "torch", "polars", "click"):
             assert not loaded(m), m
         print("OK")
@@ -83,7 +83,7 @@ def test_record_path_does_not_import_polars() -> None:
     r = _run(
         "polars,vllm,torch",
         """
-        import keytrace.recorder, keytrace.writer
+        import keytrace.record.recorder, keytrace.format.writer
         assert not loaded("polars")
         print("OK")
         """,
@@ -95,7 +95,7 @@ def test_demo_without_vllm_is_a_clear_error() -> None:
     r = _run(
         "vllm,torch",
         """
-        from keytrace.commands import main
+        from keytrace.cli import main
         code = main(["demo", "--out", sys.argv[2] + "-" + str(__import__("os").getpid())])
         sys.exit(code)
         """,

@@ -7,9 +7,9 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from keytrace.commands import main
-from keytrace.reader import open_trace
-from keytrace.summary import summarize
+from keytrace.analysis.summary import summarize
+from keytrace.cli import main
+from keytrace.format.reader import open_trace
 from tests.factories import new_builder
 
 

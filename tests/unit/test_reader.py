@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from keytrace.commands import main
+from keytrace.analysis.geometry import synthetic_header
+from keytrace.cli import main
 from keytrace.errors import SchemaVersionError
-from keytrace.geometry import synthetic_header
-from keytrace.reader import open_trace
+from keytrace.format.reader import open_trace
 from tests.factories import TINY, new_builder
 
 

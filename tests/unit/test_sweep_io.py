@@ -7,7 +7,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from keytrace.sweep import SweepRow, parse_lengths, write_rows
+from keytrace.analysis.sweep import SweepRow, parse_lengths
+from keytrace.report.table import write_rows
 
 
 def test_parse_lengths() -> None:

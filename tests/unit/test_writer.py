@@ -14,9 +14,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from keytrace.reader import open_trace
-from keytrace.schema import KINDS, SCHEMA_VERSION
-from keytrace.writer import TraceWriter, call_columns
+from keytrace.format.reader import open_trace
+from keytrace.format.schema import KINDS, SCHEMA_VERSION
+from keytrace.format.writer import TraceWriter, call_columns
 from tests.factories import TINY, new_builder
 
 HEADER = {"vllm_version": "0.33.0", "groups": [], "blocks_per_chunk": 1}
@@ -128,7 +128,7 @@ def test_modes_and_layout(tmp_path: Path) -> None:
 _CHILD = textwrap.dedent(
     """
     import os, sys, time
-    from keytrace.writer import TraceWriter
+    from keytrace.format.writer import TraceWriter
     w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=100, max_seconds=3600)
     def rows(lo, hi):
         for i in range(lo, hi):
@@ -174,7 +174,7 @@ def test_sigterm_flushes_and_chains_previous_handler(tmp_path: Path) -> None:
             print("previous handler ran", flush=True)
             os._exit(0)
         signal.signal(signal.SIGTERM, prev)
-        from keytrace.writer import TraceWriter
+        from keytrace.format.writer import TraceWriter
         w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=10**9, max_seconds=3600)
         for i in range(7):
             w.append("step", 1, (*w.common(i, 0, 0), "r", 0, 1, 1, 1, False, False, False))
@@ -256,7 +256,7 @@ def test_full_disk_warns_once_and_counts(
             def __exit__(self, *a: object) -> None:
                 self.f.close()
 
-        monkeypatch.setattr("keytrace.writer.os.fdopen", lambda fd, mode: Full(fd, mode))
+        monkeypatch.setattr("keytrace.format.writer.os.fdopen", lambda fd, mode: Full(fd, mode))
     try:
         with caplog.at_level("WARNING", logger="keytrace"):
             w = _write_some(mnt / "trace", n=20000)
@@ -289,7 +289,7 @@ def test_call_columns_cover_schema() -> None:
 
 
 def test_tiny_geometry_header_is_valid() -> None:
-    from keytrace.geometry import synthetic_header
+    from keytrace.analysis.geometry import synthetic_header
 
     h = synthetic_header(TINY)
     assert h["lookup_order"] == [0, 1, 2] and h["alignment_tokens"] == 16

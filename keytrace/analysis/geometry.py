@@ -1,0 +1,240 @@
+"""KV-cache geometry as plain data: what the harness builds and what a trace header records.
+
+This module is vLLM-free so that fixtures, sweeps and the CLI can name and print geometries
+without importing vLLM. ``keytrace.vllm.harness`` turns a `Geometry` into real vLLM objects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+GROUP_KINDS = ("full_attention", "mla", "sliding_window")
+
+
+@dataclass(frozen=True)
+class GroupGeom:
+    """One KV-cache group. ``block_size`` and ``sliding_window`` are in tokens.
+
+    ``eagle`` marks an EAGLE/MTP draft group (vLLM's ``KVCacheGroupSpec.is_eagle_group``);
+    ``extra_retained_tokens`` mimics multi-module MTP (``SlidingWindowSpec``'s field).
+    """
+
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+    eagle: bool = False
+    extra_retained_tokens: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"unknown group kind {self.kind!r}; expected one of {GROUP_KINDS}")
+        if (self.kind == "sliding_window") != (self.sliding_window is not None):
+            raise ValueError("sliding_window is required for, and only for, sliding_window groups")
+
+    @property
+    def label(self) -> str:
+        base = {"full_attention": "FA", "mla": "MLA", "sliding_window": "SWA"}[self.kind]
+        if self.eagle:
+            base += ", MTP"
+        return f"{self.name} ({base})" if self.name else base
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Everything the harness needs to rebuild a scheduler-side offloading setup."""
+
+    name: str
+    groups: tuple[GroupGeom, ...]
+    blocks_per_chunk: int = 1
+    retention_interval: int | None = 0
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    async_scheduling: bool = False
+    cpu_chunks: int = 100_000
+    max_model_len: int = 131_072
+    num_gpu_blocks: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_hash(self) -> int:
+        """vLLM's hash granularity for several groups: the GCD of the block sizes."""
+        return math.gcd(*(g.block_size for g in self.groups))
+
+    def tokens_per_chunk(self, group_id: int) -> int:
+        return self.groups[group_id].block_size * self.blocks_per_chunk
+
+    def with_(self, **changes: Any) -> Geometry:
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["groups"] = [asdict(g) for g in self.groups]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Geometry:
+        d = dict(d)
+        d["groups"] = tuple(GroupGeom(**g) for g in d["groups"])
+        return cls(**d)
+
+
+SMALL = Geometry(
+    name="small",
+    groups=(
+        GroupGeom("full_attention", 64, name="fa"),
+        GroupGeom("sliding_window", 16, sliding_window=32, name="swa"),
+        GroupGeom("sliding_window", 16, sliding_window=32, eagle=True, name="swa_mtp"),
+    ),
+    max_num_batched_tokens=512,
+    max_model_len=16_384,
+    cpu_chunks=20_000,
+)
+"""One full-attention group (block 64, so an alignment segment spans four 16-token
+sliding-window chunks), one sliding-window group and one EAGLE/MTP sliding-window group."""
+
+DSV4 = Geometry(
+    name="dsv4",
+    groups=(
+        GroupGeom("mla", 256, name="mla"),
+        GroupGeom("sliding_window", 64, sliding_window=128, name="swa"),
+        GroupGeom("sliding_window", 64, sliding_window=128, eagle=True, name="swa_mtp"),
+        GroupGeom("sliding_window", 4, sliding_window=8, name="c4"),
+        GroupGeom("sliding_window", 8, sliding_window=128, name="c128"),
+    ),
+    max_num_batched_tokens=8192,
+    max_model_len=131_072,
+    cpu_chunks=400_000,
+)
+"""DeepSeek-V4-Flash-like 5 groups (UCM PR #1322 table, prior-art.md §1.5): MLA block 256;
+two SWA groups block 64 window 128, the second the MTP draft group; C4 block 4 window 8;
+C128 block 8 window 128."""
+
+BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4)}
+
+
+def builtin(name: str) -> Geometry:
+    try:
+        return BUILTIN[name]
+    except KeyError:
+        raise ValueError(f"unknown geometry {name!r}; built-in: {', '.join(BUILTIN)}") from None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def window_chunks(g: GroupGeom, tokens_per_chunk: int) -> int | None:
+    """vLLM's ``get_sliding_window_size_in_chunks`` for the kinds keytrace models."""
+    if g.sliding_window is None:
+        return None
+    return max(
+        _cdiv(g.sliding_window, tokens_per_chunk),
+        _cdiv(g.sliding_window - 1 + g.extra_retained_tokens, tokens_per_chunk),
+    )
+
+
+def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dict[str, Any]:
+    """The header keytrace's hooks would record for ``geometry`` on the harness.
+
+    Used for hand-built traces (tests, examples) and checked against the real recorder's
+    header in the integration tests, so the two cannot drift apart silently.
+    """
+    bpc = geometry.blocks_per_chunk
+    tph = geometry.tokens_per_hash
+    groups = []
+    for gid, g in enumerate(geometry.groups):
+        tpc = g.block_size * bpc
+        groups.append(
+            {
+                "group_id": gid,
+                "offload_index": gid,
+                "offloaded": True,
+                "kind": g.kind,
+                "spec_class": {
+                    "mla": "MLAAttentionSpec",
+                    "full_attention": "FullAttentionSpec",
+                }.get(g.kind, "SlidingWindowSpec"),
+                "block_size": g.block_size,
+                "tokens_per_block": g.block_size,
+                "tokens_per_chunk": tpc,
+                "hashes_per_chunk": tpc // tph,
+                "sliding_window": g.sliding_window,
+                "window_chunks": window_chunks(g, tpc),
+                "extra_retained_tokens": g.extra_retained_tokens,
+                "is_eagle": g.eagle,
+                "requires_cow_source": False,
+                "manager_cls": "SlidingWindowManager"
+                if g.sliding_window
+                else "FullAttentionManager",
+            }
+        )
+    fa = [g["group_id"] for g in groups if g["window_chunks"] is None]
+    swa = sorted(
+        (g for g in groups if g["window_chunks"] is not None),
+        key=lambda g: g["window_chunks"],
+        reverse=True,
+    )
+    fa_tpc = {g["tokens_per_chunk"] for g in groups if g["window_chunks"] is None}
+    alignment = fa_tpc.pop() if len(fa_tpc) == 1 else None
+    return {
+        "vllm_version": vllm_version,
+        "groups": groups,
+        "lookup_order": fa + [g["group_id"] for g in swa],
+        "blocks_per_chunk": bpc,
+        "tokens_per_hash": tph,
+        "alignment_tokens": alignment,
+        "retention_interval": geometry.retention_interval,
+        "max_num_batched_tokens": geometry.max_num_batched_tokens,
+        "long_prefill_token_threshold": geometry.long_prefill_token_threshold,
+        "async_scheduling": geometry.async_scheduling,
+        "max_model_len": geometry.max_model_len,
+        "cpu_num_chunks": geometry.cpu_chunks,
+        "geometry_name": geometry.name,
+    }
+
+
+def geometry_from_header(header: dict[str, Any]) -> Geometry:
+    """Rebuild a `Geometry` from a recorded header (offloaded groups, in group-id order).
+
+    Raises ValueError naming the first field the header lacks.
+    """
+    need = ("groups", "blocks_per_chunk", "max_num_batched_tokens", "max_model_len")
+    for k in need:
+        if header.get(k) is None:
+            raise ValueError(f"trace header lacks {k!r}, which replay needs")
+    groups = []
+    for g in sorted(header["groups"], key=lambda g: g["group_id"]):
+        if not g.get("offloaded"):
+            raise ValueError(
+                f"group {g['group_id']} is not offloaded; the harness offloads every group"
+            )
+        if g["kind"] not in GROUP_KINDS:
+            raise ValueError(
+                f"group {g['group_id']} has kind {g['kind']!r}, which the harness cannot build"
+            )
+        groups.append(
+            GroupGeom(
+                kind=g["kind"],
+                block_size=int(g["block_size"]),
+                sliding_window=g.get("sliding_window"),
+                eagle=bool(g.get("is_eagle")),
+                extra_retained_tokens=int(g.get("extra_retained_tokens") or 0),
+                name=str(g.get("name") or ""),
+            )
+        )
+    return Geometry(
+        name=str(header.get("geometry_name") or "recorded"),
+        groups=tuple(groups),
+        blocks_per_chunk=int(header["blocks_per_chunk"]),
+        retention_interval=header.get("retention_interval"),
+        max_num_batched_tokens=int(header["max_num_batched_tokens"]),
+        long_prefill_token_threshold=int(header.get("long_prefill_token_threshold") or 0),
+        async_scheduling=bool(header.get("async_scheduling")),
+        cpu_chunks=int(header.get("cpu_num_chunks") or 100_000),
+        max_model_len=int(header["max_model_len"]),
+        num_gpu_blocks=header.get("num_gpu_blocks"),
+    )

@@ -1,0 +1,134 @@
+"""What a replay needs from a trace, as plain data (no vLLM): the `ReplayPlan`.
+
+A plan names one recorded episode and the requests that stored its chain before it, by
+prompt length only (token ids are never recorded or needed: the harness's synthetic tokens
+share prefixes exactly like the recorded chain did), plus the geometry and step budget from
+the header, the recorded step schedule, and what the differ said about the episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import polars as pl
+
+from keytrace._version import __version__
+from keytrace.analysis.diff import EpisodeVerdict, diff
+from keytrace.analysis.geometry import geometry_from_header
+from keytrace.errors import TraceError
+from keytrace.format.reader import Trace
+from keytrace.format.schema import SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    geometry: dict[str, Any]
+    prime_lengths: list[int]
+    episode_length: int
+    local_tokens: int
+    expected_E: int | None
+    recorded_external: int | None
+    recorded_verdict: str
+    binding_group: int | None
+    terminal_chunk: int | None
+    cause: str | None
+    request: str
+    recorded_steps: list[list[int]] = field(default_factory=list)  # per replayed request
+    keytrace_version: str = __version__
+    schema_version: int = SCHEMA_VERSION
+    vllm_version: str = "?"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _choose(report_all: list[EpisodeVerdict], request: str | None) -> EpisodeVerdict:
+    eps = [v for v in report_all if v.verdict != "deferred"]
+    if request is not None:
+        mine = [v for v in eps if v.req_id == request]
+        if not mine:
+            raise TraceError(
+                f"request {request!r} has no non-deferred lookup episode in this trace"
+            )
+        return mine[-1]
+    for want in ("mismatch", "explained", "hit"):
+        pick = [v for v in eps if v.verdict == want]
+        if pick:
+            return pick[0]
+    if eps:
+        return eps[-1]
+    raise TraceError("trace has no lookup episode to replay")
+
+
+def plan_from_trace(trace: Trace, *, request: str | None = None) -> ReplayPlan:
+    """Build the plan for ``request``'s last episode, or the trace's first mismatch.
+
+    Raises `TraceError` when the header lacks what replay needs.
+    """
+    try:
+        geometry = geometry_from_header(trace.header)
+    except ValueError as exc:
+        raise TraceError(f"cannot replay: {exc}") from exc
+    report = diff(trace, request=request, all_episodes=True)
+    v = _choose(report.episodes, request)
+
+    lk = trace.frame("lookup").filter(
+        (pl.col("instance_id") == v.instance_id) & (pl.col("episode") == v.episode)
+    )
+    st = trace.frame("store").filter(
+        (pl.col("instance_id") == v.instance_id)
+        & (pl.col("seq") < v.episode)
+        & pl.col("event").cast(pl.String).is_in(["prepared", "rejected", "completed", "failed"])
+    )
+    chain = (
+        st.join(lk.select("key").unique(), on="key", how="semi")
+        .group_by(pl.col("req_id").cast(pl.String))
+        .agg(pl.col("seq").min().alias("first"))
+        .filter(pl.col("req_id") != v.req_id)
+        .sort("first")
+        .collect()
+    )
+    eps = trace.frame("episode").filter(pl.col("instance_id") == v.instance_id).collect()
+    prompts = dict(
+        eps.select(pl.col("req_id").cast(pl.String), "num_prompt_tokens")
+        .group_by("req_id")
+        .agg(pl.col("num_prompt_tokens").max())
+        .iter_rows()
+    )
+    primes = [(rid, prompts[rid]) for rid in chain["req_id"].to_list() if rid in prompts]
+    steps = (
+        trace.frame("step")
+        .filter((pl.col("instance_id") == v.instance_id) & ~pl.col("finished"))
+        .with_columns(pl.col("req_id").cast(pl.String))
+        .sort("seq")
+        .collect()
+    )
+    # Primes: their steps before the episode; the episode's own request: its steps after it.
+    recorded_steps = [
+        steps.filter((pl.col("req_id") == rid) & (pl.col("seq") < v.episode))[
+            "scheduled_tokens"
+        ].to_list()
+        for rid, _ in primes
+    ]
+    recorded_steps.append(
+        steps.filter((pl.col("req_id") == v.req_id) & (pl.col("seq") > v.episode))[
+            "scheduled_tokens"
+        ].to_list()
+    )
+    group, chunk, cause = v.evidence()
+    return ReplayPlan(
+        geometry=geometry.to_dict(),
+        prime_lengths=[p for _, p in primes],
+        episode_length=v.num_prompt_tokens,
+        local_tokens=v.S,
+        expected_E=v.E,
+        recorded_external=v.external_tokens,
+        recorded_verdict=v.verdict,
+        binding_group=group,
+        terminal_chunk=chunk,
+        cause=cause,
+        request=v.req_id,
+        recorded_steps=recorded_steps,
+        vllm_version=str(trace.header.get("vllm_version", "?")),
+    )

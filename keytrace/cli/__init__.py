@@ -1,0 +1,71 @@
+"""Layer 5, the ``keytrace`` command line: thin click commands over library functions.
+
+Exit codes are decided here and nowhere else: a `KeytraceError` becomes its
+``exit_code`` (2 unless stated) with a one-line message on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+
+import click
+
+from keytrace._version import __version__
+from keytrace.errors import KeytraceError
+
+
+class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)  # keep the order commands were added in
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="keytrace")
+def cli() -> None:
+    """Record, diff and replay vLLM KV-offload OffloadKeys, per KV-cache group.
+
+    \b
+    Record:   KEYTRACE_DIR=/tmp/kt vllm serve ...   (pip install keytrace; no flag needed)
+    Inspect:  keytrace summary /tmp/kt
+    Diff:     keytrace diff /tmp/kt                  (exit 0 agree, 1 mismatch, 2 trouble)
+    Try it:   keytrace demo                          (real vLLM scheduler on a CPU)
+    """
+
+
+def _register() -> None:
+    from keytrace.cli import compact, demo, diff, fixture, header, replay, summary, sweep
+
+    for mod in (demo, diff, summary, header, replay, fixture, sweep, compact):
+        cli.add_command(mod.command)
+
+
+_register()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. Returns the exit code (also used by tests)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            rv = cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except KeytraceError as exc:
+        click.echo(f"keytrace: error: {exc}", err=True)
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code or 0)
+    except click.ClickException as exc:
+        exc.show()
+        return 2
+    except click.exceptions.Abort:
+        click.echo("keytrace: aborted", err=True)
+        return 2
+    except KeyboardInterrupt:
+        click.echo("keytrace: interrupted", err=True)
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`keytrace demo`: the whole loop on the real vLLM scheduler, on a CPU, in about a minute."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import click
+
+from keytrace.report.text import render_diff
+
+
+@click.command("demo")
+@click.option(
+    "--out",
+    "out_dir",
+    default=None,
+    help="A new folder for everything [default: a temporary folder].",
+)
+def command(out_dir: str | None) -> int:
+    """Record, diff, regress and sweep on a DeepSeek-V4-like geometry with an MTP group,
+    through the real vLLM 0.33.0 scheduler, OffloadingConnector and CPUOffloadingManager
+    (no GPU, no model download):
+
+    \b
+    1. 18,877 tokens with the store rule vLLM PR #48911 replaced (injected), and stock:
+       keytrace names the injected bug and agrees on stock.
+    2. 17,975 tokens on stock vLLM 0.33.0: the upstream case that still misses.
+    3. A pytest regression for the injected case (red with the bug, green without).
+    4. A sweep of stock vLLM around 17,975, as a table and a plot.
+    """
+    from keytrace.vllm.demo import run_demo
+
+    out = out_dir or tempfile.mkdtemp(prefix="keytrace-demo-")
+    res = run_demo(out, log=lambda s: click.echo(f"keytrace: {s}", err=True))
+    for run in res.runs:
+        click.echo(
+            f"\n== {run.label}: {run.num_tokens:,} tokens -> {run.external_tokens:,} external tokens"
+        )
+        render_diff(run.report, sys.stdout)
+    bad = [r for r in res.sweep if r.verdict == "mismatch"]
+    click.echo(
+        f"\n== sweep of stock vLLM: {len(bad)} of {len(res.sweep)} lengths mismatch, every one in group "
+        f"{sorted({r.binding_group for r in bad})} (SWA, MTP) with cause {sorted({r.cause for r in bad})}"
+    )
+    click.echo(f"\nwritten in {res.seconds:.0f}s under {out}:")
+    for run in res.runs:
+        click.echo(
+            f"  trace       {os.path.relpath(run.trace_dir, out)}/   ({run.label}, {run.num_tokens:,} tokens)"
+        )
+    click.echo(
+        f"  regression  {os.path.relpath(res.fixture or '', out)}   (run it: python -m pytest {res.fixture})"
+    )
+    click.echo(f"  sweep       {os.path.relpath(res.sweep_table or '', out)}")
+    for p in res.plots:
+        click.echo(f"  plot        {os.path.relpath(p, out)}")
+    click.echo(f"\nnext: keytrace diff {res.runs[2].trace_dir} --all")
+    return 0

@@ -1,0 +1,74 @@
+"""`keytrace diff`: the first terminal store/lookup mismatch, per group and key."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from keytrace.analysis.diff import diff
+from keytrace.cli._common import echo_trace_warnings, json_option, trace_paths
+from keytrace.cli._progress import progress_printer
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK
+from keytrace.format.reader import open_trace
+from keytrace.report.jsonout import write_json
+from keytrace.report.text import render_diff
+
+
+@click.command("diff")
+@trace_paths
+@click.option("--request", default=None, help="Only episodes of this request id.")
+@click.option("--engine", default=None, help="Only this engine id (or recorder instance).")
+@click.option("--rank", type=int, default=None, help="Only this data-parallel rank.")
+@click.option(
+    "--all",
+    "all_episodes",
+    is_flag=True,
+    help="Report every episode (hit, cold, deferred, explained, mismatch).",
+)
+@json_option
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr [default: on for a terminal, off with --json].",
+)
+def command(
+    paths: tuple[str, ...],
+    request: str | None,
+    engine: str | None,
+    rank: int | None,
+    all_episodes: bool,
+    as_json: bool,
+    progress: bool | None,
+) -> int:
+    """Find where lookup needed a key the store path never wrote.
+
+    TRACE is any mix of part files (store.parquet lookup.parquet, in any order), trace
+    directories and quoted globs; each part's kind comes from its metadata.
+
+    For every lookup episode keytrace computes the expected boundary E (the largest
+    boundary an earlier request on the same chain stored for, whose full-attention prefix
+    is resident) and compares it with the external tokens vLLM returned. A shortfall is
+    explained (pending, evicted, other engine) or a mismatch: then the binding group, its
+    terminal key and the cause of every chunk it needed are printed. docs/diff.md has the
+    definitions.
+
+    \b
+    Exit status: 0 no mismatch, 1 mismatch found, 2 could not decide (bad input).
+    """
+    trace = open_trace(list(paths))
+    echo_trace_warnings(trace)
+    show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
+    report = diff(
+        trace,
+        request=request,
+        engine=engine,
+        rank=rank,
+        all_episodes=all_episodes,
+        progress=progress_printer() if show else None,
+    )
+    if as_json:
+        write_json(report, sys.stdout)
+    else:
+        render_diff(report, sys.stdout)
+    return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK

@@ -1,0 +1,81 @@
+"""`keytrace replay`: rerun a recorded episode on the real vLLM scheduler (CPU)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from keytrace.analysis.plan import plan_from_trace
+from keytrace.cli._common import echo_trace_warnings, json_option, trace_paths
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, TraceError, VllmUnavailableError
+from keytrace.format.reader import open_trace
+from keytrace.report.jsonout import write_json
+
+
+@click.command("replay")
+@trace_paths
+@click.option(
+    "--request",
+    default=None,
+    help="Replay this request's last episode [default: the first mismatch].",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    default=None,
+    help="Keep the replay's own trace here [default: a temporary folder].",
+)
+@json_option
+def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as_json: bool) -> int:
+    """Rebuild the geometry from the trace header and replay one episode on the real
+    vLLM 0.33.0 scheduler: the requests that stored its chain (cold, stores acknowledged),
+    a GPU-prefix-cache-only reset, then the episode's request at identical lengths with
+    synthetic token ids. The replay is recorded and diffed; its step schedule is compared
+    with the recorded one.
+
+    \b
+    Exit status: 0 the replay agrees (no mismatch), 1 the mismatch reproduces, 2 trouble
+    (header lacks what replay needs, vLLM missing or a different version).
+    """
+    trace = open_trace(list(paths))
+    echo_trace_warnings(trace)
+    plan = plan_from_trace(trace, request=request)
+    try:
+        from keytrace.vllm.harness import SUPPORTED_VLLM
+        from keytrace.vllm.replay import replay
+    except ImportError as exc:
+        raise VllmUnavailableError(
+            f"replay needs vLLM ({exc}); pip install 'keytrace[vllm]'"
+        ) from exc
+    if plan.vllm_version != SUPPORTED_VLLM:
+        raise TraceError(
+            f"trace was recorded on vLLM {plan.vllm_version}; replay runs vllm=={SUPPORTED_VLLM}: "
+            "the scheduler rules may differ, refusing to compare"
+        )
+    if plan.local_tokens:
+        click.echo(
+            f"keytrace: note: the episode had {plan.local_tokens:,} local (GPU prefix) tokens; "
+            "the replay resets the GPU prefix cache, so it starts from 0",
+            err=True,
+        )
+    result = replay(plan.geometry, plan.prime_lengths, plan.episode_length, trace_dir=out_dir)
+    same_steps = result.steps == plan.recorded_steps
+    if as_json:
+        write_json({"plan": plan, "replay": result, "steps_match": same_steps}, sys.stdout)
+    else:
+        click.echo(
+            f"replaying request {plan.request}: primes {plan.prime_lengths or 'none'} then "
+            f"{plan.episode_length:,} tokens, budget {plan.geometry['max_num_batched_tokens']:,} "
+            f"tokens/step"
+        )
+        rec = "deferred" if plan.recorded_external is None else f"{plan.recorded_external:,}"
+        click.echo(f"recorded: external {rec}, verdict {plan.recorded_verdict}")
+        click.echo(f"replayed: {result.explain()}")
+        if same_steps:
+            click.echo("step schedule: identical to the recorded one")
+        else:
+            click.echo(
+                f"step schedule DIFFERS: recorded {plan.recorded_steps}, replayed {result.steps}"
+            )
+    return EXIT_MISMATCH if result.verdict == "mismatch" else EXIT_OK

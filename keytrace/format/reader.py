@@ -1,0 +1,276 @@
+"""Read a trace: any mix of part files, compacted files, directories and globs.
+
+Every part is checked before a row is read: it must be Parquet, carry
+``keytrace.schema_version`` equal to ``SCHEMA_VERSION``, name its kind, hold that kind's
+columns, and share one header (geometry + vLLM version) with every other part.
+
+Unreadable parts (torn by a kill, truncated copies, zero-byte files) are skipped with a
+warning naming them, and the trace is marked ``incomplete``; only when *nothing* readable is
+left does reading fail. Leftover ``.*.tmp`` files from a killed writer are ignored with a
+note. Everything else that is wrong is a `TraceError` with a one-line message naming the file.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from keytrace.errors import SchemaVersionError, TraceError
+from keytrace.format.schema import (
+    KINDS,
+    LOOKUP_RESULTS,
+    META_HEADER,
+    META_KIND,
+    META_SOURCE,
+    META_VERSION,
+    SCHEMA_VERSION,
+    SCHEMAS,
+)
+
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One readable Parquet part of a trace."""
+
+    path: str
+    kind: str
+    rows: int
+    header_json: str
+    source: dict[str, Any]
+
+
+@dataclass
+class Trace:
+    """A validated set of parts. ``frame(kind)`` gives the rows as a polars LazyFrame."""
+
+    parts: list[Part]
+    header: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def incomplete(self) -> bool:
+        """True when some part could not be read: a verdict rests on partial evidence."""
+        return bool(self.skipped)
+
+    def parts_of(self, kind: str) -> list[Part]:
+        return [p for p in self.parts if p.kind == kind]
+
+    def rows(self, kind: str) -> int:
+        return sum(p.rows for p in self.parts_of(kind))
+
+    def frame(self, kind: str) -> pl.LazyFrame:
+        """Lazily scan all parts of ``kind`` with the versioned schema (empty if none)."""
+        paths = [p.path for p in self.parts_of(kind)]
+        schema = _polars_schema(kind)
+        if not paths:
+            return pl.LazyFrame(schema=schema)
+        return pl.scan_parquet(paths, schema=schema, hive_partitioning=False)
+
+    def collect(self, kind: str) -> pl.DataFrame:
+        return self.frame(kind).collect()
+
+    @property
+    def kinds(self) -> list[str]:
+        return [k for k in KINDS if self.parts_of(k)]
+
+
+def _polars_schema(kind: str) -> dict[str, pl.DataType]:
+    empty = pl.from_arrow(SCHEMAS[kind].empty_table())
+    assert isinstance(empty, pl.DataFrame)
+    return dict(empty.schema)
+
+
+def expand_paths(paths: Sequence[str]) -> list[str]:
+    """Files, directories (searched recursively) and globs -> sorted part candidates.
+
+    Raises `TraceError` for a missing path, a glob matching nothing, or a directory with no
+    ``.parquet`` file, each naming the offending argument.
+    """
+    if not paths:
+        raise TraceError("no trace given: pass part files, a trace directory or a quoted glob")
+    out: list[str] = []
+    for arg in paths:
+        if any(c in arg for c in _GLOB_CHARS) and not os.path.exists(arg):
+            matches = sorted(glob.glob(arg, recursive=True))
+            if not matches:
+                raise TraceError(f"{arg}: the glob matches nothing")
+            for m in matches:
+                out.extend(_expand_one(m))
+            continue
+        if not os.path.exists(arg):
+            raise TraceError(f"{arg}: no such file or directory")
+        found = _expand_one(arg)
+        if os.path.isdir(arg) and not any(f.endswith(".parquet") for f in found):
+            raise TraceError(f"{arg}: directory holds no keytrace trace (no .parquet files)")
+        out.extend(found)
+    seen: set[str] = set()
+    unique = []
+    for p in out:
+        rp = os.path.realpath(p)
+        if rp not in seen:
+            seen.add(rp)
+            unique.append(p)
+    return unique
+
+
+def _expand_one(path: str) -> list[str]:
+    if os.path.isdir(path):
+        found = []
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".parquet") or f.endswith(".tmp"):
+                    found.append(os.path.join(root, f))
+        return found
+    return [path]
+
+
+def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None) -> Trace:
+    """Validate and open a trace. See the module docstring for what is checked.
+
+    ``kinds`` restricts which row kinds are kept (others are still validated).
+    """
+    if isinstance(paths, str):
+        paths = [paths]
+    candidates = expand_paths(paths)
+    parts: list[Part] = []
+    warnings: list[str] = []
+    notes: list[str] = []
+    skipped: list[str] = []
+    tmp_files = [p for p in candidates if p.endswith(".tmp")]
+    if tmp_files:
+        notes.append(
+            f"ignored {len(tmp_files)} unfinished temporary part(s) left by a killed writer "
+            f"(e.g. {tmp_files[0]})"
+        )
+    files = [p for p in candidates if not p.endswith(".tmp")]
+    if not files:
+        raise TraceError(f"{paths[0]}: nothing to read (only unfinished temporary parts)")
+    for path in files:
+        try:
+            part = _inspect(path)
+        except _Unreadable as exc:
+            skipped.append(path)
+            warnings.append(f"skipped unreadable part {path}: {exc}")
+            continue
+        parts.append(part)
+    if not parts:
+        if len(files) == 1:
+            raise TraceError(f"{files[0]}: {warnings[0].split(': ', 1)[1]}")
+        raise TraceError(
+            f"nothing readable among {len(files)} part(s); first problem: {warnings[0]}"
+        )
+    header_json = parts[0].header_json
+    for p in parts[1:]:
+        if p.header_json != header_json:
+            raise TraceError(_mixed_message(parts[0], p))
+    header = json.loads(header_json)
+    if kinds is not None:
+        keep = set(kinds)
+        parts = [p for p in parts if p.kind in keep]
+    trace = Trace(parts=parts, header=header, warnings=warnings, notes=notes, skipped=skipped)
+    _check_values(trace)
+    return trace
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def _inspect(path: str) -> Part:
+    if os.path.getsize(path) == 0:
+        raise _Unreadable("empty file (0 bytes)")
+    try:
+        pf = pq.ParquetFile(path)
+        meta = pf.schema_arrow.metadata or {}
+        rows = pf.metadata.num_rows
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "magic bytes" in msg or "footer" in msg.lower() or "size" in msg.lower():
+            raise _Unreadable(f"not a complete Parquet file ({msg})") from exc
+        raise _Unreadable(f"not readable as Parquet ({msg})") from exc
+    version = meta.get(META_VERSION)
+    if version is None:
+        raise TraceError(
+            f"{path}: not a keytrace trace (Parquet without keytrace.schema_version metadata)"
+        )
+    try:
+        v = int(version.decode())
+    except ValueError as exc:
+        raise SchemaVersionError(f"{path}: unparseable schema version {version!r}") from exc
+    if v != SCHEMA_VERSION:
+        newer = "newer" if v > SCHEMA_VERSION else "older"
+        raise SchemaVersionError(
+            f"{path}: trace schema version {v} is {newer} than this keytrace reads "
+            f"(schema version {SCHEMA_VERSION}); "
+            + ("upgrade keytrace" if v > SCHEMA_VERSION else "re-record with this keytrace")
+        )
+    kind = meta.get(META_KIND, b"").decode()
+    if kind not in SCHEMAS:
+        raise TraceError(f"{path}: unknown row kind {kind!r} (expected one of {', '.join(KINDS)})")
+    missing = [n for n in SCHEMAS[kind].names if n not in pf.schema_arrow.names]
+    if missing:
+        raise TraceError(f"{path}: {kind} part lacks column(s) {', '.join(missing)}")
+    header_json = meta.get(META_HEADER, b"").decode()
+    try:
+        json.loads(header_json)
+    except ValueError as exc:
+        raise TraceError(f"{path}: header metadata is not valid JSON") from exc
+    source_raw = meta.get(META_SOURCE, b"{}").decode()
+    try:
+        source = json.loads(source_raw)
+    except ValueError:
+        source = {}
+    return Part(path=path, kind=kind, rows=rows, header_json=header_json, source=source)
+
+
+def _mixed_message(a: Part, b: Part) -> str:
+    ha, hb = json.loads(a.header_json), json.loads(b.header_json)
+    diffs = sorted(k for k in set(ha) | set(hb) if ha.get(k) != hb.get(k))
+    what = "vLLM versions" if "vllm_version" in diffs else "geometries"
+    detail = ", ".join(diffs[:4]) + (" ..." if len(diffs) > 4 else "")
+    return (
+        f"{b.path}: mixes traces of different {what} with {a.path} (header fields differ: "
+        f"{detail}); diff one configuration at a time"
+    )
+
+
+def _check_values(trace: Trace) -> None:
+    """Reject enum columns holding values this version does not know.
+
+    One lazy pass over the dictionary-encoded ``result`` column of every lookup part; on
+    failure the parts are checked one by one so the message names the offending file.
+    """
+    parts = trace.parts_of("lookup")
+    if not parts:
+        return
+    values = set(
+        trace.frame("lookup")
+        .select(pl.col("result").cast(pl.String).unique())
+        .collect()["result"]
+        .to_list()
+    )
+    if not (values - set(LOOKUP_RESULTS) - {None}):
+        return
+    for part in parts:
+        col = pq.read_table(part.path, columns=["result"]).column("result")
+        unknown = (
+            set(pa.compute.unique(col.cast(pa.string())).to_pylist()) - set(LOOKUP_RESULTS) - {None}
+        )
+        if unknown:
+            raise TraceError(
+                f"{part.path}: unknown lookup result value(s) {', '.join(sorted(unknown))} "
+                f"(expected {', '.join(LOOKUP_RESULTS)})"
+            )

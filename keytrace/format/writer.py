@@ -1,0 +1,414 @@
+"""Crash-safe, never-raising Parquet part writer.
+
+Why closed parts and not one long-lived ``ParquetWriter``: a Parquet file is unreadable
+without its footer, so a SIGKILLed writer loses *every* row, not just the tail
+(``prior-art.md`` §4.2). Instead each flush writes one complete file under a temporary
+name (``.NAME.tmp``), closes it and ``os.replace``-s it into place, which is atomic on
+POSIX. A kill therefore loses at most the rows buffered since the last closed part.
+
+Why it never raises: it runs inside vLLM's scheduler. A full disk or a read-only
+directory must not take serving down, so every failure is caught, counted (``dropped_rows``)
+and logged once; the caller goes on.
+
+Threading: the hot path only appends to in-memory column lists under a short lock. A
+daemon thread turns buffers into Arrow tables and writes parts when a row bound or a time
+bound is reached. ``close()`` (also run at exit and on SIGTERM) flushes what is left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from keytrace._version import __version__
+from keytrace.format.schema import SCHEMAS, part_metadata
+
+log = logging.getLogger("keytrace")
+
+DEFAULT_MAX_ROWS = 262_144
+DEFAULT_MAX_SECONDS = 10.0
+_INSTANCE_COUNTER = itertools.count()
+
+
+@dataclass
+class WriterStats:
+    """Counters a caller (and tests) can read at any time."""
+
+    rows_written: int = 0
+    parts_written: int = 0
+    bytes_written: int = 0
+    dropped_rows: int = 0
+    errors: int = 0
+    rejected_calls: int = 0  # appends refused for bad input (a recorder bug, not the disk)
+
+
+class _Buffer:
+    """Buffer for one row kind.
+
+    ``calls`` holds one tuple per recorded *call* (the per-call columns, in order);
+    ``key_cols`` hold one value per *row*; ``counts`` says how many rows each call produced.
+    Per-call values are transposed and repeated at flush time, so the hot path is one tuple
+    append plus, for multi-key calls, one ``list.extend`` per per-row column.
+    """
+
+    __slots__ = ("calls", "counts", "key_cols", "rows")
+
+    def __init__(self, key_names: tuple[str, ...]) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.key_cols: dict[str, list[Any]] = {n: [] for n in key_names}
+        self.counts: list[int] = []
+        self.rows = 0
+
+
+# Which columns of each kind are per-row ("key") rather than per-call; everything else is
+# per-call. Derived columns (group_id, chunk_idx) are computed at flush from key/end_token.
+_KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "store": ("key", "end_token"),
+    "load": ("key", "end_token"),
+    "lookup": (),
+    "episode": (),
+    "step": (),
+}
+_DERIVED: dict[str, tuple[str, ...]] = {
+    "store": ("group_id", "chunk_idx"),
+    "load": ("group_id", "chunk_idx"),
+    "lookup": ("group_id", "chunk_idx"),
+    "episode": (),
+    "step": (),
+}
+
+
+def call_columns(kind: str) -> tuple[str, ...]:
+    """Per-call columns the caller must supply for ``kind`` (schema order)."""
+    skip = set(_KEY_COLUMNS[kind]) | set(_DERIVED[kind])
+    return tuple(n for n in SCHEMAS[kind].names if n not in skip)
+
+
+class TraceWriter:
+    """Buffers rows of every kind for one recorder instance and writes closed parts.
+
+    Layout: ``DIR/kind=<kind>/<instance>-<part:06d>.parquet`` (hive-style, so DuckDB, pyarrow
+    datasets and Spark read a trace directory as is). ``DIR`` is created 0700, parts 0600.
+
+    ``tokens_per_chunk`` maps group id -> tokens per chunk; it lets the flush derive
+    ``chunk_idx = end_token // tpc - 1`` for chunk-aligned keys (null for partial keys).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        header: Mapping[str, Any],
+        *,
+        engine_id: str | None = None,
+        dp_rank: int | None = None,
+        tokens_per_chunk: Mapping[int, int] | None = None,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        max_seconds: float = DEFAULT_MAX_SECONDS,
+        background: bool = True,
+    ) -> None:
+        self.directory = os.fspath(directory)
+        self.header = dict(header)
+        self.pid = os.getpid()
+        self.host = socket.gethostname()
+        self.instance = f"{self.host}-{self.pid}-{next(_INSTANCE_COUNTER)}"
+        self.instance_id = random.getrandbits(63)
+        self.engine_id = engine_id
+        self.dp_rank = dp_rank
+        self.tokens_per_chunk = dict(tokens_per_chunk or {})
+        self.max_rows = max(1, int(max_rows))
+        self.max_seconds = float(max_seconds)
+        self.stats = WriterStats()
+        self._lock = threading.Lock()
+        self._io_lock = threading.Lock()
+        self._bufs = {k: self._new_buffer(k) for k in SCHEMAS}
+        self._arity = {k: len(call_columns(k)) for k in SCHEMAS}
+        self._part_no = itertools.count()
+        self._last_flush = time.monotonic()
+        self._closed = False
+        self._warned = False
+        self._warned_reject = False
+        self._usable = self._prepare_directory()
+        self._source = {
+            "instance": self.instance,
+            "instance_id": self.instance_id,
+            "host": self.host,
+            "pid": self.pid,
+            "engine_id": engine_id,
+            "dp_rank": dp_rank,
+            "started_ns": time.time_ns(),
+        }
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, name=f"keytrace-writer-{self.instance}", daemon=True
+            )
+            self._thread.start()
+        _register_for_shutdown(self)
+
+    # ----------------------------------------------------------------- hot path
+    def append(self, kind: str, n_rows: int, call: tuple[Any, ...], **key_cols: list[Any]) -> None:
+        """Append one call producing ``n_rows`` rows. Never raises.
+
+        ``call`` holds the values of ``call_columns(kind)`` in order; ``key_cols`` the per-row
+        lists of ``_KEY_COLUMNS[kind]`` (each of length ``n_rows``).
+        """
+        try:
+            if len(call) != self._arity[kind]:
+                raise ValueError(
+                    f"{kind} call has {len(call)} values, expected {self._arity[kind]}"
+                )
+            with self._lock:
+                buf = self._bufs[kind]
+                buf.calls.append(call)
+                for name, values in key_cols.items():
+                    buf.key_cols[name].extend(values)
+                buf.counts.append(n_rows)
+                buf.rows += n_rows
+                full = buf.rows >= self.max_rows
+            if full:
+                self._wake.set()
+        except Exception as exc:  # defensive: a caller bug, never a disk problem
+            self._fail(exc, n_rows, what="rejected a row (recorder bug)")
+
+    def common(self, seq: int, ts_ns: int, step: int) -> tuple[Any, ...]:
+        """The common per-call column values, in schema order."""
+        return (
+            seq,
+            ts_ns,
+            self.instance,
+            self.instance_id,
+            self.engine_id,
+            self.dp_rank,
+            self.pid,
+            step,
+        )
+
+    # ---------------------------------------------------------------- flushing
+    def flush(self) -> None:
+        """Write every non-empty buffer as a closed part now. Never raises."""
+        with self._lock:
+            taken = {k: b for k, b in self._bufs.items() if b.rows}
+            for k in taken:
+                self._bufs[k] = self._new_buffer(k)
+            self._last_flush = time.monotonic()
+        with self._io_lock:
+            for kind, buf in taken.items():
+                self._write_part(kind, buf)
+
+    def close(self) -> None:
+        """Flush and stop the background thread. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        self.flush()
+
+    def _run(self) -> None:
+        tick = min(1.0, max(0.05, self.max_seconds / 4))
+        while not self._closed:
+            self._wake.wait(tick)
+            self._wake.clear()
+            if self._closed:
+                return
+            with self._lock:
+                rows = sum(b.rows for b in self._bufs.values())
+                due = rows and (
+                    any(b.rows >= self.max_rows for b in self._bufs.values())
+                    or time.monotonic() - self._last_flush >= self.max_seconds
+                )
+            if due:
+                self.flush()
+
+    def _new_buffer(self, kind: str) -> _Buffer:
+        return _Buffer(_KEY_COLUMNS[kind])
+
+    def _prepare_directory(self) -> bool:
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            for kind in SCHEMAS:
+                os.makedirs(os.path.join(self.directory, f"kind={kind}"), mode=0o700, exist_ok=True)
+            return True
+        except OSError as exc:
+            self._fail(exc, 0)
+            return False
+
+    def _write_part(self, kind: str, buf: _Buffer) -> None:
+        if not self._usable:
+            self.stats.dropped_rows += buf.rows
+            return
+        try:
+            table = self._to_table(kind, buf)
+            meta = part_metadata(kind, self.header, self._source, __version__)
+            table = table.replace_schema_metadata(meta)
+            folder = os.path.join(self.directory, f"kind={kind}")
+            name = f"{self.instance}-{next(self._part_no):06d}.parquet"
+            final = os.path.join(folder, name)
+            tmp = os.path.join(folder, f".{name}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    pq.write_table(
+                        table,
+                        fh,
+                        compression="zstd",
+                        use_dictionary=[c for c in table.column_names if c != "key"],
+                        row_group_size=max(len(table), 1),
+                    )
+                os.replace(tmp, final)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            self.stats.rows_written += buf.rows
+            self.stats.parts_written += 1
+            self.stats.bytes_written += os.path.getsize(final)
+        except Exception as exc:
+            self._fail(exc, buf.rows)
+
+    def _to_table(self, kind: str, buf: _Buffer) -> pa.Table:
+        schema = SCHEMAS[kind]
+        counts = np.asarray(buf.counts, dtype=np.int64)
+        expand = bool(len(counts)) and bool((counts != 1).any())
+        arrays: dict[str, pa.Array] = {}
+        names = call_columns(kind)
+        transposed = list(zip(*buf.calls, strict=True)) if buf.calls else [() for _ in names]
+        for name, values in zip(names, transposed, strict=True):
+            typ = schema.field(name).type
+            arr = pa.array(values, type=typ.value_type if pa.types.is_dictionary(typ) else typ)
+            if expand:
+                arr = arr.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+            arrays[name] = arr.dictionary_encode() if pa.types.is_dictionary(typ) else arr
+        for name, values in buf.key_cols.items():
+            arrays[name] = pa.array(values, type=schema.field(name).type)
+        if "group_id" in _DERIVED[kind]:
+            arrays["group_id"] = _group_ids(arrays["key"])
+        if "chunk_idx" in _DERIVED[kind]:
+            arrays["chunk_idx"] = self._chunk_idx(arrays["group_id"], arrays["end_token"])
+        return pa.Table.from_arrays([arrays[n] for n in schema.names], schema=schema)
+
+    def _chunk_idx(self, group_ids: pa.Array, end_tokens: pa.Array) -> pa.Array:
+        gid = group_ids.to_numpy(zero_copy_only=False)
+        end = end_tokens.to_numpy(zero_copy_only=False)
+        tpc = np.zeros(len(gid), dtype=np.float64)
+        for g, t in self.tokens_per_chunk.items():
+            tpc[gid == g] = t
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ok = (tpc > 0) & ~np.isnan(end.astype(np.float64))
+            endf = np.where(ok, end.astype(np.float64), 0)
+            tpcs = np.where(ok, tpc, 1)
+            aligned = ok & (np.mod(endf, tpcs) == 0)
+            chunk = np.where(aligned, endf // tpcs - 1, 0).astype(np.int64)
+        return pa.array(chunk, mask=~aligned, type=pa.int64())
+
+    def _fail(self, exc: BaseException, rows: int, *, what: str = "") -> None:
+        self.stats.errors += 1
+        self.stats.dropped_rows += rows
+        if what:
+            self.stats.rejected_calls += 1
+            if not self._warned_reject:
+                self._warned_reject = True
+                log.warning(
+                    "keytrace: writer %s: %s: %s; vLLM is not affected",
+                    what,
+                    type(exc).__name__,
+                    exc,
+                )
+            return
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "keytrace: cannot write trace under %s (%s: %s); recording continues in "
+                "memory only and rows are dropped. vLLM is not affected.",
+                self.directory,
+                type(exc).__name__,
+                exc,
+            )
+
+
+def _group_ids(keys: pa.Array) -> pa.Array:
+    """Vectorised ``int.from_bytes(key[-4:], 'big')`` over a binary array (nulls stay null)."""
+    if len(keys) == 0:
+        return pa.array([], type=pa.int32())
+    offsets = np.frombuffer(keys.buffers()[1], dtype=np.int32)[
+        keys.offset : keys.offset + len(keys) + 1
+    ]
+    data = (
+        np.frombuffer(keys.buffers()[2], dtype=np.uint8)
+        if keys.buffers()[2]
+        else np.zeros(0, np.uint8)
+    )
+    ends = offsets[1:]
+    valid = (ends - offsets[:-1]) >= 4
+    ends = np.where(valid, ends, 4)
+    b = [
+        data[np.maximum(ends - k, 0)].astype(np.uint32)
+        if len(data)
+        else np.zeros(len(ends), np.uint32)
+        for k in (4, 3, 2, 1)
+    ]
+    gid = (b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
+    mask = ~valid
+    if keys.null_count:
+        mask |= ~np.asarray(keys.is_valid())
+    return pa.array(gid.astype(np.int32), mask=mask, type=pa.int32())
+
+
+# ------------------------------------------------------------ shutdown handling
+_LIVE: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
+_HOOKS_INSTALLED = False
+_PREV_SIGTERM: Any = None
+
+
+def close_all() -> None:
+    """Flush and close every live writer of this process (used at exit and on SIGTERM)."""
+    for w in list(_LIVE):
+        with contextlib.suppress(Exception):
+            w.close()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    close_all()
+    prev = _PREV_SIGTERM
+    if callable(prev):
+        prev(signum, frame)
+    elif prev == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL (or unknown): die the way the default handler would
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _register_for_shutdown(writer: TraceWriter) -> None:
+    global _HOOKS_INSTALLED, _PREV_SIGTERM
+    _LIVE.add(writer)
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    atexit.register(close_all)
+    if threading.current_thread() is threading.main_thread():
+        # Chain, never replace: whoever installed a handler before us still runs after
+        # our flush. A handler installed *after* us replaces ours; atexit still flushes
+        # on the normal SystemExit path vLLM uses.
+        with contextlib.suppress(ValueError, OSError):
+            _PREV_SIGTERM = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, _on_sigterm)

@@ -1,0 +1,65 @@
+"""Plot a sweep: external tokens and E against prompt length, mismatches marked.
+
+Uses matplotlib (the ``plot`` extra), imported lazily; headless (Agg backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from keytrace.analysis.sweep import SweepRow
+from keytrace.errors import KeytraceError
+
+
+def plot_sweep(rows: Sequence[SweepRow], paths: Sequence[str], *, title: str = "") -> list[str]:
+    """Write the plot to every path (format from the suffix, e.g. .png and .svg)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise KeytraceError(
+            f"plotting needs matplotlib ({exc}); pip install 'keytrace[plot]'"
+        ) from exc
+    xs = [r.length for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
+    ax.plot(
+        xs,
+        [r.E if r.E is not None else float("nan") for r in rows],
+        color="#999999",
+        lw=1.2,
+        label="expected boundary E",
+        drawstyle="steps-post",
+    )
+    ax.plot(
+        xs,
+        [r.external for r in rows],
+        color="#1f77b4",
+        lw=1.0,
+        marker=".",
+        ms=3,
+        ls="none",
+        label="external tokens (real vLLM scheduler)",
+    )
+    bad = [r for r in rows if r.verdict == "mismatch"]
+    if bad:
+        ax.scatter(
+            [r.length for r in bad],
+            [r.external for r in bad],
+            color="#d62728",
+            marker="x",
+            s=28,
+            zorder=3,
+            label=f"mismatch ({len(bad)} of {len(rows)})",
+        )
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("tokens")
+    ax.set_title(title or "keytrace sweep")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    for p in paths:
+        fig.savefig(p)
+    plt.close(fig)
+    return list(paths)

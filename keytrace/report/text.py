@@ -1,0 +1,150 @@
+"""Text and JSON rendering of library results. Writes to a given file object only."""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+from keytrace.analysis.summary import Summary
+
+
+def fmt_int(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def render_header(header: dict[str, Any], file: IO[str]) -> None:
+    scalars = {k: v for k, v in header.items() if k not in ("groups", "lookup_order")}
+    for k in sorted(scalars):
+        file.write(f"{k:30} {scalars[k]}\n")
+    file.write(f"{'lookup_order':30} {header.get('lookup_order')}\n")
+    file.write("groups:\n")
+    cols = (
+        "group_id",
+        "kind",
+        "block_size",
+        "tokens_per_chunk",
+        "hashes_per_chunk",
+        "sliding_window",
+        "window_chunks",
+        "extra_retained_tokens",
+        "is_eagle",
+        "offloaded",
+    )
+    file.write("  " + "  ".join(f"{c:>12}" for c in cols) + "\n")
+    for g in header.get("groups", []):
+        file.write("  " + "  ".join(f"{g.get(c)!s:>12}" for c in cols) + "\n")
+
+
+def render_summary(s: Summary, file: IO[str]) -> None:
+    h = s.header
+    file.write(
+        f"trace: {s.parts} part(s) from {s.instances} recorder instance(s); vLLM {h.get('vllm_version')}, "
+        f"model {h.get('model')}, blocks_per_chunk {h.get('blocks_per_chunk')}\n"
+    )
+    file.write("rows: " + ", ".join(f"{k} {fmt_int(v)}" for k, v in s.rows.items()) + "\n\n")
+    file.write(
+        f"{'group':>5}  {'kind':<9} {'tpc':>5}  {'stored':>8} {'prepared':>8} {'rejected':>8} "
+        f"{'evicted':>7}  {'lookups':>8} {'HIT':>8} {'MISS':>8} {'PENDING':>7} {'RETRY':>5}\n"
+    )
+    for g in s.groups:
+        file.write(
+            f"{g.group_id:>5}  {g.label:<9} {fmt_int(g.tokens_per_chunk):>5}  {fmt_int(g.stored):>8} "
+            f"{fmt_int(g.prepared):>8} {fmt_int(g.rejected):>8} {fmt_int(g.evicted):>7}  "
+            f"{fmt_int(g.looked_up):>8} {fmt_int(g.hits):>8} {fmt_int(g.misses):>8} "
+            f"{fmt_int(g.pending):>7} {fmt_int(g.retries):>5}\n"
+        )
+    if s.episodes:
+        file.write(f"\nepisodes (first {len(s.episodes)}):\n")
+        file.write(
+            f"  {'request':<12} {'prompt':>8} {'local':>8} {'external':>9} {'accepted':>9}\n"
+        )
+        for e in s.episodes:
+            ext = "deferred" if e.external_tokens is None else fmt_int(e.external_tokens)
+            file.write(
+                f"  {e.req_id:<12} {fmt_int(e.num_prompt_tokens):>8} {fmt_int(e.local_tokens):>8} "
+                f"{ext:>9} {fmt_int(e.accepted_tokens):>9}\n"
+            )
+
+
+def _ranges_text(rs: list[tuple[int, int]]) -> str:
+    if not rs:
+        return "nothing"
+    return ", ".join(f"{a:,}" if a == b else f"{a:,}–{b:,}" for a, b in rs)
+
+
+def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
+    """Human evidence for one evaluated episode (a `keytrace.analysis.diff.EpisodeVerdict`)."""
+    from keytrace.analysis.diff import CAUSE_TEXT
+
+    ext = "deferred" if v.external_tokens is None else f"{v.external_tokens:,}"
+    where = f"request {v.req_id} (engine {v.engine_id or '?'}, rank {v.dp_rank}, step {v.step})"
+    e_txt = "-" if v.E is None else f"{v.E:,}"
+    file.write(
+        f"{v.verdict.upper()}: {where}: {v.num_prompt_tokens:,} prompt tokens, local {v.S:,}, "
+        f"external {ext}, expected boundary E={e_txt} (cap L={v.L:,})\n"
+    )
+    if v.reason:
+        file.write(f"  why: {v.reason}\n")
+    if v.terminal is not None:
+        t = v.terminal
+        rng = (
+            ""
+            if t.chunk is None
+            else f"chunk {t.chunk:,} (tokens {t.token_start:,}–{t.token_end:,})"
+        )
+        file.write(
+            f"  binding group {v.binding_group} ({v.binding_label}); terminal key {rng} "
+            f"looked up as {t.result}: {CAUSE_TEXT.get(t.cause, t.cause)}\n"
+        )
+    if v.binding_group is not None and v.E is not None:
+        need = [n for n in v.needed if n.group_id == v.binding_group]
+        if need:
+            lo, hi = need[0].chunk, need[-1].chunk
+            span = f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+            file.write(
+                f"  group {v.binding_group} ({v.binding_label}) needed chunks {span} for a hit at "
+                f"{v.E:,}; store wrote {_ranges_text(v.stored_chunks)} near there\n"
+            )
+    absent = [n for n in v.needed if n.cause not in ("resident", "not_looked_up")]
+    unknown = sum(1 for n in v.needed if n.cause == "not_looked_up")
+    for n in absent[:12]:
+        res = n.lookup_result or "not looked up"
+        file.write(
+            f"    group {n.group_id} chunk {n.chunk:,} [{n.token_start:,}, {n.token_end:,}): lookup {res}; "
+            f"{CAUSE_TEXT.get(n.cause, n.cause)}\n"
+        )
+    if len(absent) > 12:
+        file.write(f"    ... {len(absent) - 12} more absent chunk(s) (use --json for all)\n")
+    if unknown:
+        file.write(
+            f"    ({unknown} needed chunk(s) of groups the scan never reached; keys unknown)\n"
+        )
+
+
+def render_diff(report: Any, file: IO[str]) -> None:
+    """Verdict line first, then evidence per reported episode."""
+    if report.first_mismatch is not None:
+        v = report.first_mismatch
+        t = v.terminal
+        key_txt = (
+            "" if t is None or t.chunk is None else f", terminal chunk {t.chunk:,} ({t.result})"
+        )
+        file.write(
+            f"MISMATCH: request {v.req_id} got {v.external_tokens:,} external tokens, expected "
+            f"{(v.E or 0) - v.S:,} (E={v.E:,}); binding group {v.binding_group} ({v.binding_label}){key_txt}\n"
+        )
+    else:
+        n = sum(report.counts.values())
+        file.write(f"AGREE: no store/lookup mismatch in {n} episode(s)\n")
+    if report.counts:
+        file.write(
+            "episodes: " + ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) + "\n"
+        )
+    if report.evidence_incomplete:
+        file.write("evidence incomplete: some parts were unreadable (see warnings)\n")
+    shown = report.episodes if report.all_episodes else [v for v in [report.first_mismatch] if v]
+    for v in shown:
+        file.write("\n")
+        render_episode(v, file, header=report.header)
+    hidden = len(report.episodes) - len(shown)
+    if hidden > 0 and not report.all_episodes:
+        file.write(f"\n({hidden} more shortfall episode(s) not shown; --all lists every episode)\n")

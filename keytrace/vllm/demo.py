@@ -1,0 +1,124 @@
+"""The built-in example, end to end, through the real vLLM scheduler on a CPU.
+
+1. Record 18,877 tokens on the `dsv4` geometry with the pre-#48911 store rule injected,
+   and the same on stock vLLM 0.33.0: keytrace names the injected bug, and agrees on stock.
+2. Record 17,975 tokens on stock vLLM 0.33.0: the upstream case that still misses.
+3. Write a pytest regression for the injected case (red with the bug, green without).
+4. Sweep stock vLLM around 17,975 and plot which lengths miss.
+
+Imports vLLM lazily (inside the functions), so ``keytrace --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from keytrace.analysis.diff import DiffReport, diff
+from keytrace.analysis.geometry import builtin
+from keytrace.analysis.sweep import SweepRow
+from keytrace.errors import UsageError, VllmUnavailableError
+from keytrace.format.reader import open_trace
+
+
+@dataclass
+class DemoRun:
+    label: str
+    trace_dir: str
+    num_tokens: int
+    inject: str | None
+    external_tokens: int
+    report: DiffReport
+
+
+@dataclass
+class DemoResult:
+    out_dir: str
+    runs: list[DemoRun] = field(default_factory=list)
+    fixture: str | None = None
+    sweep: list[SweepRow] = field(default_factory=list)
+    sweep_table: str | None = None
+    plots: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _require_vllm() -> None:
+    try:
+        import keytrace.vllm.harness  # noqa: F401
+    except ImportError as exc:
+        raise VllmUnavailableError(
+            f"the demo drives the real vLLM scheduler and needs vLLM ({exc}); install it with: "
+            "pip install 'keytrace[vllm]'"
+        ) from exc
+
+
+def record_scenario(
+    trace_dir: str, geometry_name: str, num_tokens: int, *, inject: str | None = None
+) -> int:
+    """Prime/reset/resend ``num_tokens`` on a fresh harness, recording to ``trace_dir``."""
+    _require_vllm()
+    from keytrace.vllm.harness import Harness
+    from keytrace.vllm.inject import injected
+    from keytrace.vllm.patches import recording
+
+    with injected(inject), recording(trace_dir):
+        result = Harness(builtin(geometry_name), max_prompt_tokens=num_tokens).scenario(num_tokens)
+    return result.external_tokens
+
+
+def run_demo(
+    out_dir: str, *, log: Callable[[str], None] = lambda s: None, sweep_step: int = 8
+) -> DemoResult:
+    """Run the whole loop into ``out_dir`` (must be new or empty)."""
+    _require_vllm()
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise UsageError(f"{out_dir} is not empty; pass a new --out folder")
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.monotonic()
+    res = DemoResult(out_dir=out_dir)
+    for label, n, inject in (
+        ("injected pre48911", 18_877, "pre48911"),
+        ("stock", 18_877, None),
+        ("stock", 17_975, None),
+    ):
+        d = os.path.join(out_dir, f"trace-dsv4-{n}-{inject or 'stock'}")
+        log(f"recording dsv4, {n:,} tokens, {label} ...")
+        external = record_scenario(d, "dsv4", n, inject=inject)
+        res.runs.append(DemoRun(label, d, n, inject, external, diff(open_trace(d))))
+
+    from keytrace.analysis.plan import plan_from_trace
+    from keytrace.report.fixture import file_name, render_fixture
+
+    plan = plan_from_trace(open_trace(res.runs[0].trace_dir))
+    text = render_fixture(plan)
+    res.fixture = os.path.join(out_dir, file_name(plan, text))
+    with open(res.fixture, "w") as fh:
+        fh.write(text)
+
+    from keytrace.vllm.sweep import run_sweep
+
+    lengths = list(range(17_975 - 31 * sweep_step, 17_975 + 32 * sweep_step, sweep_step))
+    log(f"sweeping {len(lengths)} lengths {lengths[0]:,}..{lengths[-1]:,} on stock vLLM ...")
+    res.sweep = run_sweep(builtin("dsv4"), lengths)
+    res.sweep_table = os.path.join(out_dir, "sweep.csv")
+    with open(res.sweep_table, "w") as fh:
+        fh.write("length,E,external,verdict,binding_group,terminal_chunk,cause\n")
+        for r in res.sweep:
+            fh.write(
+                f"{r.length},{r.E},{r.external},{r.verdict},{r.binding_group},{r.terminal_chunk},{r.cause}\n"
+            )
+    try:
+        from keytrace.report.plot import plot_sweep
+
+        bad = sum(r.verdict == "mismatch" for r in res.sweep)
+        res.plots = plot_sweep(
+            res.sweep,
+            [os.path.join(out_dir, "sweep.png"), os.path.join(out_dir, "sweep.svg")],
+            title=f"stock vLLM 0.33.0, dsv4: {bad} of {len(res.sweep)} lengths mismatch",
+        )
+    except Exception as exc:  # the plot is optional (matplotlib is an extra)
+        log(f"no plot: {exc}")
+    res.seconds = time.monotonic() - t0
+    return res

@@ -1,0 +1,579 @@
+"""Drive the real vLLM 0.33.0 scheduler + OffloadingConnector + CPUOffloadingManager on a CPU.
+
+Real, unmodified vLLM: ``Scheduler`` (hybrid KV-cache coordinator, chunked prefill, GPU
+prefix cache bookkeeping), the ``OffloadingConnector`` built by the scheduler from a normal
+``kv_transfer_config`` (``build_offloading_config`` -> ``CPUOffloadingSpec`` ->
+``OffloadingConnectorScheduler``), and the ``CPUOffloadingManager`` it creates.
+
+Replaced, because a CPU cannot provide them:
+
+- the GPU worker: `AckWorker` reads each step's ``OffloadingConnectorMetadata`` and
+  acknowledges jobs the way the real worker does (stores one step after they are issued,
+  flushed jobs and loads at once, ``finished_recving`` for asynchronous loads);
+- the model: a tiny ``config.json`` written to a temporary folder (no weights are read);
+- KV-cache memory planning: the ``KVCacheConfig`` is built from a `Geometry`, then the
+  fields ``EngineCore._initialize_kv_caches`` would set are set the same way.
+
+Importing this module imports vLLM (and torch). The CLI imports it lazily.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import functools
+import json
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import vllm
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from keytrace.analysis.geometry import Geometry, GroupGeom
+from keytrace.errors import VllmUnavailableError
+
+SUPPORTED_VLLM = "0.33.0"
+_VOCAB = 32_000
+_TINY_MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": _VOCAB,
+    "torch_dtype": "float16",
+}
+
+
+def check_vllm_version() -> None:
+    """Refuse to run against a vLLM whose scheduler internals were not verified."""
+    if vllm.__version__ != SUPPORTED_VLLM:
+        raise VllmUnavailableError(
+            f"keytrace's harness is verified against vllm=={SUPPORTED_VLLM}; installed "
+            f"vllm is {vllm.__version__}"
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _model_config(max_model_len: int) -> ModelConfig:
+    """ModelConfig from a tiny local config.json; cached because it costs seconds.
+
+    The folder name is fixed per max_model_len, so every process records the same model
+    name in its header (the reader refuses traces whose headers differ).
+    """
+    folder = os.path.join(tempfile.gettempdir(), f"keytrace-tiny-llama-{max_model_len}")
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".config.json.{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump({**_TINY_MODEL, "max_position_embeddings": max_model_len}, fh)
+    os.replace(tmp, os.path.join(folder, "config.json"))
+    return ModelConfig(
+        model=folder,
+        tokenizer=None,
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        dtype="float16",
+    )
+
+
+def _spec(g: GroupGeom) -> KVCacheSpec:
+    common: dict[str, Any] = dict(
+        block_size=g.block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
+    )
+    if g.kind == "mla":
+        return MLAAttentionSpec(**{**common, "head_size": 32}, is_draft=g.eagle)
+    if g.kind == "full_attention":
+        return FullAttentionSpec(**common, is_draft=g.eagle)
+    assert g.sliding_window is not None
+    return SlidingWindowSpec(
+        **common,
+        sliding_window=g.sliding_window,
+        extra_retained_tokens=g.extra_retained_tokens,
+        is_draft=g.eagle,
+    )
+
+
+def default_num_gpu_blocks(geometry: Geometry, max_prompt_tokens: int | None = None) -> int:
+    """Enough GPU blocks for two requests of the longest prompt in every group.
+
+    The pool is bookkeeping only, but building it costs time per block, so a harness that
+    knows its longest prompt sizes the pool to it instead of to ``max_model_len``.
+    """
+    tokens = min(geometry.max_model_len, (max_prompt_tokens or geometry.max_model_len) + 64)
+    per_req = sum(-(-tokens // g.block_size) + 2 for g in geometry.groups)
+    return 2 * per_req + 64
+
+
+def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfig:
+    """A VllmConfig whose KV transfer config names the real OffloadingConnector."""
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": cpu_bytes_to_use,
+        "blocks_per_chunk": geometry.blocks_per_chunk,
+        **geometry.extra,
+    }
+    cache = CacheConfig(
+        block_size=min(g.block_size for g in geometry.groups),
+        enable_prefix_caching=True,
+        prefix_cache_retention_interval=geometry.retention_interval,
+    )
+    sched = SchedulerConfig(
+        max_num_batched_tokens=geometry.max_num_batched_tokens,
+        max_num_seqs=16,
+        max_model_len=geometry.max_model_len,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=geometry.long_prefill_token_threshold,
+        async_scheduling=geometry.async_scheduling,
+        is_encoder_decoder=False,
+    )
+    config = VllmConfig(
+        model_config=_model_config(geometry.max_model_len),
+        cache_config=cache,
+        scheduler_config=sched,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+    )
+    # CUDA resolves the HMA on for this connector; a CPU-only platform may not. After
+    # __post_init__ the flag is read only by the connector factory's HMA check and by
+    # planning, which the harness replaces (cpu-scheduler-harness.md).
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    # The CPU platform turns async scheduling off; CUDA's uniproc executor keeps an explicit
+    # request on. The flag only selects scheduling behaviour that the harness drives itself
+    # (AsyncScheduler, output of step t applied after step t + 1 is scheduled).
+    config.scheduler_config.async_scheduling = geometry.async_scheduling
+    _check_unchanged(config, geometry)
+    return config
+
+
+def _check_unchanged(config: VllmConfig, geometry: Geometry) -> None:
+    sc, cc = config.scheduler_config, config.cache_config
+    problems = []
+    if sc.max_num_batched_tokens != geometry.max_num_batched_tokens:
+        problems.append(f"max_num_batched_tokens={sc.max_num_batched_tokens}")
+    if not sc.enable_chunked_prefill:
+        problems.append("chunked prefill disabled")
+    if not cc.enable_prefix_caching:
+        problems.append("prefix caching disabled")
+    if cc.prefix_cache_retention_interval != geometry.retention_interval:
+        problems.append(f"retention_interval={cc.prefix_cache_retention_interval}")
+    if bool(sc.async_scheduling) != geometry.async_scheduling:
+        problems.append(f"async_scheduling={sc.async_scheduling}")
+    if problems:
+        raise RuntimeError("VllmConfig changed the geometry: " + ", ".join(problems))
+
+
+def build_kv_cache_config(
+    geometry: Geometry, config: VllmConfig, *, max_prompt_tokens: int | None = None
+) -> KVCacheConfig:
+    """The KVCacheConfig planning would produce, with the fields EngineCore then sets."""
+    groups = [
+        KVCacheGroupSpec([f"layer.{i}.{g.name or g.kind}"], _spec(g), is_eagle_group=g.eagle)
+        for i, g in enumerate(geometry.groups)
+    ]
+    kv = KVCacheConfig(
+        num_blocks=geometry.num_gpu_blocks or default_num_gpu_blocks(geometry, max_prompt_tokens),
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+    )
+    kv.prefix_cache_retention_interval = geometry.retention_interval
+    config.cache_config.num_gpu_blocks = kv.num_blocks
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv, config)
+    kv.hash_block_size = hash_bs
+    kv.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv, config, sched_bs, hash_bs
+    )
+    return kv
+
+
+def _chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
+    """Bytes per CPU chunk exactly as CPUOffloadingSpec computes them (world size 1)."""
+    from vllm.utils.math_utils import round_up
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    per_block = sum(
+        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv.kv_cache_groups
+    )
+    return round_up(per_block * geometry.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+
+
+# ------------------------------------------------------------------ fake worker
+class AckWorker:
+    """Stands in for the GPU worker: acknowledges transfer jobs, moves no bytes.
+
+    Timing follows ``OffloadingConnectorWorker``: stores issued at step t are submitted at
+    the start of step t+1 and reported complete in t+1's output; flushed jobs are waited
+    for (complete at once); loads complete in the step they are issued, asynchronous
+    ones also report their request in ``finished_recving``.
+    """
+
+    def __init__(self) -> None:
+        self.deferred_stores: list[int] = []
+        self.acked: set[int] = set()
+        self.stores_issued = 0
+        self.loads_issued = 0
+
+    def run(self, meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
+        completed: dict[int, int] = {}
+        flush = set(meta.jobs_to_flush or ())
+        for job in self.deferred_stores:
+            completed[job] = 1
+        self.deferred_stores = []
+        for job in meta.store_jobs:
+            self.stores_issued += 1
+            if job in flush:
+                completed[job] = 1
+            else:
+                self.deferred_stores.append(job)
+        recving: set[str] = set()
+        for job, entry in meta.load_jobs.items():
+            self.loads_issued += 1
+            completed[job] = 1
+            if not entry.sync:
+                recving.add(entry.req_id)
+        completed = {j: c for j, c in completed.items() if j not in self.acked}
+        self.acked.update(completed)
+        return KVConnectorOutput(
+            finished_sending=set(),
+            finished_recving=recving,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self.deferred_stores
+
+
+# ---------------------------------------------------------------------- results
+@dataclass
+class EpisodeObservation:
+    """What the harness saw at the connector's public API for one request."""
+
+    req_id: str
+    num_prompt_tokens: int
+    lookups: list[tuple[int, int | None]] = field(default_factory=list)  # (local, external)
+    accepted: list[int | None] = field(default_factory=list)  # per lookup; None: no alloc
+
+    @property
+    def local_tokens(self) -> int:
+        return self.lookups[-1][0] if self.lookups else 0
+
+    @property
+    def external_tokens(self) -> int:
+        """External tokens of the last non-deferred lookup (0 if every lookup deferred)."""
+        for _, ext in reversed(self.lookups):
+            if ext is not None:
+                return ext
+        return 0
+
+    @property
+    def accepted_tokens(self) -> int:
+        """External tokens the core scheduler accepted after the last lookup."""
+        return (self.accepted[-1] or 0) if self.accepted else 0
+
+
+@dataclass
+class ScenarioResult:
+    """Outcome of prime -> GPU-only reset -> identical request."""
+
+    num_tokens: int
+    prime: EpisodeObservation
+    replay: EpisodeObservation
+    steps: int
+
+    @property
+    def local_tokens(self) -> int:
+        return self.replay.local_tokens
+
+    @property
+    def external_tokens(self) -> int:
+        return self.replay.external_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.replay.accepted_tokens
+
+
+# ---------------------------------------------------------------------- harness
+class Harness:
+    """One real scheduler-side offloading setup built from a `Geometry`."""
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        seed: int = 0,
+        dp_rank: int | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        check_vllm_version()
+        from keytrace.vllm.inject import apply_from_env
+
+        apply_from_env()  # KEYTRACE_INJECT=name: a generated regression's red run
+        self.geometry = geometry
+        self.seed = seed
+        probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
+        kv_probe = build_kv_cache_config(geometry, probe)
+        self.cpu_bytes_to_use = geometry.cpu_chunks * _chunk_bytes(geometry, kv_probe)
+        self.vllm_config = build_vllm_config(geometry, cpu_bytes_to_use=self.cpu_bytes_to_use)
+        if dp_rank is not None:
+            self.vllm_config.parallel_config.data_parallel_index = dp_rank
+            self.vllm_config.parallel_config.data_parallel_rank = dp_rank
+        self.kv_cache_config = build_kv_cache_config(
+            geometry, self.vllm_config, max_prompt_tokens=max_prompt_tokens
+        )
+        sched_bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
+        self.hash_block_size = hash_bs
+        cls = AsyncScheduler if geometry.async_scheduling else Scheduler
+        self.scheduler = cls(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=sched_bs,
+            hash_block_size=hash_bs,
+            log_stats=False,
+        )
+        connector = self.scheduler.connector
+        if connector is None or type(connector).__name__ != "OffloadingConnector":
+            raise RuntimeError(f"scheduler built connector {type(connector).__name__}")
+        self.connector = connector
+        self.connector_scheduler = connector.connector_scheduler
+        self.manager = self.connector_scheduler.manager
+        self._check_built()
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(hash_bs, hash_fn)
+        self.worker = AckWorker()
+        self.observations: dict[str, EpisodeObservation] = {}
+        self.step_count = 0
+        self.digests: list[tuple[Any, ...]] = []  # one per step: what the scheduler decided
+        self._req_counter = 0
+        self._observe_connector()
+        self._pending_async: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    # ------------------------------------------------------------ construction
+    def _check_built(self) -> None:
+        """The connector must have exactly the geometry asked for, and a real manager."""
+        manager = self.manager
+        base = manager
+        while not isinstance(base, CPUOffloadingManager) and hasattr(base, "__wrapped__"):
+            base = base.__wrapped__
+        if not isinstance(base, CPUOffloadingManager):
+            raise RuntimeError(f"expected CPUOffloadingManager, got {type(base).__name__}")
+        num_chunks = getattr(base, "_num_chunks", None)
+        if num_chunks is None:
+            num_chunks = getattr(getattr(base, "info", None), "num_chunks", None)
+        if num_chunks is not None and num_chunks != self.geometry.cpu_chunks:
+            raise RuntimeError(
+                f"CPU manager has {num_chunks} chunks, asked for {self.geometry.cpu_chunks}"
+            )
+        cfgs = self.connector_scheduler.config.kv_group_configs
+        if len(cfgs) != len(self.geometry.groups):
+            raise RuntimeError(
+                f"{len(cfgs)} offloaded groups, geometry has {len(self.geometry.groups)}"
+            )
+        for cfg, g in zip(cfgs, self.geometry.groups, strict=True):
+            if cfg.tokens_per_chunk != g.block_size * self.geometry.blocks_per_chunk:
+                raise RuntimeError(
+                    f"group {cfg.group_idx}: tokens_per_chunk {cfg.tokens_per_chunk}"
+                )
+            if bool(cfg.is_eagle_group) != g.eagle:
+                raise RuntimeError(f"group {cfg.group_idx}: is_eagle_group {cfg.is_eagle_group}")
+            if (cfg.sliding_window_size_in_chunks is None) != (g.sliding_window is None):
+                raise RuntimeError(
+                    f"group {cfg.group_idx}: window {cfg.sliding_window_size_in_chunks}"
+                )
+
+    def _observe_connector(self) -> None:
+        """Instance-level observers on the connector's public API (harness-owned)."""
+        conn = self.connector
+        orig_lookup = conn.get_num_new_matched_tokens
+        orig_alloc = conn.update_state_after_alloc
+
+        def get_num_new_matched_tokens(request: Request, num_computed_tokens: int) -> Any:
+            result = orig_lookup(request, num_computed_tokens)
+            obs = self.observations.get(request.request_id)
+            if obs is not None:
+                obs.lookups.append((num_computed_tokens, result[0]))
+                obs.accepted.append(None)
+            return result
+
+        def update_state_after_alloc(
+            request: Request, blocks: Any, num_external_tokens: int
+        ) -> Any:
+            obs = self.observations.get(request.request_id)
+            # The first allocation after a lookup carries its accepted count; later
+            # calls (e.g. when an async load resumes the request) pass 0.
+            if obs is not None and obs.accepted and obs.accepted[-1] is None:
+                obs.accepted[-1] = num_external_tokens
+            return orig_alloc(request, blocks, num_external_tokens)
+
+        conn.get_num_new_matched_tokens = get_num_new_matched_tokens
+        conn.update_state_after_alloc = update_state_after_alloc
+
+    # ---------------------------------------------------------------- requests
+    def tokens(self, n: int, *, chain: int = 0) -> list[int]:
+        """Deterministic synthetic token ids; equal ``chain`` means equal prefixes."""
+        base = (self.seed * 1_000_003 + chain * 7919) % 9973
+        return [(base + i * 31 + (i // 997)) % (_VOCAB - 100) + 50 for i in range(n)]
+
+    def submit(self, num_tokens: int, *, chain: int = 0, max_tokens: int = 1) -> str:
+        """Add a request of ``num_tokens`` synthetic prompt tokens; returns its id."""
+        self._req_counter += 1
+        req_id = f"r{self._req_counter}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=self.tokens(num_tokens, chain=chain),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+        self.observations[req_id] = EpisodeObservation(req_id, num_tokens)
+        self.scheduler.add_request(req)
+        return req_id
+
+    # ------------------------------------------------------------------- steps
+    def step(self) -> SchedulerOutput:
+        """One engine step: schedule, fake worker, model output, update."""
+        out = self.scheduler.schedule()
+        self.step_count += 1
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        self.digests.append(_digest(out, meta))
+        kv_out = self.worker.run(meta)
+        mro = self._model_output(out, kv_out)
+        if self.geometry.async_scheduling:
+            if self._pending_async is not None:
+                self.scheduler.update_from_output(*self._pending_async)
+            self._pending_async = (out, mro)
+        else:
+            self.scheduler.update_from_output(out, mro)
+        return out
+
+    def _model_output(self, out: SchedulerOutput, kv_out: KVConnectorOutput) -> ModelRunnerOutput:
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = self.scheduler.requests.get(rid)
+            # The real runner samples only once the request's known tokens are computed.
+            done = req is not None and req.num_computed_tokens >= req.num_tokens
+            sampled.append([7] if done else [])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+
+    def run_until_idle(self, max_steps: int = 100_000) -> int:
+        """Step until no request is left and every store was acknowledged."""
+        steps = 0
+        quiet = 0
+        while quiet < 2:
+            if steps >= max_steps:
+                raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
+            self.step()
+            steps += 1
+            busy = self.scheduler.has_requests() or not self.worker.idle
+            quiet = 0 if busy else quiet + 1
+        if self._pending_async is not None:
+            self.scheduler.update_from_output(*self._pending_async)
+            self._pending_async = None
+        return steps
+
+    def reset_gpu_prefix_cache(self) -> None:
+        """Drop the GPU prefix cache only; the CPU tier keeps what it stored."""
+        if not self.scheduler.reset_prefix_cache(reset_connector=False):
+            raise RuntimeError("GPU prefix cache reset refused (requests still running)")
+
+    def scenario(self, num_tokens: int, *, chain: int = 0) -> ScenarioResult:
+        """Prime ``num_tokens`` (stores acknowledged), reset GPU cache, resend, observe."""
+        first = self.submit(num_tokens, chain=chain)
+        steps = self.run_until_idle()
+        self.reset_gpu_prefix_cache()
+        second = self.submit(num_tokens, chain=chain)
+        steps += self.run_until_idle()
+        return ScenarioResult(
+            num_tokens=num_tokens,
+            prime=self.observations[first],
+            replay=self.observations[second],
+            steps=steps,
+        )
+
+    # ----------------------------------------------------------------- helpers
+    def cpu_keys(self) -> dict[bytes, bool]:
+        """Keys the real CPU manager holds now -> ready flag (read-only inspection)."""
+        base = self.manager
+        while not isinstance(base, CPUOffloadingManager) and hasattr(base, "__wrapped__"):
+            base = base.__wrapped__
+        return _policy_keys(base)
+
+
+def _digest(out: SchedulerOutput, meta: OffloadingConnectorMetadata) -> tuple[Any, ...]:
+    """A comparable summary of one step's scheduling and transfer decisions."""
+
+    def spec_ids(spec: Any) -> tuple[int, ...]:
+        ids = getattr(spec, "block_ids", None)
+        return tuple(int(x) for x in ids) if ids is not None else ()
+
+    return (
+        tuple(sorted(out.num_scheduled_tokens.items())),
+        tuple(sorted(out.finished_req_ids or ())),
+        tuple(sorted((j, t.req_id, spec_ids(t.src_spec)) for j, t in meta.store_jobs.items())),
+        tuple(
+            sorted((j, t.req_id, spec_ids(t.dst_spec), t.sync) for j, t in meta.load_jobs.items())
+        ),
+        tuple(sorted(meta.jobs_to_flush or ())),
+    )
+
+
+def _policy_keys(manager: CPUOffloadingManager) -> dict[bytes, bool]:
+    policy = getattr(manager, "_policy", None) or getattr(manager, "policy", None)
+    for attr in ("chunks", "blocks", "_blocks", "cache", "_cache"):
+        table = getattr(policy, attr, None)
+        if isinstance(table, dict):
+            return {bytes(k): bool(getattr(v, "is_ready", True)) for k, v in table.items()}
+    raise RuntimeError("cannot read the CPU manager's key table")

@@ -1,0 +1,117 @@
+"""Build the trace header from live vLLM objects (plain JSON-able values only).
+
+Only non-volatile configuration goes here: two processes recording the same configuration
+produce byte-identical headers, which is what lets the reader refuse mixed traces.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from keytrace.vllm.compat import vllm_version
+
+
+def _kind(spec: Any) -> str:
+    names = [c.__name__ for c in type(spec).__mro__]
+    if "MambaSpec" in names:
+        return "mamba"
+    if "ChunkedLocalAttentionSpec" in names:
+        return "chunked_local"
+    if "SlidingWindowMLASpec" in names or "SlidingWindowSpec" in names:
+        return "sliding_window"
+    if "MLAAttentionSpec" in names:
+        return "mla"
+    if "FullAttentionSpec" in names:
+        return "full_attention"
+    return type(spec).__name__
+
+
+def _model_name(model: Any) -> str:
+    name = str(model or "")
+    # A local folder's path differs per machine; its last component names it.
+    return os.path.basename(name.rstrip("/")) if os.path.isabs(name) else name
+
+
+def build_header(sched: Any, spec: Any, vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """The header for one ``OffloadingConnectorScheduler`` (after its ``__init__``)."""
+    cfg = sched.config
+    by_gid = {c.group_idx: (i, c) for i, c in enumerate(cfg.kv_group_configs)}
+    groups = []
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        kspec = group.kv_cache_spec
+        idx, c = by_gid.get(gid, (None, None))
+        groups.append(
+            {
+                "group_id": gid,
+                "offload_index": idx,
+                "offloaded": c is not None,
+                "kind": _kind(kspec),
+                "spec_class": type(kspec).__name__,
+                "block_size": int(kspec.block_size),
+                "tokens_per_block": int(c.tokens_per_block) if c else None,
+                "tokens_per_chunk": int(c.tokens_per_chunk) if c else None,
+                "hashes_per_chunk": int(c.hashes_per_chunk) if c else None,
+                "sliding_window": getattr(kspec, "sliding_window", None),
+                "window_chunks": c.sliding_window_size_in_chunks if c else None,
+                "extra_retained_tokens": int(getattr(kspec, "extra_retained_tokens", 0) or 0),
+                "is_eagle": bool(c.is_eagle_group) if c else bool(group.is_eagle_group),
+                "requires_cow_source": bool(c.requires_cow_source) if c else False,
+                "manager_cls": c.manager_cls.__name__ if c else None,
+            }
+        )
+    manager = sched.manager
+    cc = vllm_config.cache_config
+    sc = vllm_config.scheduler_config
+    spec_cfg = vllm_config.speculative_config
+    extra = dict(getattr(spec, "extra_config", {}) or {})
+    return {
+        "vllm_version": vllm_version(),
+        "groups": groups,
+        "lookup_order": [cfg.kv_group_configs[i].group_idx for i in sched._lookup_groups],
+        "blocks_per_chunk": int(cfg.blocks_per_chunk),
+        "tokens_per_hash": int(cfg.tokens_per_hash),
+        "alignment_tokens": cfg.alignment_tokens,
+        "cache_hit_alignment_tokens": kv_cache_config.cache_hit_alignment_tokens,
+        "retention_interval": cfg.retention_interval,
+        "offload_prompt_only": bool(cfg.offload_prompt_only),
+        "supports_partial_tail": bool(cfg.supports_partial_tail),
+        "dcp_world_size": int(cfg.dcp_world_size),
+        "world_size": int(cfg.num_workers),
+        "cpu_num_chunks": getattr(manager, "_num_chunks", None),
+        "manager_class": type(manager).__name__,
+        "eviction_policy": str(
+            extra.get("eviction_policy", getattr(spec, "eviction_policy", "lru"))
+        ),
+        "store_threshold": int(
+            extra.get("store_threshold", getattr(manager, "store_threshold", 0)) or 0
+        ),
+        "enable_prefix_caching": bool(cc.enable_prefix_caching),
+        "hash_algo": str(cc.prefix_caching_hash_algo),
+        "pythonhashseed_set": "PYTHONHASHSEED" in os.environ,
+        "cache_block_size": int(cc.block_size),
+        "num_gpu_blocks": int(kv_cache_config.num_blocks),
+        "spec_method": getattr(spec_cfg, "method", None) if spec_cfg else None,
+        "num_speculative_tokens": getattr(spec_cfg, "num_speculative_tokens", None)
+        if spec_cfg
+        else None,
+        "model": _model_name(vllm_config.model_config.model),
+        "max_model_len": int(vllm_config.model_config.max_model_len),
+        "max_num_batched_tokens": int(sc.max_num_batched_tokens),
+        "long_prefill_token_threshold": int(sc.long_prefill_token_threshold or 0),
+        "async_scheduling": bool(sc.async_scheduling),
+    }
+
+
+def engine_identity(vllm_config: Any) -> tuple[str | None, int | None]:
+    """(engine_id, data-parallel rank) of the process building the scheduler."""
+    kt = vllm_config.kv_transfer_config
+    engine_id = getattr(kt, "engine_id", None) if kt is not None else None
+    pc = vllm_config.parallel_config
+    rank = getattr(pc, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(pc, "data_parallel_rank", None)
+    return (
+        str(engine_id) if engine_id is not None else None,
+        int(rank) if rank is not None else None,
+    )

@@ -1,0 +1,37 @@
+"""vLLM plugin entry point: ``KEYTRACE_DIR=/dir vllm serve ...`` records OffloadKeys.
+
+vLLM calls `register` in every process it starts, possibly more than once. It returns at
+once unless ``KEYTRACE_DIR`` is set, and importing this package imports neither vLLM nor
+polars nor click, so an unset variable costs nothing. If ``VLLM_PLUGINS`` is set as an
+allowlist it must include ``keytrace``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ENV_DIR = "KEYTRACE_DIR"
+
+log = logging.getLogger("keytrace")
+
+
+def register() -> None:
+    """Install the recording hooks when ``KEYTRACE_DIR`` is set; otherwise do nothing."""
+    directory = os.environ.get(ENV_DIR)
+    if not directory:
+        return
+    try:
+        from keytrace.vllm.inject import apply_from_env
+        from keytrace.vllm.patches import install
+
+        apply_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
+        if install(directory):
+            log.info("keytrace: recording offload store/lookup keys under %s", directory)
+    except Exception as exc:  # never break vLLM start-up
+        log.warning(
+            "keytrace: hooks not installed (%s: %s); vLLM is unaffected", type(exc).__name__, exc
+        )
+
+
+__all__ = ["ENV_DIR", "register"]

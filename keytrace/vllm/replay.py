@@ -1,0 +1,108 @@
+"""Replay a recorded episode through the real vLLM scheduler on a CPU (imports vLLM lazily).
+
+Used by `keytrace replay` and by every generated regression test: the prime requests that
+stored the episode's chain run cold and have their stores acknowledged, the GPU prefix cache
+(only) is reset, then the episode's request runs. Everything is recorded and diffed, so a
+failing regression explains itself with the binding group, terminal chunk and cause.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from keytrace.analysis.diff import CAUSE_TEXT, diff
+from keytrace.analysis.geometry import Geometry
+from keytrace.format.reader import open_trace
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    external_tokens: int
+    local_tokens: int
+    expected_E: int | None
+    verdict: str
+    binding_group: int | None
+    binding_label: str | None
+    terminal_chunk: int | None
+    cause: str | None
+    reason: str
+    steps: list[list[int]]
+    trace_dir: str
+
+    def explain(self) -> str:
+        """One paragraph for an assertion message."""
+        e = "-" if self.expected_E is None else f"{self.expected_E:,}"
+        msg = f"replay got {self.external_tokens:,} external tokens; expected boundary E={e}; verdict {self.verdict}"
+        if self.binding_group is not None:
+            msg += f"; binding group {self.binding_group} ({self.binding_label})"
+        if self.terminal_chunk is not None:
+            msg += f", terminal chunk {self.terminal_chunk:,}"
+        if self.cause is not None:
+            msg += f": {CAUSE_TEXT.get(self.cause, self.cause)}"
+        if self.reason:
+            msg += f" ({self.reason})"
+        return msg + f"; trace: {self.trace_dir}"
+
+
+def replay(
+    geometry: Geometry | dict[str, Any],
+    prime_lengths: Sequence[int],
+    episode_length: int,
+    *,
+    trace_dir: str | os.PathLike[str] | None = None,
+    inject: str | None = None,
+) -> ReplayResult:
+    """Prime, reset the GPU prefix cache, run the episode's request; record and diff it."""
+    from keytrace.vllm.harness import Harness
+    from keytrace.vllm.inject import injected
+    from keytrace.vllm.patches import recording
+
+    geo = geometry if isinstance(geometry, Geometry) else Geometry.from_dict(geometry)
+    d = (
+        os.fspath(trace_dir)
+        if trace_dir is not None
+        else tempfile.mkdtemp(prefix="keytrace-replay-")
+    )
+    longest = max([episode_length, *prime_lengths])
+    order: list[str] = []
+    with injected(inject), recording(d):
+        h = Harness(geo, max_prompt_tokens=longest)
+        for n in prime_lengths:
+            order.append(h.submit(n, chain=0))
+            h.run_until_idle()
+        if prime_lengths:
+            h.reset_gpu_prefix_cache()
+        rid = h.submit(episode_length, chain=0)
+        order.append(rid)
+        h.run_until_idle()
+    trace = open_trace(d)
+    report = diff(trace, request=rid, all_episodes=True)
+    v = report.episodes[-1]
+    steps_df = (
+        trace.frame("step")
+        .filter(~pl.col("finished"))
+        .with_columns(pl.col("req_id").cast(pl.String))
+        .sort("seq")
+        .collect()
+    )
+    steps = [steps_df.filter(pl.col("req_id") == r)["scheduled_tokens"].to_list() for r in order]
+    group, chunk, cause = v.evidence()
+    return ReplayResult(
+        external_tokens=h.observations[rid].external_tokens,
+        local_tokens=h.observations[rid].local_tokens,
+        expected_E=v.E,
+        verdict=v.verdict,
+        binding_group=group,
+        binding_label=v.binding_label if group is not None else None,
+        terminal_chunk=chunk,
+        cause=cause,
+        reason=v.reason if group is not None else "",
+        steps=steps,
+        trace_dir=d,
+    )
