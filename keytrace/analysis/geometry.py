@@ -182,6 +182,7 @@ def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dic
     alignment = fa_tpc.pop() if len(fa_tpc) == 1 else None
     return {
         "vllm_version": vllm_version,
+        "vllm_modified": [],
         "groups": groups,
         "lookup_order": fa + [g["group_id"] for g in swa],
         "blocks_per_chunk": bpc,

@@ -29,6 +29,10 @@ log = logging.getLogger("keytrace")
 _SEQ = itertools.count()
 """One sequence shared by every recorder and kind in this process: total order of calls."""
 
+_FAILURES_LOGGED: set[str] = set()
+"""Where a failure was already logged in this process: one line per place, not per row or
+per scheduler (a test suite builds thousands of schedulers)."""
+
 
 class Recorder:
     """Builds rows for one scheduler instance. See the module docstring."""
@@ -66,14 +70,13 @@ class Recorder:
         self._last_lookup_gid: int | None = None
         self._pending_episode: dict[str, list[Any]] = {}
         self.failures = 0
-        self._failure_logged = False
 
     # ------------------------------------------------------------------ errors
     def fail(self, where: str, exc: BaseException) -> None:
-        """Count a recorder failure; log it once. vLLM goes on untouched."""
+        """Count a recorder failure; log it once per place and process. vLLM goes on untouched."""
         self.failures += 1
-        if not self._failure_logged:
-            self._failure_logged = True
+        if where not in _FAILURES_LOGGED:
+            _FAILURES_LOGGED.add(where)
             log.warning(
                 "keytrace: recording failed in %s (%s: %s); vLLM is unaffected, this row "
                 "and later failures are dropped and counted",
@@ -92,7 +95,7 @@ class Recorder:
         num_tokens: int,
         num_hashes: int,
     ) -> None:
-        self._close_episode(req_id)
+        self.close_episode(req_id)
         self.episode = next(_SEQ)
         self.scan = -1
         self._last_lookup_gid = None
@@ -120,16 +123,16 @@ class Recorder:
                 # Nothing will be allocated from the tier; the row is final now, except
                 # that a 0 result can still be followed by an allocation of 0.
                 row[7] = 0 if external == 0 else None
-                self._close_episode(req_id)
+                self.close_episode(req_id)
         self.scan = -1
 
     def accepted(self, req_id: str, num_external_tokens: int) -> None:
         row = self._pending_episode.get(req_id)
         if row is not None and row[7] is None:
             row[7] = num_external_tokens
-            self._close_episode(req_id)
+            self.close_episode(req_id)
 
-    def _close_episode(self, req_id: str) -> None:
+    def close_episode(self, req_id: str) -> None:
         row = self._pending_episode.pop(req_id, None)
         if row is None:
             return
@@ -138,7 +141,7 @@ class Recorder:
 
     def close_all_episodes(self) -> None:
         for req_id in list(self._pending_episode):
-            self._close_episode(req_id)
+            self.close_episode(req_id)
 
     # ----------------------------------------------------------------- lookups
     def begin_scan(self) -> None:

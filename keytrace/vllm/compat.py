@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-SUPPORTED_VLLM = "0.33.0"
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 SCHEDULER_CLASS = "OffloadingConnectorScheduler"
 BASE_MODULE = "vllm.v1.kv_offload.base"

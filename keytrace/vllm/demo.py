@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from keytrace.analysis.diff import DiffReport, diff
 from keytrace.analysis.geometry import builtin
 from keytrace.analysis.sweep import SweepRow
-from keytrace.errors import UsageError, VllmUnavailableError
+from keytrace.errors import UsageError
 from keytrace.format.reader import open_trace
+from keytrace.vllm import require_vllm
 
 
 @dataclass
@@ -44,24 +45,13 @@ class DemoResult:
     seconds: float = 0.0
 
 
-def _require_vllm() -> None:
-    try:
-        import keytrace.vllm.harness  # noqa: F401
-    except ImportError as exc:
-        raise VllmUnavailableError(
-            f"the demo drives the real vLLM scheduler and needs vLLM ({exc}); install it with: "
-            "pip install 'keytrace[vllm]'"
-        ) from exc
-
-
 def record_scenario(
     trace_dir: str, geometry_name: str, num_tokens: int, *, inject: str | None = None
 ) -> int:
     """Prime/reset/resend ``num_tokens`` on a fresh harness, recording to ``trace_dir``."""
-    _require_vllm()
+    require_vllm()
     from keytrace.vllm.harness import Harness
-    from keytrace.vllm.inject import injected
-    from keytrace.vllm.patches import recording
+    from keytrace.vllm.patches import injected, recording
 
     with injected(inject), recording(trace_dir):
         result = Harness(builtin(geometry_name), max_prompt_tokens=num_tokens).scenario(num_tokens)
@@ -72,7 +62,7 @@ def run_demo(
     out_dir: str, *, log: Callable[[str], None] = lambda s: None, sweep_step: int = 8
 ) -> DemoResult:
     """Run the whole loop into ``out_dir`` (must be new or empty)."""
-    _require_vllm()
+    require_vllm()
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UsageError(f"{out_dir} is not empty; pass a new --out folder")
     os.makedirs(out_dir, exist_ok=True)

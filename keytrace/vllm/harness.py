@@ -23,7 +23,6 @@ import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import functools
 import json
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import vllm
 from vllm.config import (
     CacheConfig,
     KVTransferConfig,
@@ -69,9 +67,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from keytrace.analysis.geometry import Geometry, GroupGeom
-from keytrace.errors import VllmUnavailableError
+from keytrace.vllm import require_vllm
 
-SUPPORTED_VLLM = "0.33.0"
 _VOCAB = 32_000
 _TINY_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -84,15 +81,6 @@ _TINY_MODEL = {
     "vocab_size": _VOCAB,
     "torch_dtype": "float16",
 }
-
-
-def check_vllm_version() -> None:
-    """Refuse to run against a vLLM whose scheduler internals were not verified."""
-    if vllm.__version__ != SUPPORTED_VLLM:
-        raise VllmUnavailableError(
-            f"keytrace's harness is verified against vllm=={SUPPORTED_VLLM}; installed "
-            f"vllm is {vllm.__version__}"
-        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -348,10 +336,10 @@ class Harness:
         dp_rank: int | None = None,
         max_prompt_tokens: int | None = None,
     ) -> None:
-        check_vllm_version()
-        from keytrace.vllm.inject import apply_from_env
+        require_vllm()
+        from keytrace.vllm.patches import inject_from_env
 
-        apply_from_env()  # KEYTRACE_INJECT=name: a generated regression's red run
+        inject_from_env()  # KEYTRACE_INJECT=name: a generated regression's red run
         self.geometry = geometry
         self.seed = seed
         probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
@@ -427,31 +415,31 @@ class Harness:
                 )
 
     def _observe_connector(self) -> None:
-        """Instance-level observers on the connector's public API (harness-owned)."""
-        conn = self.connector
-        orig_lookup = conn.get_num_new_matched_tokens
-        orig_alloc = conn.update_state_after_alloc
+        """Watch the connector's public API through the patch table's ``harness`` rows."""
+        from keytrace.vllm.patches import apply_instance
 
-        def get_num_new_matched_tokens(request: Request, num_computed_tokens: int) -> Any:
-            result = orig_lookup(request, num_computed_tokens)
-            obs = self.observations.get(request.request_id)
-            if obs is not None:
-                obs.lookups.append((num_computed_tokens, result[0]))
-                obs.accepted.append(None)
-            return result
+        apply_instance("harness", "connector", self.connector, self)
 
-        def update_state_after_alloc(
-            request: Request, blocks: Any, num_external_tokens: int
-        ) -> Any:
-            obs = self.observations.get(request.request_id)
-            # The first allocation after a lookup carries its accepted count; later
-            # calls (e.g. when an async load resumes the request) pass 0.
-            if obs is not None and obs.accepted and obs.accepted[-1] is None:
-                obs.accepted[-1] = num_external_tokens
-            return orig_alloc(request, blocks, num_external_tokens)
+    def on_lookup(self, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """After ``get_num_new_matched_tokens(request, num_computed_tokens)``."""
+        request = args[0] if args else kwargs["request"]
+        local = args[1] if len(args) > 1 else kwargs["num_computed_tokens"]
+        obs = self.observations.get(request.request_id)
+        if obs is not None:
+            obs.lookups.append((local, result[0]))
+            obs.accepted.append(None)
 
-        conn.get_num_new_matched_tokens = get_num_new_matched_tokens
-        conn.update_state_after_alloc = update_state_after_alloc
+    def on_alloc(self, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """After ``update_state_after_alloc(request, blocks, num_external_tokens)``.
+
+        The first allocation after a lookup carries its accepted count; later calls (e.g.
+        when an async load resumes the request) pass 0.
+        """
+        request = args[0] if args else kwargs["request"]
+        n = args[2] if len(args) > 2 else kwargs["num_external_tokens"]
+        obs = self.observations.get(request.request_id)
+        if obs is not None and obs.accepted and obs.accepted[-1] is None:
+            obs.accepted[-1] = n
 
     # ---------------------------------------------------------------- requests
     def tokens(self, n: int, *, chain: int = 0) -> list[int]:

@@ -7,6 +7,7 @@ produce byte-identical headers, which is what lets the reader refuse mixed trace
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from keytrace.vllm.compat import vllm_version
@@ -33,8 +34,19 @@ def _model_name(model: Any) -> str:
     return os.path.basename(name.rstrip("/")) if os.path.isabs(name) else name
 
 
-def build_header(sched: Any, spec: Any, vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
-    """The header for one ``OffloadingConnectorScheduler`` (after its ``__init__``)."""
+def build_header(
+    sched: Any,
+    spec: Any,
+    vllm_config: Any,
+    kv_cache_config: Any,
+    *,
+    modified: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The header for one ``OffloadingConnectorScheduler`` (after its ``__init__``).
+
+    ``modified`` names the keytrace patches that change vLLM's behaviour (injections), so
+    every trace says whether it was recorded on stock vLLM.
+    """
     cfg = sched.config
     by_gid = {c.group_idx: (i, c) for i, c in enumerate(cfg.kv_group_configs)}
     groups = []
@@ -67,6 +79,7 @@ def build_header(sched: Any, spec: Any, vllm_config: Any, kv_cache_config: Any) 
     extra = dict(getattr(spec, "extra_config", {}) or {})
     return {
         "vllm_version": vllm_version(),
+        "vllm_modified": list(modified),
         "groups": groups,
         "lookup_order": [cfg.kv_group_configs[i].group_idx for i in sched._lookup_groups],
         "blocks_per_chunk": int(cfg.blocks_per_chunk),

@@ -1,140 +1,98 @@
-"""Reintroduce known historical store-side bugs into vLLM 0.33.0, to see how keytrace reports them.
+"""Historical store-side bugs, reintroduced into vLLM 0.33.0 to see how keytrace reports them.
 
-Each injection replaces ``OffloadingConnectorScheduler._reachable_store_block_mask``, the
-one place 0.33.0 decides which sliding-window chunks the store path keeps. The lookup side
-is never touched, so an injected run shows exactly the store/lookup disagreement the
-historical bug caused.
+Each injection replaces ``OffloadingConnectorScheduler._reachable_store_block_mask``, the one
+place 0.33.0 decides which sliding-window chunks the store path keeps. The lookup side is
+never touched, so an injected run shows exactly the store/lookup disagreement the historical
+bug caused. The functions here are wrapt-style wrappers; `keytrace.vllm.patches` lists them
+as rows of its one patch table and applies and undoes them.
 
 - ``pre48911``: the store rule vLLM PR #48911 replaced: keep sliding-window chunk ``c`` iff
   ``c % (A / tpc) >= A / tpc - W`` (A = alignment tokens, tpc = the group's tokens per
   chunk, W = its window in chunks): no EAGLE ``+1``, every segment treated as full.
 - ``no_eagle_plus1``: 0.33.0's own rule with the EAGLE flag dropped on the store side only.
+- ``short_window_tail``: 0.33.0's rule, then one chunk fewer of every sliding-window tail
+  kept: bites every geometry, including equal block sizes, where an alignment segment is a
+  single chunk and the pre-#48911 rule keeps everything.
 
-Switch in-process with ``with injected("pre48911"): ...`` or, in any process that builds a
-harness or loads keytrace's vLLM plugin, with ``KEYTRACE_INJECT=pre48911``. This is a
-testing tool: never set it on a server you care about.
+This is a testing tool: never set ``KEYTRACE_INJECT`` on a server you care about. An active
+injection logs a WARNING naming itself and is written into every trace header.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-from collections.abc import Callable, Iterator
 from typing import Any
 
-log = logging.getLogger("keytrace")
-
-ENV_INJECT = "KEYTRACE_INJECT"
 INJECTIONS: dict[str, str] = {
     "pre48911": "store keeps c % (A/tpc) >= A/tpc - W (the rule PR #48911 replaced)",
     "no_eagle_plus1": "store-side reachability computed as if no group were EAGLE/MTP",
+    "short_window_tail": "store keeps one chunk fewer of every sliding-window tail than lookup needs",
 }
+"""Injection name -> what it does to vLLM's store path (shown in warnings and ``--help``)."""
 
-_ACTIVE: list[tuple[Any, Any]] = []
-
-
-def _pre48911(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def mask(
-        self: Any,
-        group_config: Any,
-        start_chunk_idx: int,
-        end_chunk_idx: int,
-        final_segment_end_chunk_idx: int | None,
-        reachable_boundaries: tuple[int, ...],
-    ) -> list[bool] | None:
-        window = group_config.sliding_window_size_in_chunks
-        alignment = self.config.alignment_tokens
-        tpc = group_config.tokens_per_chunk
-        if window is None or group_config.requires_cow_source:
-            return orig(
-                self,
-                group_config,
-                start_chunk_idx,
-                end_chunk_idx,
-                final_segment_end_chunk_idx,
-                reachable_boundaries,
-            )
-        if alignment is None or alignment % tpc:
-            return None  # dense: every chunk kept, as the old code did without alignment
-        per_segment = alignment // tpc
-        bpc = self.config.blocks_per_chunk
-        out: list[bool] = []
-        for c in range(start_chunk_idx, end_chunk_idx):
-            keep = c % per_segment >= per_segment - window
-            out.extend([keep] * bpc)
-        return out
-
-    return mask
+MASK_ARGS = (
+    "group_config",
+    "start_chunk_idx",
+    "end_chunk_idx",
+    "final_segment_end_chunk_idx",
+    "reachable_boundaries",
+)
 
 
-def _no_eagle_plus1(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def mask(self: Any, group_config: Any, *a: Any, **k: Any) -> list[bool] | None:
-        if getattr(group_config, "is_eagle_group", False):
-            group_config = group_config._replace(is_eagle_group=False)
-        return orig(self, group_config, *a, **k)
-
-    return mask
+def _mask_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = dict(zip(MASK_ARGS, args, strict=False))
+    bound.update(kwargs)
+    return bound
 
 
-_FACTORIES = {"pre48911": _pre48911, "no_eagle_plus1": _no_eagle_plus1}
+def pre48911(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    a = _mask_args(args, kwargs)
+    group_config = a["group_config"]
+    window = group_config.sliding_window_size_in_chunks
+    alignment = instance.config.alignment_tokens
+    tpc = group_config.tokens_per_chunk
+    if window is None or group_config.requires_cow_source:
+        return wrapped(*args, **kwargs)
+    if alignment is None or alignment % tpc:
+        return None  # dense: every chunk kept, as the old code did without alignment
+    per_segment = alignment // tpc
+    bpc = instance.config.blocks_per_chunk
+    out: list[bool] = []
+    for c in range(a["start_chunk_idx"], a["end_chunk_idx"]):
+        out.extend([c % per_segment >= per_segment - window] * bpc)
+    return out
 
 
-def _target() -> Any:
-    from keytrace.vllm.compat import load_targets
-
-    cls, _base, problems = load_targets()
-    if problems or not hasattr(cls, "_reachable_store_block_mask"):
-        raise RuntimeError(
-            "cannot inject: this vLLM lacks OffloadingConnectorScheduler._reachable_store_block_mask"
-        )
-    return cls
-
-
-def apply(name: str) -> None:
-    """Install injection ``name`` for the rest of the process (idempotent per name)."""
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown injection {name!r}; known: {', '.join(INJECTIONS)}")
-    if any(n == name for n, _ in _ACTIVE):
-        return
-    if _ACTIVE:
-        raise RuntimeError(f"injection {_ACTIVE[0][0]!r} already active; one at a time")
-    cls = _target()
-    original = cls.__dict__["_reachable_store_block_mask"]
-    cls._reachable_store_block_mask = _FACTORIES[name](original)
-    _ACTIVE.append((name, original))
-    log.warning(
-        "keytrace: injected historical bug %r into vLLM's store path (%s)", name, INJECTIONS[name]
-    )
+def no_eagle_plus1(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    a = _mask_args(args, kwargs)
+    group_config = a["group_config"]
+    if getattr(group_config, "is_eagle_group", False):
+        a["group_config"] = group_config._replace(is_eagle_group=False)
+    return wrapped(**a)
 
 
-def remove() -> None:
-    """Undo the active injection, if any."""
-    while _ACTIVE:
-        _name, original = _ACTIVE.pop()
-        _target()._reachable_store_block_mask = original
+def short_window_tail(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Drop the leftmost kept chunk of every run of kept sliding-window chunks.
 
-
-def active() -> str | None:
-    return _ACTIVE[0][0] if _ACTIVE else None
-
-
-@contextlib.contextmanager
-def injected(name: str | None) -> Iterator[None]:
-    """Apply ``name`` inside the block (no-op for None)."""
-    if not name:
-        yield
-        return
-    apply(name)
-    try:
-        yield
-    finally:
-        remove()
-
-
-def apply_from_env() -> str | None:
-    """Apply ``KEYTRACE_INJECT`` if set; returns the name applied."""
-    name = os.environ.get(ENV_INJECT)
-    if name:
-        apply(name)
-    return name or None
+    vLLM asks for the mask of ``[start, end)`` one store job at a time, so a run may begin
+    before ``start``: the stock mask is taken from one chunk further left to know.
+    """
+    a = _mask_args(args, kwargs)
+    group_config = a["group_config"]
+    if group_config.sliding_window_size_in_chunks is None or group_config.requires_cow_source:
+        return wrapped(**a)
+    bpc = instance.config.blocks_per_chunk
+    start, end = a["start_chunk_idx"], a["end_chunk_idx"]
+    lo = max(start - 1, 0)
+    mask = wrapped(**{**a, "start_chunk_idx": lo})
+    if mask is None:
+        mask = [True] * ((end - lo) * bpc)
+    keep = [any(mask[i * bpc : (i + 1) * bpc]) for i in range(end - lo)]
+    out = list(mask)
+    for i, k in enumerate(keep):
+        if k and (lo + i == 0 or (i > 0 and not keep[i - 1])):
+            out[i * bpc : (i + 1) * bpc] = [False] * bpc
+    return out[(start - lo) * bpc :]

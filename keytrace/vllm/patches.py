@@ -1,362 +1,403 @@
-"""Every patch keytrace makes on vLLM, declared as data and applied in one place.
+"""Every patch keytrace makes on vLLM: one table (`TABLE`), one mechanism to apply and undo it.
 
-Class-level wraps (table `CLASS_PATCHES`) on ``OffloadingConnectorScheduler``: its
-``__init__`` (creates a `Recorder` and instance-wraps the manager) and the public connector
-methods that give episode, allocation, step, finish and reset context. Two private lookup
-helpers are *optional* rows: they make scan boundaries exact and are skipped (with a debug
-log) when absent.
+A row (`Patch`) names
 
-The manager is wrapped per *instance* (`MANAGER_METHODS`), never at class level: tiering
-managers alias ``prepare_write = self.prepare_store`` on their primary tier, and a class
-patch would record tier promotions as stores.
+- its *feature*: ``record`` (the recorder's observers), ``inject:<name>`` (a historical store
+  bug, `keytrace.vllm.inject`), ``harness`` (the CPU harness's own observers);
+- its *target*: ``scheduler`` is a class attribute of ``OffloadingConnectorScheduler``,
+  applied when the feature is enabled; ``manager`` and ``connector`` are attributes of one
+  *instance*, applied as each instance appears (the manager when a recorded scheduler is
+  built, the connector when a harness is built). The manager is never patched at class
+  level: tiering managers alias ``prepare_write = self.prepare_store`` on their primary
+  tier, and a class patch would record tier promotions as stores;
+- the attribute, and a factory that makes the wrapper (given the instance's binding).
 
-Rules every wrapper follows: vLLM's own call runs first and its result or exception passes
-through untouched; recording runs after it inside ``try`` and reports failures to
-`Recorder.fail`; the recorder never calls manager methods.
+Transparency: every wrapper is a ``wrapt.FunctionWrapper``. Identity-visible behaviour goes
+to the original: ``isinstance`` (a wrapped ``MagicMock`` still is one), attribute reads and
+writes (``side_effect``, ``return_value``, ``call_args``), ``__wrapped__``, names and
+signatures. The recorder only observes calls, with the arguments exactly as vLLM passed
+them; its failures are caught by `observe`, counted and logged once.
+
+One lookup rule (`_resolve`) decides both whether a hook point exists and what is wrapped,
+so an inherited method is wrapped like an own one. Undo records restore precisely what was
+there, and only while the attribute still holds keytrace's wrapper.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import logging
 import os
 import threading
-import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from keytrace.record.recorder import Recorder, env_float, env_int
+import wrapt
+
+from keytrace.record.recorder import Recorder
+from keytrace.vllm import hooks, inject
 
 log = logging.getLogger("keytrace")
 
-Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+Target = Literal["scheduler", "manager", "connector"]
+Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
+Binding = Any  # None for class rows; what the instance rows need, e.g. (recorder, scheduler)
+Observer = Callable[..., Any]
+
+ENV_INJECT = "KEYTRACE_INJECT"
 
 
 @dataclass(frozen=True)
-class ClassPatch:
-    """Wrap ``OffloadingConnectorScheduler.<attr>`` with ``factory(original)``."""
+class Patch:
+    """One row of the patch table. ``make(binding)`` returns a wrapt wrapper function."""
 
+    feature: str
+    target: Target
     attr: str
-    factory: Wrapper
+    make: Callable[[Binding], Wrapper]
     essential: bool = True
 
 
-def _rec(sched: Any) -> Recorder | None:
-    return sched.__dict__.get("_keytrace_recorder")
+# ----------------------------------------------------------------- observers
+def observe(
+    where: str, *, before: Observer | None = None, after: Observer | None = None
+) -> Callable[[Binding], Wrapper]:
+    """The one recording wrapper: vLLM's call runs untouched; observers run around it.
 
-
-# --------------------------------------------------------------- class wrappers
-def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def __init__(
-        self: Any, spec: Any, vllm_config: Any, kv_cache_config: Any, *a: Any, **k: Any
-    ) -> None:
-        orig(self, spec, vllm_config, kv_cache_config, *a, **k)
-        directory = _STATE.directory
-        if directory is None:
-            return
-        try:
-            from keytrace.vllm.header import build_header, engine_identity
-
-            header = build_header(self, spec, vllm_config, kv_cache_config)
-            engine_id, rank = engine_identity(vllm_config)
-            rec = Recorder(
-                directory,
-                header,
-                engine_id=engine_id,
-                dp_rank=rank,
-                tokens_per_chunk={
-                    c.group_idx: c.tokens_per_chunk for c in self.config.kv_group_configs
-                },
-                max_rows=env_int("KEYTRACE_MAX_ROWS"),
-                max_seconds=env_float("KEYTRACE_MAX_SECONDS"),
-            )
-            rec.exact_scans = _STATE.exact_scans
-            _wrap_manager(self, rec)
-            self.__dict__["_keytrace_recorder"] = rec
-            _STATE.recorders.append(rec)
-        except Exception as exc:
-            _STATE.warn_once(
-                f"keytrace: not recording this scheduler ({type(exc).__name__}: {exc})"
-            )
-
-    return __init__
-
-
-def _wrap_episode(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def get_num_new_matched_tokens(
-        self: Any,
-        request: Any,
-        num_computed_tokens: int,
-        max_num_new_tokens: int | None = None,
-        *a: Any,
-        **k: Any,
-    ) -> Any:
-        rec = _rec(self)
-        if rec is not None:
-            try:
-                rec.episode_begin(
-                    request.request_id,
-                    int(num_computed_tokens),
-                    max_num_new_tokens,
-                    int(request.num_prompt_tokens),
-                    int(request.num_tokens),
-                    len(request.block_hashes),
-                )
-            except Exception as exc:
-                rec.fail("get_num_new_matched_tokens", exc)
-        result = orig(self, request, num_computed_tokens, max_num_new_tokens, *a, **k)
-        if rec is not None:
-            try:
-                rec.episode_end(request.request_id, result[0], result[1])
-            except Exception as exc:
-                rec.fail("get_num_new_matched_tokens", exc)
-        return result
-
-    return get_num_new_matched_tokens
-
-
-def _wrap_alloc(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def update_state_after_alloc(
-        self: Any, request: Any, blocks: Any, num_external_tokens: int, *a: Any, **k: Any
-    ) -> Any:
-        result = orig(self, request, blocks, num_external_tokens, *a, **k)
-        rec = _rec(self)
-        if rec is not None:
-            try:
-                rec.accepted(request.request_id, int(num_external_tokens))
-            except Exception as exc:
-                rec.fail("update_state_after_alloc", exc)
-        return result
-
-    return update_state_after_alloc
-
-
-def _step_rows(sched: Any, out: Any) -> list[tuple[Any, ...]]:
-    """Pre-step per-request values, read before vLLM mutates them in this call.
-
-    One row per scheduled request, per finished request and per preempted request that
-    was not scheduled: (req_id, computed, scheduled, prompt, num_tokens, finished,
-    preempted, resumed).
+    ``before(rec, sched, args, kwargs)`` and ``after(rec, sched, result, args, kwargs)``
+    may raise: the failure is counted and logged once (`Recorder.fail`), and vLLM's result
+    or exception passes through as if keytrace were absent. Class rows find the recorder
+    from the scheduler instance; instance rows are bound to ``(recorder, scheduler)``.
     """
-    statuses = sched._req_status
-    preempted = set(out.preempted_req_ids or ())
-    resumed = set(getattr(out.scheduled_cached_reqs, "resumed_req_ids", None) or ())
 
-    def row(rid: str, scheduled: int, finished: bool) -> tuple[Any, ...]:
-        st = statuses.get(rid)
-        req = st.req if st is not None else None
-        return (
-            rid,
-            int(req.num_computed_tokens) if req is not None else -1,
-            scheduled,
-            int(req.num_prompt_tokens) if req is not None else None,
-            int(req.num_tokens) if req is not None else None,
-            finished,
-            rid in preempted,
-            rid in resumed and not finished,
-        )
+    def make(binding: Binding) -> Wrapper:
+        if binding is not None and before is None and after is not None:
+            return _bound_after(where, after, *binding)
 
-    rows = [row(rid, int(n), False) for rid, n in out.num_scheduled_tokens.items()]
-    rows += [row(rid, 0, True) for rid in out.finished_req_ids or ()]
-    rows += [row(rid, 0, False) for rid in preempted - set(out.num_scheduled_tokens)]
-    return rows
-
-
-def _wrap_step(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def build_connector_meta(self: Any, scheduler_output: Any, *a: Any, **k: Any) -> Any:
-        rec = _rec(self)
-        if rec is not None:
-            try:
-                rec.step_rows(_step_rows(self, scheduler_output))
-            except Exception as exc:
-                rec.fail("build_connector_meta", exc)
-        try:
-            return orig(self, scheduler_output, *a, **k)
-        finally:
-            if rec is not None:
-                rec.end_step()
-
-    return build_connector_meta
-
-
-def _wrap_finished(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def request_finished(self: Any, request: Any, *a: Any, **k: Any) -> Any:
-        result = orig(self, request, *a, **k)
-        rec = _rec(self)
-        if rec is not None:
-            try:
-                rec._close_episode(request.request_id)
-            except Exception as exc:
-                rec.fail("request_finished", exc)
-        return result
-
-    return request_finished
-
-
-def _wrap_reset(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def reset_cache(self: Any, *a: Any, **k: Any) -> Any:
-        result = orig(self, *a, **k)
-        rec = _rec(self)
-        if rec is not None:
-            try:
-                rec.writer.flush()
-            except Exception as exc:
-                rec.fail("reset_cache", exc)
-        return result
-
-    return reset_cache
-
-
-def _wrap_scan(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """Optional: one call of a per-group lookup helper is one scan."""
-
-    @functools.wraps(orig)
-    def scan(self: Any, *a: Any, **k: Any) -> Any:
-        rec = _rec(self)
-        if rec is not None:
-            rec.begin_scan()
-        return orig(self, *a, **k)
-
-    return scan
-
-
-CLASS_PATCHES: tuple[ClassPatch, ...] = (
-    ClassPatch("__init__", _wrap_init),
-    ClassPatch("get_num_new_matched_tokens", _wrap_episode),
-    ClassPatch("update_state_after_alloc", _wrap_alloc),
-    ClassPatch("build_connector_meta", _wrap_step),
-    ClassPatch("request_finished", _wrap_finished),
-    ClassPatch("reset_cache", _wrap_reset),
-    ClassPatch("_maximal_prefix_lookup", _wrap_scan, essential=False),
-    ClassPatch("_sliding_window_lookup", _wrap_scan, essential=False),
-)
-
-MANAGER_METHODS: tuple[str, ...] = (
-    "lookup",
-    "prepare_store",
-    "complete_store",
-    "prepare_load",
-    "complete_load",
-    "reset_cache",
-)
-
-
-# ------------------------------------------------------------- manager wrapping
-def _positions(req_context: Any) -> dict[bytes, int]:
-    pos = getattr(req_context, "_offload_key_positions", None)
-    return pos if isinstance(pos, dict) else {}
-
-
-def _wrap_manager(sched: Any, rec: Recorder) -> None:
-    """Instance-wrap ``sched.manager``'s methods. See the module docstring for why."""
-    m = sched.manager
-    lookup, prepare_store, complete_store = m.lookup, m.prepare_store, m.complete_store
-    prepare_load, complete_load, reset_cache = m.prepare_load, m.complete_load, m.reset_cache
-
-    def rec_lookup(key: Any, req_context: Any, *a: Any, **k: Any) -> Any:
-        result = lookup(key, req_context, *a, **k)
-        try:
-            rec.lookup(
-                key,
-                req_context.req_id,
-                req_context.get_offload_key_position(key),
-                result.name,
-                bool(k) or bool(a),
-            )
-        except Exception as exc:
-            rec.fail("manager.lookup", exc)
-        return result
-
-    def rec_prepare_store(keys: Any, req_context: Any, *a: Any, **k: Any) -> Any:
-        if not isinstance(keys, (list, tuple)):
-            keys = list(keys)
-        out = prepare_store(keys, req_context, *a, **k)
-        try:
-            if out is None:
-                rec.store_prepared(
-                    req_context.req_id, keys, _positions(req_context), None, (), None
-                )
+        def wrapper(
+            wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            if binding is None:
+                sched, rec = instance, hooks.recorder_of(instance)
             else:
-                job = sched._job_counter if out.keys_to_store else None
-                rec.store_prepared(
-                    req_context.req_id,
-                    keys,
-                    _positions(req_context),
-                    out.keys_to_store,
-                    out.evicted_keys or (),
-                    job,
-                )
-        except Exception as exc:
-            rec.fail("manager.prepare_store", exc)
-        return out
+                rec, sched = binding
+            if rec is None:
+                return wrapped(*args, **kwargs)
+            if before is not None:
+                try:
+                    before(rec, sched, args, kwargs)
+                except Exception as exc:
+                    rec.fail(where, exc)
+            if after is None:
+                return wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs)
+            try:
+                after(rec, sched, result, args, kwargs)
+            except Exception as exc:
+                rec.fail(where, exc)
+            return result
 
-    def rec_complete_store(keys: Any, req_context: Any, *a: Any, **k: Any) -> Any:
-        result = complete_store(keys, req_context, *a, **k)
+        return wrapper
+
+    return make
+
+
+def _bound_after(where: str, after: Observer, rec: Recorder, sched: Any) -> Wrapper:
+    """`observe`'s hot path: a manager method of one recorded scheduler (every key)."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
         try:
-            success = k.get("success", a[0] if a else True)
-            job = next((j for j, st in sched._jobs.items() if st.keys is keys), None)
-            rec.store_completed(
-                req_context.req_id, keys, _positions(req_context), job, bool(success)
+            after(rec, sched, result, args, kwargs)
+        except Exception as exc:
+            rec.fail(where, exc)
+        return result
+
+    return wrapper
+
+
+def _always(after_anyway: Observer) -> Callable[[Binding], Wrapper]:
+    """Like `observe`, but ``after`` runs even when vLLM's call raises (step counting)."""
+
+    def make(binding: Binding) -> Wrapper:
+        def wrapper(
+            wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            rec = hooks.recorder_of(instance)
+            if rec is not None:
+                try:
+                    hooks.step_begin(rec, instance, args, kwargs)
+                except Exception as exc:
+                    rec.fail("build_connector_meta", exc)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                if rec is not None:
+                    after_anyway(rec, instance, None, args, kwargs)
+
+        return wrapper
+
+    return make
+
+
+def _record_init(binding: Binding) -> Wrapper:
+    """``OffloadingConnectorScheduler.__init__``: start recording this scheduler.
+
+    A scheduler built from stand-ins (vLLM's unit tests use SimpleNamespace configs) is
+    skipped with one debug line; a real one that cannot be recorded gets one WARNING.
+    """
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        directory = _STATE.directory
+        if directory is not None:
+            _start_recording(instance, directory, args, kwargs)
+        return result
+
+    return wrapper
+
+
+def _start_recording(
+    sched: Any, directory: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    try:
+        spec = hooks.arg(args, kwargs, 0, "spec")
+        vllm_config = hooks.arg(args, kwargs, 1, "vllm_config")
+        kv_cache_config = hooks.arg(args, kwargs, 2, "kv_cache_config")
+        if hooks.is_stand_in(vllm_config, kv_cache_config):
+            log.debug("keytrace: not recording a scheduler built from stand-in configs")
+            return
+        missing = [
+            p.attr
+            for p in _rows("record", "manager")
+            if p.essential and _resolve(sched.manager, p.attr) is None
+        ]
+        if missing:
+            _STATE.warn_once(
+                f"keytrace: not recording: the offloading manager {type(sched.manager).__name__} "
+                f"lacks {', '.join(missing)}"
             )
-        except Exception as exc:
-            rec.fail("manager.complete_store", exc)
-        return result
+            return
+        rec = hooks.start_recording(
+            sched,
+            directory,
+            spec,
+            vllm_config,
+            kv_cache_config,
+            modified=modifications(),
+            exact_scans=_STATE.exact_scans,
+        )
+    except Exception as exc:
+        _STATE.warn_once(f"keytrace: not recording this scheduler ({type(exc).__name__}: {exc})")
+        return
+    apply_instance("record", "manager", sched.manager, (rec, sched))
+    hooks.RECORDERS[sched] = rec
+    with _STATE.lock:
+        _STATE.recorders.append(rec)
 
-    def rec_prepare_load(keys: Any, req_context: Any, *a: Any, **k: Any) -> Any:
-        if not isinstance(keys, (list, tuple)):
-            keys = list(keys)
-        out = prepare_load(keys, req_context, *a, **k)
-        try:
-            rec.load("prepared", req_context.req_id, keys, _positions(req_context))
-        except Exception as exc:
-            rec.fail("manager.prepare_load", exc)
-        return out
 
-    def rec_complete_load(keys: Any, req_context: Any, *a: Any, **k: Any) -> Any:
-        result = complete_load(keys, req_context, *a, **k)
-        try:
-            rec.load("completed", req_context.req_id, keys, _positions(req_context))
-        except Exception as exc:
-            rec.fail("manager.complete_load", exc)
-        return result
+def _replace(fn: Wrapper) -> Callable[[Binding], Wrapper]:
+    """A row that replaces vLLM's function (an injection): the wrapper decides everything."""
+    return lambda _binding: fn
 
-    def rec_reset_cache(*a: Any, **k: Any) -> Any:
-        result = reset_cache(*a, **k)
-        try:
-            rec.reset()
-        except Exception as exc:
-            rec.fail("manager.reset_cache", exc)
-        return result
 
-    wrappers = {
-        "lookup": rec_lookup,
-        "prepare_store": rec_prepare_store,
-        "complete_store": rec_complete_store,
-        "prepare_load": rec_prepare_load,
-        "complete_load": rec_complete_load,
-        "reset_cache": rec_reset_cache,
+def _notify(method: str) -> Callable[[Binding], Wrapper]:
+    """A harness row: after vLLM's call, ``binding.<method>(result, args, kwargs)``."""
+
+    def make(binding: Binding) -> Wrapper:
+        def wrapper(
+            wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            result = wrapped(*args, **kwargs)
+            getattr(binding, method)(result, args, kwargs)
+            return result
+
+        return wrapper
+
+    return make
+
+
+# --------------------------------------------------------------------- table
+def _injection_rows() -> tuple[Patch, ...]:
+    fns = {
+        "pre48911": inject.pre48911,
+        "no_eagle_plus1": inject.no_eagle_plus1,
+        "short_window_tail": inject.short_window_tail,
     }
-    assert tuple(wrappers) == MANAGER_METHODS
-    for name, fn in wrappers.items():
-        fn.__wrapped__ = getattr(m, name)  # type: ignore[attr-defined]
-        setattr(m, name, fn)
+    assert set(fns) == set(inject.INJECTIONS)
+    return tuple(
+        Patch(f"inject:{name}", "scheduler", "_reachable_store_block_mask", _replace(fn))
+        for name, fn in fns.items()
+    )
 
 
-# ---------------------------------------------------------------- installation
+TABLE: tuple[Patch, ...] = (
+    # recording: scheduler class (episode, allocation, step, finish, reset context)
+    Patch("record", "scheduler", "__init__", _record_init),
+    Patch(
+        "record",
+        "scheduler",
+        "get_num_new_matched_tokens",
+        observe("get_num_new_matched_tokens", before=hooks.episode_begin, after=hooks.episode_end),
+    ),
+    Patch(
+        "record",
+        "scheduler",
+        "update_state_after_alloc",
+        observe("update_state_after_alloc", after=hooks.accepted),
+    ),
+    Patch("record", "scheduler", "build_connector_meta", _always(hooks.step_end)),
+    Patch(
+        "record",
+        "scheduler",
+        "request_finished",
+        observe("request_finished", after=hooks.request_finished),
+    ),
+    Patch("record", "scheduler", "reset_cache", observe("reset_cache", after=hooks.flush)),
+    # optional private helpers: exact scan boundaries (inferred from group changes without)
+    Patch(
+        "record",
+        "scheduler",
+        "_maximal_prefix_lookup",
+        observe("scan", before=hooks.scan_begin),
+        essential=False,
+    ),
+    Patch(
+        "record",
+        "scheduler",
+        "_sliding_window_lookup",
+        observe("scan", before=hooks.scan_begin),
+        essential=False,
+    ),
+    # recording: the manager instance each recorded scheduler creates
+    Patch("record", "manager", "lookup", observe("manager.lookup", after=hooks.lookup)),
+    Patch(
+        "record",
+        "manager",
+        "prepare_store",
+        observe("manager.prepare_store", after=hooks.prepare_store),
+    ),
+    Patch(
+        "record",
+        "manager",
+        "complete_store",
+        observe("manager.complete_store", after=hooks.complete_store),
+    ),
+    Patch(
+        "record",
+        "manager",
+        "prepare_load",
+        observe("manager.prepare_load", after=hooks.prepare_load),
+    ),
+    Patch(
+        "record",
+        "manager",
+        "complete_load",
+        observe("manager.complete_load", after=hooks.complete_load),
+    ),
+    Patch("record", "manager", "reset_cache", observe("manager.reset_cache", after=hooks.reset)),
+    # historical store-side bugs (testing only)
+    *_injection_rows(),
+    # the CPU harness's own observers on the connector instance it builds
+    Patch("harness", "connector", "get_num_new_matched_tokens", _notify("on_lookup")),
+    Patch("harness", "connector", "update_state_after_alloc", _notify("on_alloc")),
+)
+"""Every patch keytrace makes on vLLM, in the order it is applied."""
+
+
+FEATURES: tuple[str, ...] = tuple(dict.fromkeys(p.feature for p in TABLE))
+
+
+def _rows(feature: str, target: Target | None = None) -> list[Patch]:
+    return [p for p in TABLE if p.feature == feature and (target is None or p.target == target)]
+
+
+# ------------------------------------------------------------------ mechanism
+def _resolve(owner: Any, attr: str) -> Any:
+    """What ``owner.attr`` is, for the presence check and the wrap alike (None: absent).
+
+    A class attribute is looked up statically along the MRO (an inherited method counts and
+    descriptors are not triggered); an instance attribute dynamically, as vLLM will call it
+    (a bound method, or a ``MagicMock`` child).
+    """
+    if isinstance(owner, type):
+        return inspect.getattr_static(owner, attr, None)
+    return getattr(owner, attr, None)
+
+
+@dataclass
+class _Undo:
+    """How to restore one attribute, and only while keytrace's wrapper is still in place."""
+
+    owner: Callable[[], Any]  # the owner (a weak reference for instances)
+    attr: str
+    had_own: bool  # the owner's own __dict__ held the attribute before
+    original: Any
+    proxy: Any
+
+    def __call__(self) -> None:
+        owner = self.owner()
+        if owner is None:
+            return
+        own = owner.__dict__ if isinstance(owner, type) else vars(owner)
+        if own.get(self.attr) is not self.proxy:
+            log.debug("keytrace: %s was replaced by someone else; left as is", self.attr)
+            return
+        if isinstance(owner, type):
+            if self.had_own:
+                setattr(owner, self.attr, self.original)
+            else:
+                delattr(owner, self.attr)
+        elif self.had_own:
+            own[self.attr] = self.original
+        else:
+            del own[self.attr]
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _apply(feature: str, owner: Any, row: Patch, binding: Binding) -> None:
+    original = _resolve(owner, row.attr)
+    if original is None:
+        return
+    proxy = wrapt.FunctionWrapper(original, row.make(binding))
+    if isinstance(owner, type):
+        had_own = row.attr in owner.__dict__
+        setattr(owner, row.attr, proxy)
+        undo = _Undo(_ref(owner), row.attr, had_own, original, proxy)
+    else:
+        # vars(): bypass a custom __setattr__ (a MagicMock's child bookkeeping, say), so
+        # the instance is touched in exactly one place and restored exactly.
+        own = vars(owner)
+        had_own = row.attr in own
+        undo = _Undo(_ref(owner), row.attr, had_own, own.get(row.attr), proxy)
+        own[row.attr] = proxy
+    with _STATE.lock:
+        undos = _STATE.applied.setdefault(feature, [])
+        undos[:] = [u for u in undos if u.owner() is not None]
+        undos.append(undo)
+
+
+def apply_instance(feature: str, target: Target, obj: Any, binding: Binding) -> None:
+    """Apply ``feature``'s rows for ``target`` to the instance ``obj``."""
+    for row in _rows(feature, target):
+        _apply(feature, obj, row, binding)
+
+
 class _State:
-    """Process-wide patch state: one installation at a time, guarded by a lock."""
+    """Process-wide patch state, guarded by one lock."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.stack: contextlib.ExitStack | None = None
+        self.lock = threading.RLock()
+        self.applied: dict[str, list[_Undo]] = {}
         self.directory: str | None = None
         self.exact_scans = False
         self.recorders: list[Recorder] = []
@@ -366,77 +407,119 @@ class _State:
         if message not in self._warned:
             self._warned.add(message)
             log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 _STATE = _State()
 
 
-def installed() -> bool:
-    return _STATE.stack is not None
+def scheduler_class() -> tuple[Any, list[str]]:
+    """``OffloadingConnectorScheduler`` and what is missing for recording (empty: usable)."""
+    from keytrace.vllm.compat import load_targets
+
+    cls, _base, problems = load_targets()
+    return cls, problems
 
 
-def install(directory: str | os.PathLike[str]) -> bool:
-    """Patch vLLM so every new OffloadingConnectorScheduler records under ``directory``.
+def missing_hooks(feature: str) -> list[str]:
+    """Essential class-level hook points of ``feature`` this vLLM lacks (`_resolve`)."""
+    cls, problems = scheduler_class()
+    if cls is None:
+        return problems
+    return problems + [
+        f"{cls.__name__}.{p.attr}"
+        for p in _rows(feature, "scheduler")
+        if p.essential and _resolve(cls, p.attr) is None
+    ]
 
-    Idempotent. Returns False (one warning, nothing patched) if the installed vLLM lacks an
-    essential hook point.
-    """
-    from keytrace.vllm.compat import SUPPORTED_VLLM, load_targets, vllm_version
 
+def enable(feature: str) -> bool:
+    """Apply ``feature``'s class-level rows (idempotent). False: a hook point is missing;
+    then nothing is patched and one warning says what."""
+    if feature not in FEATURES:
+        raise ValueError(f"unknown patch feature {feature!r}; known: {', '.join(FEATURES)}")
     with _STATE.lock:
-        if _STATE.stack is not None:
-            _STATE.directory = os.fspath(directory)
+        if feature in _STATE.applied:
             return True
-        cls, _base, problems = load_targets()
-        if cls is not None:
-            problems += [
-                f"{cls.__name__}.{p.attr}"
-                for p in CLASS_PATCHES
-                if p.essential and not hasattr(cls, p.attr)
-            ]
+        problems = missing_hooks(feature)
         if problems:
+            from keytrace.vllm import SUPPORTED_VLLM
+            from keytrace.vllm.compat import vllm_version
+
             _STATE.warn_once(
                 f"keytrace: installed vLLM {vllm_version()} lacks hook point(s) "
                 f"{', '.join(problems)}; keytrace supports vllm=={SUPPORTED_VLLM}. "
-                "Nothing is recorded and vLLM is left untouched."
+                f"Nothing is patched for {feature} and vLLM is left untouched."
             )
             return False
-        stack = contextlib.ExitStack()
-        optional_present = True
-        for patch in CLASS_PATCHES:
-            original = cls.__dict__.get(patch.attr)
-            if original is None:
-                optional_present = False
-                log.debug(
-                    "keytrace: optional hook %s.%s absent; scans are inferred",
-                    cls.__name__,
-                    patch.attr,
-                )
-                continue
-            setattr(cls, patch.attr, patch.factory(original))
-            stack.callback(setattr, cls, patch.attr, original)
-        _STATE.exact_scans = optional_present
-        _STATE.stack = stack
-        _STATE.directory = os.fspath(directory)
+        cls, _ = scheduler_class()
+        _STATE.applied[feature] = []
+        for row in _rows(feature, "scheduler"):
+            _apply(feature, cls, row, None)
+        if feature == "record":
+            _STATE.exact_scans = all(
+                _resolve(cls, p.attr) is not None for p in _rows(feature, "scheduler")
+            )
+        if feature.startswith("inject:"):
+            name = feature.split(":", 1)[1]
+            log.warning(
+                "keytrace: injected historical bug %r into vLLM's store path (%s); every "
+                "trace recorded now says so in its header",
+                name,
+                inject.INJECTIONS[name],
+            )
         return True
 
 
-def uninstall() -> None:
-    """Undo every class patch and close every recorder (flushing its rows)."""
+def disable(feature: str) -> None:
+    """Undo every patch of ``feature`` (class and instance rows), newest first."""
     with _STATE.lock:
-        stack, _STATE.stack = _STATE.stack, None
+        undos = _STATE.applied.pop(feature, [])
+    for undo in reversed(undos):
+        undo()
+
+
+def active(feature: str) -> bool:
+    return feature in _STATE.applied
+
+
+def modifications() -> list[str]:
+    """Active features that change vLLM's behaviour (injections), for the trace header."""
+    with _STATE.lock:
+        return sorted(f for f in _STATE.applied if f.startswith("inject:"))
+
+
+# ------------------------------------------------------------------ public API
+def install(directory: str | os.PathLike[str]) -> bool:
+    """Record every OffloadingConnectorScheduler built from now on under ``directory``.
+
+    Idempotent. False (one warning, nothing patched) if this vLLM lacks a hook point.
+    """
+    with _STATE.lock:
+        _STATE.directory = os.fspath(directory)
+        if enable("record"):
+            return True
         _STATE.directory = None
-        recorders, _STATE.recorders = _STATE.recorders, []
-    for rec in recorders:
+        return False
+
+
+def uninstall() -> None:
+    """Close every recorder (flushing its rows), then undo every recording patch."""
+    with _STATE.lock:
+        _STATE.directory = None
+        recs, _STATE.recorders = _STATE.recorders, []
+    for rec in recs:
         with contextlib.suppress(Exception):
             rec.close()
-    if stack is not None:
-        stack.close()
+    disable("record")
+
+
+def installed() -> bool:
+    return active("record")
 
 
 def recorders() -> list[Recorder]:
-    return list(_STATE.recorders)
+    with _STATE.lock:
+        return list(_STATE.recorders)
 
 
 @contextlib.contextmanager
@@ -445,9 +528,60 @@ def recording(directory: str | os.PathLike[str]) -> Iterator[list[Recorder]]:
 
     Yields the live list of recorders created so far (tests read their stats).
     """
+    from keytrace.errors import VllmUnavailableError
+
     if not install(directory):
-        raise RuntimeError("keytrace could not install its hooks on this vLLM")
+        raise VllmUnavailableError(
+            "keytrace could not install its hooks on this vLLM (see the warning above)"
+        )
     try:
         yield _STATE.recorders
     finally:
         uninstall()
+
+
+def check_injection(name: str) -> str:
+    """``name`` if it is a known injection, else `UsageError` listing the known ones."""
+    from keytrace.errors import UsageError
+
+    if name not in inject.INJECTIONS:
+        raise UsageError(f"unknown injection {name!r}; known: {', '.join(inject.INJECTIONS)}")
+    return name
+
+
+def apply_injection(name: str) -> None:
+    """Switch injection ``name`` on for the rest of the process (one at a time)."""
+    from keytrace.errors import UsageError, VllmUnavailableError
+
+    feature = f"inject:{check_injection(name)}"
+    others = [f for f in modifications() if f != feature]
+    if others:
+        raise UsageError(f"{others[0]} is already active; one injection at a time")
+    if not enable(feature):
+        raise VllmUnavailableError(f"cannot inject {name}: this vLLM lacks the hook point")
+
+
+def remove_injections() -> None:
+    for feature in modifications():
+        disable(feature)
+
+
+@contextlib.contextmanager
+def injected(name: str | None) -> Iterator[None]:
+    """Apply injection ``name`` inside the block (no-op for None)."""
+    if not name:
+        yield
+        return
+    apply_injection(name)
+    try:
+        yield
+    finally:
+        disable(f"inject:{name}")
+
+
+def inject_from_env() -> str | None:
+    """Apply ``KEYTRACE_INJECT`` if set (a generated regression's red run, a test server)."""
+    name = os.environ.get(ENV_INJECT)
+    if name:
+        apply_injection(name)
+    return name or None

@@ -1,9 +1,9 @@
 """vLLM plugin entry point: ``KEYTRACE_DIR=/dir vllm serve ...`` records OffloadKeys.
 
 vLLM calls `register` in every process it starts, possibly more than once. It returns at
-once unless ``KEYTRACE_DIR`` is set, and importing this package imports neither vLLM nor
+once unless ``KEYTRACE_DIR`` is set, and importing this module imports neither vLLM nor
 polars nor click, so an unset variable costs nothing. If ``VLLM_PLUGINS`` is set as an
-allowlist it must include ``keytrace``.
+allowlist it must include ``keytrace``. keytrace never changes vLLM's logging here.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ def register() -> None:
     if not directory:
         return
     try:
-        from keytrace.vllm.inject import apply_from_env
-        from keytrace.vllm.patches import install
+        from keytrace.vllm.patches import inject_from_env, install
 
-        apply_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
+        inject_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
         if install(directory):
             log.info("keytrace: recording offload store/lookup keys under %s", directory)
     except Exception as exc:  # never break vLLM start-up

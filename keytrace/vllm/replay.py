@@ -18,7 +18,10 @@ import polars as pl
 
 from keytrace.analysis.diff import CAUSE_TEXT, diff
 from keytrace.analysis.geometry import Geometry
-from keytrace.format.reader import open_trace
+from keytrace.analysis.plan import ReplayPlan, plan_from_trace
+from keytrace.errors import TraceError
+from keytrace.format.reader import Trace, open_trace
+from keytrace.vllm import SUPPORTED_VLLM, require_vllm
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,7 @@ def replay(
 ) -> ReplayResult:
     """Prime, reset the GPU prefix cache, run the episode's request; record and diff it."""
     from keytrace.vllm.harness import Harness
-    from keytrace.vllm.inject import injected
-    from keytrace.vllm.patches import recording
+    from keytrace.vllm.patches import injected, recording
 
     geo = geometry if isinstance(geometry, Geometry) else Geometry.from_dict(geometry)
     d = (
@@ -106,3 +108,38 @@ def replay(
         steps=steps,
         trace_dir=d,
     )
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    """`replay_trace`'s answer: the plan taken from the trace, the replay, and notes."""
+
+    plan: ReplayPlan
+    result: ReplayResult
+    steps_match: bool
+    notes: list[str]
+
+
+def replay_trace(
+    trace: Trace, *, request: str | None = None, out_dir: str | None = None
+) -> TraceReplay:
+    """Plan ``request``'s last episode (default: the first mismatch) and replay it.
+
+    Refuses a trace recorded on another vLLM version: the scheduler rules may differ, so a
+    comparison would mean nothing.
+    """
+    plan = plan_from_trace(trace, request=request)
+    require_vllm()
+    if plan.vllm_version != SUPPORTED_VLLM:
+        raise TraceError(
+            f"trace was recorded on vLLM {plan.vllm_version}; replay runs vllm=={SUPPORTED_VLLM}: "
+            "the scheduler rules may differ, refusing to compare"
+        )
+    notes = []
+    if plan.local_tokens:
+        notes.append(
+            f"the episode had {plan.local_tokens:,} local (GPU prefix) tokens; the replay "
+            "resets the GPU prefix cache, so it starts from 0"
+        )
+    result = replay(plan.geometry, plan.prime_lengths, plan.episode_length, trace_dir=out_dir)
+    return TraceReplay(plan, result, result.steps == plan.recorded_steps, notes)

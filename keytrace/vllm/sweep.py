@@ -15,6 +15,7 @@ from keytrace.analysis.diff import diff
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.sweep import SweepRow
 from keytrace.format.reader import open_trace
+from keytrace.vllm import require_vllm
 
 
 def run_one(
@@ -22,8 +23,7 @@ def run_one(
 ) -> SweepRow:
     """One recorded scenario at ``length``; the verdict is the resend episode's."""
     from keytrace.vllm.harness import Harness
-    from keytrace.vllm.inject import injected
-    from keytrace.vllm.patches import recording
+    from keytrace.vllm.patches import injected, recording
 
     t = time.monotonic()
     d = keep_dir or tempfile.mkdtemp(prefix="keytrace-sweep-")
@@ -59,6 +59,7 @@ def run_sweep(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> list[SweepRow]:
     """Run `run_one` for every length (each on a fresh harness, trace discarded)."""
+    require_vllm()
     todo: Sequence[int] = list(lengths)
     rows = []
     for i, n in enumerate(todo):

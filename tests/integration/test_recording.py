@@ -206,7 +206,7 @@ def test_faults_leave_results_unchanged(
 
 
 def test_missing_hook_point_records_nothing(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from keytrace.vllm import patches
     from keytrace.vllm.compat import load_targets
@@ -214,11 +214,13 @@ def test_missing_hook_point_records_nothing(
     cls, _, _ = load_targets()
     init_before = cls.__init__
     monkeypatch.delattr(cls, "update_state_after_alloc")
-    with pytest.warns(
-        RuntimeWarning,
-        match=r"lacks hook point\(s\) OffloadingConnectorScheduler.update_state_after_alloc; keytrace supports vllm==0.33.0",
-    ):
+    with caplog.at_level("WARNING", logger="keytrace"):
         assert patches.install(tmp_path / "t") is False
+    [line] = [r.getMessage() for r in caplog.records if "lacks hook point" in r.getMessage()]
+    assert (
+        "OffloadingConnectorScheduler.update_state_after_alloc; keytrace supports vllm==0.33.0"
+        in line
+    )
     assert cls.__init__ is init_before and not patches.installed()
     assert not (tmp_path / "t").exists()
 
@@ -232,6 +234,7 @@ def test_recorder_failure_is_contained(
         raise RuntimeError("recorder bug")
 
     monkeypatch.setattr(Recorder, "lookup", boom)
+    monkeypatch.setattr("keytrace.record.recorder._FAILURES_LOGGED", set())
     h_off, res_off, _ = _run(SMALL, 1000, None)
     with caplog.at_level("WARNING", logger="keytrace"), recording(tmp_path / "t") as recs:
         h = Harness(SMALL)
@@ -240,3 +243,45 @@ def test_recorder_failure_is_contained(
     assert res.external_tokens == res_off.external_tokens and h.digests == h_off.digests
     assert failures > 10
     assert sum("recording failed in manager.lookup" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_stand_in_scheduler_is_skipped_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder
+) -> None:
+    # vLLM's own unit tests build schedulers from SimpleNamespace configs: no header can be
+    # built from them, and nothing about them describes a deployment
+    from types import SimpleNamespace
+
+    from keytrace.vllm import hooks, patches
+
+    sched = SimpleNamespace(manager=SimpleNamespace())
+    with caplog.at_level("DEBUG", logger="keytrace"), recording(tmp_path / "t") as recs:
+        patches._start_recording(
+            sched,
+            str(tmp_path / "t"),
+            (SimpleNamespace(), SimpleNamespace(), SimpleNamespace()),
+            {},
+        )
+        assert recs == [] and hooks.recorder_of(sched) is None
+    assert [r.levelname for r in caplog.records] == ["DEBUG"]
+    assert "stand-in" in caplog.records[0].getMessage()
+    assert len(recwarn) == 0
+
+
+def test_injection_is_loud_and_in_the_header(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from keytrace.vllm.patches import injected
+
+    with (
+        caplog.at_level("WARNING", logger="keytrace"),
+        injected("pre48911"),
+        recording(tmp_path / "t"),
+    ):
+        Harness(SMALL).scenario(1000)
+    with recording(tmp_path / "stock"):
+        Harness(SMALL).scenario(1000)
+    warned = [r.getMessage() for r in caplog.records if "injected historical bug" in r.getMessage()]
+    assert len(warned) == 1 and "'pre48911'" in warned[0]
+    assert open_trace(str(tmp_path / "t")).header["vllm_modified"] == ["inject:pre48911"]
+    assert open_trace(str(tmp_path / "stock")).header["vllm_modified"] == []

@@ -1,0 +1,239 @@
+"""What recording observes at each hook point: plain functions of (recorder, call).
+
+Nothing here patches anything; `keytrace.vllm.patches` owns the table that says where each
+observer runs and the one mechanism that applies and undoes it. Every observer runs *after*
+or *before* vLLM's own call, receives the call's arguments exactly as vLLM passed them, and
+may raise: the single wrapper in `patches` catches it and reports it to `Recorder.fail`.
+
+The recorder never calls manager methods and keeps no vLLM objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keytrace.record.recorder import Recorder, env_float, env_int
+
+log = logging.getLogger("keytrace")
+
+RECORDERS: weakref.WeakKeyDictionary[Any, Recorder] = weakref.WeakKeyDictionary()
+"""Scheduler instance -> its `Recorder`. A weak map rather than an attribute on the
+scheduler, so a recorded scheduler's ``vars()`` are exactly vLLM's."""
+
+
+def recorder_of(sched: Any) -> Recorder | None:
+    """The recorder of a scheduler instance, or None when it is not recorded."""
+    try:
+        return RECORDERS.get(sched)
+    except TypeError:  # unhashable or not weak-referenceable: never recorded
+        return None
+
+
+def arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], index: int, name: str) -> Any:
+    """Positional-or-keyword argument ``name`` (``index`` counts from the first after self)."""
+    if len(args) > index:
+        return args[index]
+    return kwargs[name]
+
+
+# --------------------------------------------------------------- start-up
+def is_stand_in(vllm_config: Any, kv_cache_config: Any) -> bool:
+    """True when a scheduler is built from test stand-ins (SimpleNamespace configs).
+
+    vLLM's own unit tests do this; such a scheduler is skipped quietly, because nothing
+    about it describes a real deployment and its header cannot be built.
+    """
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return not isinstance(vllm_config, VllmConfig) or not isinstance(kv_cache_config, KVCacheConfig)
+
+
+def start_recording(
+    sched: Any,
+    directory: str,
+    spec: Any,
+    vllm_config: Any,
+    kv_cache_config: Any,
+    *,
+    modified: Sequence[str],
+    exact_scans: bool,
+) -> Recorder:
+    """Build the header and the `Recorder` for a freshly initialised scheduler."""
+    from keytrace.vllm.header import build_header, engine_identity
+
+    header = build_header(sched, spec, vllm_config, kv_cache_config, modified=modified)
+    engine_id, rank = engine_identity(vllm_config)
+    rec = Recorder(
+        directory,
+        header,
+        engine_id=engine_id,
+        dp_rank=rank,
+        tokens_per_chunk={c.group_idx: c.tokens_per_chunk for c in sched.config.kv_group_configs},
+        max_rows=env_int("KEYTRACE_MAX_ROWS"),
+        max_seconds=env_float("KEYTRACE_MAX_SECONDS"),
+    )
+    rec.exact_scans = exact_scans
+    return rec
+
+
+# ------------------------------------------------------- scheduler methods
+def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    """``get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens)``."""
+    request = arg(args, kw, 0, "request")
+    max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
+    rec.episode_begin(
+        request.request_id,
+        int(arg(args, kw, 1, "num_computed_tokens")),
+        max_new,
+        int(request.num_prompt_tokens),
+        int(request.num_tokens),
+        len(request.block_hashes),
+    )
+
+
+def episode_end(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    rec.episode_end(arg(args, kw, 0, "request").request_id, result[0], result[1])
+
+
+def accepted(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """``update_state_after_alloc(request, blocks, num_external_tokens)``."""
+    request = arg(args, kw, 0, "request")
+    rec.accepted(request.request_id, int(arg(args, kw, 2, "num_external_tokens")))
+
+
+def step_rows(sched: Any, out: Any) -> list[tuple[Any, ...]]:
+    """Pre-step per-request values, read before vLLM mutates them in this call.
+
+    One row per scheduled request, per finished request and per preempted request that
+    was not scheduled: (req_id, computed, scheduled, prompt, num_tokens, finished,
+    preempted, resumed).
+    """
+    statuses = sched._req_status
+    preempted = set(out.preempted_req_ids or ())
+    resumed = set(getattr(out.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+
+    def row(rid: str, scheduled: int, finished: bool) -> tuple[Any, ...]:
+        st = statuses.get(rid)
+        req = st.req if st is not None else None
+        return (
+            rid,
+            int(req.num_computed_tokens) if req is not None else -1,
+            scheduled,
+            int(req.num_prompt_tokens) if req is not None else None,
+            int(req.num_tokens) if req is not None else None,
+            finished,
+            rid in preempted,
+            rid in resumed and not finished,
+        )
+
+    rows = [row(rid, int(n), False) for rid, n in out.num_scheduled_tokens.items()]
+    rows += [row(rid, 0, True) for rid in out.finished_req_ids or ()]
+    rows += [row(rid, 0, False) for rid in preempted - set(out.num_scheduled_tokens)]
+    return rows
+
+
+def step_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    """``build_connector_meta(scheduler_output)``, before vLLM runs it."""
+    rec.step_rows(step_rows(sched, arg(args, kw, 0, "scheduler_output")))
+
+
+def step_end(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    rec.end_step()
+
+
+def request_finished(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    rec.close_episode(arg(args, kw, 0, "request").request_id)
+
+
+def flush(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """``reset_cache()``: a natural checkpoint; write what is buffered."""
+    rec.writer.flush()
+
+
+def scan_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    """One call of a per-group lookup helper is one scan."""
+    rec.begin_scan()
+
+
+# --------------------------------------------------------- manager methods
+def positions(req_context: Any) -> dict[bytes, int]:
+    """The scheduler's key -> end-token map on the request context (read, never copied)."""
+    pos = getattr(req_context, "_offload_key_positions", None)
+    return pos if isinstance(pos, dict) else {}
+
+
+def _keys(value: Any) -> Sequence[bytes]:
+    """The keys argument as vLLM passed it. Only sequences are read: an iterator would be
+    consumed by the manager, and keytrace never changes what the manager receives."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"keys passed as {type(value).__name__}, not a sequence; not recorded")
+    return value
+
+
+def lookup(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """``manager.lookup(key, req_context, **kw)``; extra arguments mark a secondary tier."""
+    if len(args) == 2 and not kw:  # the scheduler's own call: the hot path
+        key, ctx = args
+        secondary = False
+    else:
+        key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
+        secondary = len(args) > 2 or any(k not in ("key", "req_context") for k in kw)
+    rec.lookup(key, ctx.req_id, ctx.get_offload_key_position(key), result.name, secondary)
+
+
+def prepare_store(
+    rec: Recorder, sched: Any, out: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    keys, ctx = _keys(arg(args, kw, 0, "keys")), arg(args, kw, 1, "req_context")
+    if out is None:
+        rec.store_prepared(ctx.req_id, keys, positions(ctx), None, (), None)
+        return
+    job = sched._job_counter if out.keys_to_store else None
+    rec.store_prepared(
+        ctx.req_id, keys, positions(ctx), out.keys_to_store, out.evicted_keys or (), job
+    )
+
+
+def complete_store(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    keys, ctx = arg(args, kw, 0, "keys"), arg(args, kw, 1, "req_context")
+    success = args[2] if len(args) > 2 else kw.get("success", True)
+    job = next((j for j, st in sched._jobs.items() if st.keys is keys), None)
+    rec.store_completed(ctx.req_id, keys, positions(ctx), job, bool(success))
+
+
+def prepare_load(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    keys, ctx = _keys(arg(args, kw, 0, "keys")), arg(args, kw, 1, "req_context")
+    rec.load("prepared", ctx.req_id, keys, positions(ctx))
+
+
+def complete_load(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    keys, ctx = arg(args, kw, 0, "keys"), arg(args, kw, 1, "req_context")
+    rec.load("completed", ctx.req_id, keys, positions(ctx))
+
+
+def reset(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    rec.reset()

@@ -1,0 +1,168 @@
+"""The one patch mechanism, without vLLM: transparent wrappers, exact undo, one lookup rule.
+
+vLLM's own unit tests build the scheduler around a ``MagicMock`` manager and then write
+``manager.prepare_store.side_effect`` and read ``call_args`` through it; recording must not
+change what they see. These tests drive the real table rows against such a mock.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import MagicMock
+
+import pytest
+
+from keytrace.vllm import patches
+from keytrace.vllm.patches import TABLE, Patch, apply_instance, disable, observe
+
+
+class FakeRecorder:
+    """Counts what the observers report; `fail` mirrors `Recorder.fail`'s contract."""
+
+    def __init__(self) -> None:
+        self.stores: list[tuple[Any, ...]] = []
+        self.failures: list[str] = []
+
+    def store_prepared(self, *a: Any) -> None:
+        self.stores.append(a)
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        self.failures.append(where)
+
+
+@pytest.fixture
+def manager() -> Any:
+    m = MagicMock()
+    m.prepare_store.return_value = SimpleNamespace(
+        keys_to_store=[b"k1"], evicted_keys=[], store_spec=None
+    )
+    yield m
+    disable("test")
+
+
+def _record_manager(m: Any, rec: FakeRecorder) -> None:
+    sched = SimpleNamespace(_job_counter=7, _jobs={})
+    apply_instance("record", "manager", m, (rec, sched))
+
+
+def test_wrapped_mock_stays_a_mock(manager: Any) -> None:
+    child = manager.prepare_store
+    rec = FakeRecorder()
+    _record_manager(manager, rec)
+    wrapped = manager.prepare_store
+    assert wrapped is not child  # it is wrapped ...
+    assert isinstance(wrapped, MagicMock)  # ... and still passes vLLM's _as_mock check
+    assert wrapped.__wrapped__ is child
+    # attribute writes reach the mock: side_effect set through the wrapper is honoured
+    wrapped.side_effect = lambda keys, req_context: SimpleNamespace(
+        keys_to_store=keys[:1], evicted_keys=[], store_spec="spec"
+    )
+    ctx = SimpleNamespace(req_id="r1", _offload_key_positions={b"a": 16, b"b": 32})
+    keys = [b"a", b"b"]
+    out = manager.prepare_store(keys, ctx)
+    assert out.store_spec == "spec" and child.side_effect is wrapped.side_effect
+    # the mock saw exactly what the caller passed: the same list object, not a copy
+    assert child.call_args.args[0] is keys and wrapped.call_args.args[0] is keys
+    # and the observer recorded the outcome
+    assert rec.stores == [("r1", keys, ctx._offload_key_positions, [b"a"], (), 7)]
+    disable("record")
+    assert manager.prepare_store is child
+
+
+def test_observer_failure_is_contained(manager: Any) -> None:
+    rec = FakeRecorder()
+    _record_manager(manager, rec)
+    manager.prepare_store.return_value = "not an output"  # the observer cannot read it
+    assert manager.prepare_store([b"a"], SimpleNamespace(req_id="r")) == "not an output"
+    assert rec.failures == ["manager.prepare_store"]
+    # a generator of keys is never consumed or copied by keytrace: passed through as is
+    gen = iter([b"a"])
+    manager.prepare_store(gen, SimpleNamespace(req_id="r"))
+    assert manager.prepare_store.call_args.args[0] is gen
+    assert rec.failures == ["manager.prepare_store"] * 2
+    disable("record")
+
+
+def test_vllm_exceptions_pass_through(manager: Any) -> None:
+    rec = FakeRecorder()
+    _record_manager(manager, rec)
+    manager.prepare_store.side_effect = KeyError("from vLLM")
+    with pytest.raises(KeyError, match="from vLLM"):
+        manager.prepare_store([b"a"], SimpleNamespace(req_id="r"))
+    assert rec.failures == [] and rec.stores == []
+    disable("record")
+
+
+def test_undo_leaves_a_later_replacement_alone(manager: Any) -> None:
+    store_child = manager.prepare_store
+    _record_manager(manager, FakeRecorder())
+
+    def mine(keys: Any, req_context: Any) -> str:
+        return "test's own"
+
+    manager.prepare_load = mine  # what vLLM's RequestRunner does
+    disable("record")
+    assert manager.prepare_load is mine  # not clobbered by the undo
+    assert manager.prepare_store is store_child  # while what keytrace wrapped is restored
+
+
+class Base:
+    def hook(self, x: int) -> int:
+        return x + 1
+
+
+class Sub(Base):
+    pass
+
+
+def test_inherited_methods_are_found_and_wrapped_like_own_ones() -> None:
+    seen: list[int] = []
+    row = Patch("test", "scheduler", "hook", lambda _b: _note(seen))
+    # the presence check and the wrap use the same lookup: an inherited method counts
+    assert patches._resolve(Sub, "hook") is Base.__dict__["hook"]
+    patches._apply("test", Sub, row, None)
+    try:
+        assert Sub().hook(1) == 2 and seen == [1]
+        assert Base().hook(1) == 2 and seen == [1]  # the base class is untouched
+        assert "hook" in Sub.__dict__
+    finally:
+        disable("test")
+    assert "hook" not in Sub.__dict__ and Sub.hook is Base.hook  # inheritance restored
+
+
+def test_own_method_restored_to_the_identical_function() -> None:
+    original = Base.__dict__["hook"]
+    patches._apply("test", Base, Patch("test", "scheduler", "hook", lambda _b: _note([])), None)
+    assert Base.__dict__["hook"] is not original
+    disable("test")
+    assert Base.__dict__["hook"] is original
+
+
+def _note(seen: list[int]) -> Any:
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        seen.append(args[0])
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def test_observe_runs_after_and_reports_failures() -> None:
+    rec = FakeRecorder()
+
+    def after(r: Any, sched: Any, result: Any, args: Any, kwargs: Any) -> None:
+        raise RuntimeError("recorder bug")
+
+    wrapper = observe("where", after=after)((rec, None))
+    assert wrapper(lambda x: x * 2, None, (21,), {}) == 42
+    assert rec.failures == ["where"]
+
+
+def test_table_is_well_formed() -> None:
+    rows = [(p.feature, p.target, p.attr) for p in TABLE]
+    assert len(rows) == len(set(rows))
+    # the manager is wrapped per instance only (tiering aliases prepare_write to it)
+    assert {p.target for p in TABLE if p.attr in ("lookup", "prepare_store")} == {"manager"}
+    assert {f for f in patches.FEATURES if f.startswith("inject:")} == {
+        f"inject:{name}" for name in patches.inject.INJECTIONS
+    }
