@@ -1,10 +1,82 @@
-"""Options and helpers shared by several commands."""
+"""What every command shares: the command decorator (--debug, --verbose, quiet host logs),
+trace arguments, --json, and how warnings from reading a trace are shown."""
 
 from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from keytrace.format.reader import Trace
+
+FLAGS = {"debug": False, "verbose": False}
+"""Set from --debug/--verbose (before or after the command name); read by `cli.main`."""
+
+
+def quiet_host_logs() -> None:
+    """Keep vLLM's and torch's start-up chatter out of keytrace's own commands.
+
+    The harness builds real vLLM configs on a CPU, which makes vLLM warn about block sizes,
+    SSM dtypes and its experimental connector API on every scheduler (hundreds of lines in
+    a sweep). Their loggers go to ERROR unless ``--verbose``; an explicit
+    ``VLLM_LOGGING_LEVEL`` or ``TORCH_LOGS`` wins. torch sets its own logger levels when it
+    initialises, so only its environment variable reaches it. Never called when keytrace
+    runs as a plugin in a server.
+    """
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_LOGS", "-torch")
+    for name in ("vllm", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _flag(name: str) -> Callable[[click.Context, click.Parameter, bool], None]:
+    def set_flag(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+        if value:
+            FLAGS[name] = True
+
+    return set_flag
+
+
+debug_option = click.option(
+    "--debug",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_flag("debug"),
+    help="Print the traceback of an unexpected error.",
+)
+verbose_option = click.option(
+    "--verbose",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_flag("verbose"),
+    help="Show vLLM's and torch's own log lines.",
+)
+
+
+def command(name: str) -> Callable[[Callable[..., int]], click.Command]:
+    """``@click.command(name)`` plus --debug and --verbose, and quiet host logs before the
+    command body runs (so before any vLLM import)."""
+
+    def decorate(fn: Callable[..., int]) -> click.Command:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> int:
+            if not FLAGS["verbose"]:
+                quiet_host_logs()
+            return fn(*args, **kwargs)
+
+        return verbose_option(debug_option(click.command(name)(run)))
+
+    return decorate
+
 
 trace_paths = click.argument("paths", nargs=-1, required=True, metavar="TRACE...")
 json_option = click.option(

@@ -6,10 +6,11 @@ import os
 
 import click
 
+from keytrace.cli._common import command
 from keytrace.format.compact import compact
 
 
-@click.command("compact")
+@command("compact")
 @click.argument("trace_dir", type=str)
 @click.option(
     "-o", "--out", "out_dir", default=None, help="Output folder [default: TRACE_DIR-compact]."

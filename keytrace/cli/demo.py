@@ -8,10 +8,11 @@ import tempfile
 
 import click
 
+from keytrace.cli._common import command
 from keytrace.report.text import render_diff
 
 
-@click.command("demo")
+@command("demo")
 @click.option(
     "--out",
     "out_dir",

@@ -6,14 +6,13 @@ import sys
 
 import click
 
-from keytrace.analysis.plan import plan_from_trace
-from keytrace.cli._common import echo_trace_warnings, json_option, trace_paths
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK, TraceError, VllmUnavailableError
+from keytrace.cli._common import command, echo_trace_warnings, json_option, trace_paths
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 
 
-@click.command("replay")
+@command("replay")
 @trace_paths
 @click.option(
     "--request",
@@ -40,29 +39,14 @@ def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as
     """
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
-    plan = plan_from_trace(trace, request=request)
-    try:
-        from keytrace.vllm.harness import SUPPORTED_VLLM
-        from keytrace.vllm.replay import replay
-    except ImportError as exc:
-        raise VllmUnavailableError(
-            f"replay needs vLLM ({exc}); pip install 'keytrace[vllm]'"
-        ) from exc
-    if plan.vllm_version != SUPPORTED_VLLM:
-        raise TraceError(
-            f"trace was recorded on vLLM {plan.vllm_version}; replay runs vllm=={SUPPORTED_VLLM}: "
-            "the scheduler rules may differ, refusing to compare"
-        )
-    if plan.local_tokens:
-        click.echo(
-            f"keytrace: note: the episode had {plan.local_tokens:,} local (GPU prefix) tokens; "
-            "the replay resets the GPU prefix cache, so it starts from 0",
-            err=True,
-        )
-    result = replay(plan.geometry, plan.prime_lengths, plan.episode_length, trace_dir=out_dir)
-    same_steps = result.steps == plan.recorded_steps
+    from keytrace.vllm.replay import replay_trace
+
+    out = replay_trace(trace, request=request, out_dir=out_dir)
+    for note in out.notes:
+        click.echo(f"keytrace: note: {note}", err=True)
+    plan, result = out.plan, out.result
     if as_json:
-        write_json({"plan": plan, "replay": result, "steps_match": same_steps}, sys.stdout)
+        write_json({"plan": plan, "replay": result, "steps_match": out.steps_match}, sys.stdout)
     else:
         click.echo(
             f"replaying request {plan.request}: primes {plan.prime_lengths or 'none'} then "
@@ -72,7 +56,7 @@ def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as
         rec = "deferred" if plan.recorded_external is None else f"{plan.recorded_external:,}"
         click.echo(f"recorded: external {rec}, verdict {plan.recorded_verdict}")
         click.echo(f"replayed: {result.explain()}")
-        if same_steps:
+        if out.steps_match:
             click.echo("step schedule: identical to the recorded one")
         else:
             click.echo(

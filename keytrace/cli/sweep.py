@@ -8,9 +8,11 @@ import click
 
 from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header
 from keytrace.analysis.sweep import SweepRow, parse_lengths
+from keytrace.cli._common import command
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.report.table import write_rows
+from keytrace.vllm.inject import INJECTIONS
 
 
 def _table(rows: list[SweepRow]) -> None:
@@ -28,7 +30,7 @@ def _table(rows: list[SweepRow]) -> None:
         )
 
 
-@click.command("sweep")
+@command("sweep")
 @click.option(
     "--lengths", required=True, help="START:STOP[:STEP] (stop inclusive), a comma list, or both."
 )
@@ -48,7 +50,10 @@ def _table(rows: list[SweepRow]) -> None:
 )
 @click.option("--blocks-per-chunk", type=int, default=None, help="Offload chunk size in blocks.")
 @click.option(
-    "--inject", default=None, help="Reintroduce a historical store bug (pre48911, no_eagle_plus1)."
+    "--inject",
+    type=click.Choice(sorted(INJECTIONS)),
+    default=None,
+    help="Reintroduce a historical store-side bug (testing keytrace itself).",
 )
 @click.option("--csv", "csv_path", default=None, help="Also write the table as CSV.")
 @click.option("--parquet", "parquet_path", default=None, help="Also write the table as Parquet.")
@@ -113,10 +118,8 @@ def command(
     changes["num_gpu_blocks"] = None  # sized per length
     geo = geo.with_(**changes)
     show = progress if progress is not None else sys.stderr.isatty()
-    try:
-        from keytrace.vllm.sweep import run_sweep
-    except ImportError as exc:  # pragma: no cover - sweep itself is vLLM-free; the harness is not
-        raise UsageError(str(exc)) from exc
+    from keytrace.vllm.sweep import run_sweep
+
     rows = run_sweep(geo, todo, inject=inject, progress=progress_printer() if show else None)
     if not quiet:
         _table(rows)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,23 @@ require_vllm()
 from keytrace.cli import main  # noqa: E402
 
 
-def test_demo_whole_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_whole_loop(tmp_path: Path) -> None:
+    # a fresh process, as a user runs it: vLLM's logging is configured at its first import
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "TORCH_LOGS")}
+    r = subprocess.run(
+        [sys.executable, "-m", "keytrace", "demo", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    # only keytrace's own lines on stderr: vLLM's and torch's start-up chatter is routed away
+    foreign = [line for line in r.stderr.splitlines() if not line.startswith("keytrace: ")]
+    assert len(foreign) <= 3, foreign
+    assert len(r.stderr.splitlines()) <= 10, r.stderr
+    text = r.stdout
     blocks = text.split("\n== ")
     assert blocks[1].startswith("injected pre48911: 18,877 tokens -> 0 external tokens")
     assert "MISMATCH" in blocks[1] and "binding group 2 (SWA, MTP), terminal chunk 292" in blocks[1]
