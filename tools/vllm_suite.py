@@ -1,0 +1,135 @@
+"""vLLM's own offloading-connector suite, without and with keytrace recording: same results?
+
+    python tools/vllm_suite.py [--version 0.33.0] [--cache DIR] [--keep DIR]
+
+Runs ``tests/v1/kv_connector/unit/offloading_connector/`` from vLLM's sdist (see
+``tools/vllm_sdist.py``) twice, on a CPU, offline:
+
+1. plain: keytrace installed but inert (``KEYTRACE_DIR`` unset);
+2. recording: vLLM's ``load_general_plugins()`` called at session start (what every vLLM
+   engine process does), with ``KEYTRACE_DIR`` set, so keytrace's plugin patches vLLM and
+   records every scheduler the suite builds from real configs.
+
+Prints both results, the per-test differences and the number of parts written. Exit 0
+only when every test has the same outcome in both runs and recording wrote parts; 1
+otherwise. ``.ci/run`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_sdist import CONFCUTDIR, DEFAULT_CACHE, DEFAULT_VERSION, OFFLOADING_SUITE, prepare
+
+LOADER = '''\
+"""pytest plugin: load vLLM's general plugins once, as every vLLM engine process does."""
+
+
+def pytest_configure(config):
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+'''
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """Test id -> passed / failed / error / skipped, from a JUnit XML report."""
+    result: dict[str, str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        for kind in ("failure", "error", "skipped"):
+            if kind in kinds:
+                result[test_id] = {"failure": "failed"}.get(kind, kind)
+                break
+        else:
+            result[test_id] = "passed"
+    return result
+
+
+def run_suite(
+    tree: Path, home: Path, work: Path, record_dir: Path | None
+) -> tuple[dict[str, str], float]:
+    junit = work / ("recording.xml" if record_dir else "plain.xml")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", HF_HOME=str(home))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        OFFLOADING_SUITE,
+        f"--confcutdir={CONFCUTDIR}",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        # a RuntimeWarning from keytrace must show up as a changed outcome
+        "-W",
+        "error::RuntimeWarning",
+        f"--junitxml={junit}",
+    ]
+    if record_dir is not None:
+        env["KEYTRACE_DIR"] = str(record_dir)
+        env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+        cmd += ["-p", "keytrace_suite_loader"]
+    t = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    seconds = time.monotonic() - t
+    if not junit.exists():
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"vllm_suite: pytest wrote no report (exit {proc.returncode})")
+    return outcomes(junit), seconds
+
+
+def summary(result: dict[str, str]) -> str:
+    counts = Counter(result.values())
+    return ", ".join(
+        f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped") if counts[k]
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", default=DEFAULT_VERSION)
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--keep", type=Path, default=None, help="Keep the recorded trace here.")
+    args = ap.parse_args()
+
+    tree, home = prepare(args.version, args.cache)
+    with tempfile.TemporaryDirectory(prefix="keytrace-vllm-suite-") as tmp:
+        work = Path(tmp)
+        (work / "keytrace_suite_loader.py").write_text(LOADER)
+        record_dir = args.keep or work / "trace"
+        plain, t_plain = run_suite(tree, home, work, None)
+        recorded, t_rec = run_suite(tree, home, work, record_dir)
+        parts = sorted(record_dir.rglob("*.parquet")) if record_dir.exists() else []
+
+    print(f"vLLM {args.version} {OFFLOADING_SUITE}")
+    print(f"  without keytrace:        {summary(plain)}  ({t_plain:.0f} s)")
+    print(f"  recording (KEYTRACE_DIR): {summary(recorded)}  ({t_rec:.0f} s)")
+    print(f"  parts written while recording: {len(parts)}")
+    differ = sorted(t for t in plain.keys() | recorded.keys() if plain.get(t) != recorded.get(t))
+    for t in differ[:20]:
+        print(f"  DIFFERS {t}: {plain.get(t, 'absent')} -> {recorded.get(t, 'absent')}")
+    if len(differ) > 20:
+        print(f"  ... {len(differ) - 20} more")
+    ok = not differ and bool(plain) and bool(parts)
+    print(
+        "identical results, parts written" if ok else "FAIL: results differ or nothing was recorded"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
