@@ -29,8 +29,9 @@ import random
 import sys
 import time
 
-from keytrace.analysis.diff import _groups, needed_chunks
 from keytrace.analysis.geometry import DSV4, synthetic_header
+from keytrace.analysis.rules import groups_from_header as _groups
+from keytrace.analysis.rules import needed_chunks
 from keytrace.record.recorder import Recorder
 
 TPH = DSV4.tokens_per_hash  # 4 tokens per hash block

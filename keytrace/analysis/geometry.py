@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from keytrace.analysis.rules import group_label, window_chunks
+
 GROUP_KINDS = ("full_attention", "mla", "sliding_window")
 
 
@@ -36,9 +38,7 @@ class GroupGeom:
 
     @property
     def label(self) -> str:
-        base = {"full_attention": "FA", "mla": "MLA", "sliding_window": "SWA"}[self.kind]
-        if self.eagle:
-            base += ", MTP"
+        base = group_label(self.kind, self.eagle)
         return f"{self.name} ({base})" if self.name else base
 
 
@@ -123,20 +123,6 @@ def builtin(name: str) -> Geometry:
         raise ValueError(f"unknown geometry {name!r}; built-in: {', '.join(BUILTIN)}") from None
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def window_chunks(g: GroupGeom, tokens_per_chunk: int) -> int | None:
-    """vLLM's ``get_sliding_window_size_in_chunks`` for the kinds keytrace models."""
-    if g.sliding_window is None:
-        return None
-    return max(
-        _cdiv(g.sliding_window, tokens_per_chunk),
-        _cdiv(g.sliding_window - 1 + g.extra_retained_tokens, tokens_per_chunk),
-    )
-
-
 def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dict[str, Any]:
     """The header keytrace's hooks would record for ``geometry`` on the harness.
 
@@ -163,7 +149,7 @@ def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dic
                 "tokens_per_chunk": tpc,
                 "hashes_per_chunk": tpc // tph,
                 "sliding_window": g.sliding_window,
-                "window_chunks": window_chunks(g, tpc),
+                "window_chunks": window_chunks(g.sliding_window, g.extra_retained_tokens, tpc),
                 "extra_retained_tokens": g.extra_retained_tokens,
                 "is_eagle": g.eagle,
                 "requires_cow_source": False,

@@ -7,6 +7,7 @@ from typing import Any
 
 import polars as pl
 
+from keytrace.analysis.rules import group_label
 from keytrace.format.reader import Trace
 
 
@@ -46,13 +47,6 @@ class Summary:
     warnings: list[str] = field(default_factory=list)
 
 
-def group_label(g: dict[str, Any]) -> str:
-    kind = {"full_attention": "FA", "mla": "MLA", "sliding_window": "SWA"}.get(g["kind"], g["kind"])
-    if g.get("is_eagle"):
-        kind += ", MTP"
-    return kind
-
-
 def summarize(trace: Trace, *, max_episodes: int = 20) -> Summary:
     """Counts per group of store events and lookup results, and the first episodes."""
     st = (
@@ -74,7 +68,7 @@ def summarize(trace: Trace, *, max_episodes: int = 20) -> Summary:
         groups.append(
             GroupCounts(
                 group_id=gid,
-                label=group_label(g),
+                label=group_label(g["kind"], bool(g.get("is_eagle"))),
                 tokens_per_chunk=g.get("tokens_per_chunk"),
                 stored=count(st, gid, "event", "completed"),
                 prepared=count(st, gid, "event", "prepared"),

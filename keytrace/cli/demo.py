@@ -8,6 +8,7 @@ import tempfile
 
 import click
 
+from keytrace.analysis.rules import groups_from_header
 from keytrace.cli._common import command
 from keytrace.report.text import render_diff
 
@@ -41,9 +42,12 @@ def command(out_dir: str | None) -> int:
         )
         render_diff(run.report, sys.stdout)
     bad = [r for r in res.sweep if r.verdict == "mismatch"]
+    labels = {g.gid: f"{g.gid} ({g.label})" for g in groups_from_header(res.runs[-1].report.header)}
+    where = ", ".join(labels[g] for g in sorted({r.binding_group for r in bad} - {None}))
+    causes = ", ".join(sorted({r.cause or "?" for r in bad}))
     click.echo(
-        f"\n== sweep of stock vLLM: {len(bad)} of {len(res.sweep)} lengths mismatch, every one in group "
-        f"{sorted({r.binding_group for r in bad})} (SWA, MTP) with cause {sorted({r.cause for r in bad})}"
+        f"\n== sweep of stock vLLM: {len(bad)} of {len(res.sweep)} lengths mismatch"
+        + (f", binding group {where}, cause {causes}" if bad else "")
     )
     click.echo(f"\nwritten in {res.seconds:.0f}s under {out}:")
     for run in res.runs:

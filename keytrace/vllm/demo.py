@@ -21,7 +21,9 @@ from keytrace.analysis.geometry import builtin
 from keytrace.analysis.sweep import SweepRow
 from keytrace.errors import UsageError
 from keytrace.format.reader import open_trace
+from keytrace.report.table import write_rows
 from keytrace.vllm import require_vllm
+from keytrace.vllm.replay import replay
 
 
 @dataclass
@@ -45,19 +47,6 @@ class DemoResult:
     seconds: float = 0.0
 
 
-def record_scenario(
-    trace_dir: str, geometry_name: str, num_tokens: int, *, inject: str | None = None
-) -> int:
-    """Prime/reset/resend ``num_tokens`` on a fresh harness, recording to ``trace_dir``."""
-    require_vllm()
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import injected, recording
-
-    with injected(inject), recording(trace_dir):
-        result = Harness(builtin(geometry_name), max_prompt_tokens=num_tokens).scenario(num_tokens)
-    return result.external_tokens
-
-
 def run_demo(
     out_dir: str, *, log: Callable[[str], None] = lambda s: None, sweep_step: int = 8
 ) -> DemoResult:
@@ -75,7 +64,7 @@ def run_demo(
     ):
         d = os.path.join(out_dir, f"trace-dsv4-{n}-{inject or 'stock'}")
         log(f"recording dsv4, {n:,} tokens, {label} ...")
-        external = record_scenario(d, "dsv4", n, inject=inject)
+        external = replay(builtin("dsv4"), [n], n, trace_dir=d, inject=inject).external_tokens
         res.runs.append(DemoRun(label, d, n, inject, external, diff(open_trace(d))))
 
     from keytrace.analysis.plan import plan_from_trace
@@ -93,12 +82,7 @@ def run_demo(
     log(f"sweeping {len(lengths)} lengths {lengths[0]:,}..{lengths[-1]:,} on stock vLLM ...")
     res.sweep = run_sweep(builtin("dsv4"), lengths)
     res.sweep_table = os.path.join(out_dir, "sweep.csv")
-    with open(res.sweep_table, "w") as fh:
-        fh.write("length,E,external,verdict,binding_group,terminal_chunk,cause\n")
-        for r in res.sweep:
-            fh.write(
-                f"{r.length},{r.E},{r.external},{r.verdict},{r.binding_group},{r.terminal_chunk},{r.cause}\n"
-            )
+    write_rows(res.sweep, csv_path=res.sweep_table)
     try:
         from keytrace.report.plot import plot_sweep
 

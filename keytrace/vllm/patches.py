@@ -62,83 +62,91 @@ class Patch:
 
 
 # ----------------------------------------------------------------- observers
-def observe(
-    where: str, *, before: Observer | None = None, after: Observer | None = None
-) -> Callable[[Binding], Wrapper]:
-    """The one recording wrapper: vLLM's call runs untouched; observers run around it.
+def _observed(
+    rec: Recorder,
+    sched: Any,
+    where: str,
+    before: Observer | None,
+    after: Observer | None,
+    always: bool,
+    wrapped: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The only place recording code runs around a vLLM call.
 
-    ``before(rec, sched, args, kwargs)`` and ``after(rec, sched, result, args, kwargs)``
-    may raise: the failure is counted and logged once (`Recorder.fail`), and vLLM's result
-    or exception passes through as if keytrace were absent. Class rows find the recorder
-    from the scheduler instance; instance rows are bound to ``(recorder, scheduler)``.
+    vLLM's call runs exactly as it would without keytrace; ``before``/``after`` failures
+    are counted and logged once (`Recorder.fail`) and never reach vLLM. With ``always``,
+    ``after`` runs (with result None) even when vLLM's call raises.
+    """
+    if before is not None:
+        try:
+            before(rec, sched, args, kwargs)
+        except Exception as exc:
+            rec.fail(where, exc)
+    if after is None:
+        return wrapped(*args, **kwargs)
+    result = None
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException:
+        if not always:
+            raise
+        _after(rec, sched, where, after, None, args, kwargs)
+        raise
+    _after(rec, sched, where, after, result, args, kwargs)
+    return result
+
+
+def _after(
+    rec: Recorder,
+    sched: Any,
+    where: str,
+    after: Observer,
+    result: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    try:
+        after(rec, sched, result, args, kwargs)
+    except Exception as exc:
+        rec.fail(where, exc)
+
+
+def observe(
+    where: str,
+    *,
+    before: Observer | None = None,
+    after: Observer | None = None,
+    always: bool = False,
+) -> Callable[[Binding], Wrapper]:
+    """A recording row's wrapper factory: ``before(rec, sched, args, kwargs)`` and
+    ``after(rec, sched, result, args, kwargs)`` around vLLM's call (see `_observed`).
+
+    Class rows find the recorder from the scheduler instance (unrecorded schedulers pass
+    straight through); instance rows are bound to ``(recorder, scheduler)`` up front.
     """
 
     def make(binding: Binding) -> Wrapper:
-        if binding is not None and before is None and after is not None:
-            return _bound_after(where, after, *binding)
+        if binding is not None:
+            rec, sched = binding
 
-        def wrapper(
-            wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> Any:
-            if binding is None:
-                sched, rec = instance, hooks.recorder_of(instance)
-            else:
-                rec, sched = binding
-            if rec is None:
-                return wrapped(*args, **kwargs)
-            if before is not None:
-                try:
-                    before(rec, sched, args, kwargs)
-                except Exception as exc:
-                    rec.fail(where, exc)
-            if after is None:
-                return wrapped(*args, **kwargs)
-            result = wrapped(*args, **kwargs)
-            try:
-                after(rec, sched, result, args, kwargs)
-            except Exception as exc:
-                rec.fail(where, exc)
-            return result
+            def bound(
+                wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> Any:
+                return _observed(rec, sched, where, before, after, always, wrapped, args, kwargs)
 
-        return wrapper
+            return bound
 
-    return make
-
-
-def _bound_after(where: str, after: Observer, rec: Recorder, sched: Any) -> Wrapper:
-    """`observe`'s hot path: a manager method of one recorded scheduler (every key)."""
-
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        result = wrapped(*args, **kwargs)
-        try:
-            after(rec, sched, result, args, kwargs)
-        except Exception as exc:
-            rec.fail(where, exc)
-        return result
-
-    return wrapper
-
-
-def _always(after_anyway: Observer) -> Callable[[Binding], Wrapper]:
-    """Like `observe`, but ``after`` runs even when vLLM's call raises (step counting)."""
-
-    def make(binding: Binding) -> Wrapper:
-        def wrapper(
+        def unbound(
             wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Any:
             rec = hooks.recorder_of(instance)
-            if rec is not None:
-                try:
-                    hooks.step_begin(rec, instance, args, kwargs)
-                except Exception as exc:
-                    rec.fail("build_connector_meta", exc)
-            try:
+            if rec is None:
                 return wrapped(*args, **kwargs)
-            finally:
-                if rec is not None:
-                    after_anyway(rec, instance, None, args, kwargs)
+            return _observed(rec, instance, where, before, after, always, wrapped, args, kwargs)
 
-        return wrapper
+        return unbound
 
     return make
 
@@ -249,7 +257,12 @@ TABLE: tuple[Patch, ...] = (
         "update_state_after_alloc",
         observe("update_state_after_alloc", after=hooks.accepted),
     ),
-    Patch("record", "scheduler", "build_connector_meta", _always(hooks.step_end)),
+    Patch(
+        "record",
+        "scheduler",
+        "build_connector_meta",
+        observe("build_connector_meta", before=hooks.step_begin, after=hooks.step_end, always=True),
+    ),
     Patch(
         "record",
         "scheduler",

@@ -61,7 +61,13 @@ def replay(
     trace_dir: str | os.PathLike[str] | None = None,
     inject: str | None = None,
 ) -> ReplayResult:
-    """Prime, reset the GPU prefix cache, run the episode's request; record and diff it."""
+    """Prime, reset the GPU prefix cache, run the episode's request; record and diff it.
+
+    The one record-then-diff path: `keytrace replay`, generated regressions, sweeps and the
+    demo all come through here. With ``prime_lengths=[n]`` and ``episode_length=n`` it is
+    an identical resend after a GPU-only reset.
+    """
+    require_vllm()
     from keytrace.vllm.harness import Harness
     from keytrace.vllm.patches import injected, recording
 

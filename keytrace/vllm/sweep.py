@@ -1,7 +1,7 @@
 """Sweep prompt lengths through the real scheduler: one recorded, diffed scenario per length.
 
-Each length runs on a fresh harness (prime, GPU-only reset, identical resend) with the
-recorder on, then `keytrace.analysis.diff.diff` judges the resend episode. Imports vLLM lazily.
+Each length is one `keytrace.vllm.replay.replay` on a fresh harness (prime, GPU-only reset,
+identical resend), recorded and diffed. Imports vLLM lazily.
 """
 
 from __future__ import annotations
@@ -11,42 +11,34 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from keytrace.analysis.diff import diff
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.sweep import SweepRow
-from keytrace.format.reader import open_trace
-from keytrace.vllm import require_vllm
 
 
 def run_one(
     geometry: Geometry, length: int, *, inject: str | None = None, keep_dir: str | None = None
 ) -> SweepRow:
-    """One recorded scenario at ``length``; the verdict is the resend episode's."""
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import injected, recording
+    """One recorded scenario at ``length`` (prime, GPU-only reset, identical resend); the
+    verdict is the resend episode's."""
+    from keytrace.vllm.replay import replay
 
     t = time.monotonic()
     d = keep_dir or tempfile.mkdtemp(prefix="keytrace-sweep-")
     try:
-        with injected(inject), recording(d):
-            h = Harness(geometry, max_prompt_tokens=length)
-            res = h.scenario(length)
-        report = diff(open_trace(d), request=res.replay.req_id, all_episodes=True)
+        r = replay(geometry, [length], length, trace_dir=d, inject=inject)
     finally:
         if keep_dir is None:
             shutil.rmtree(d, ignore_errors=True)
-    v = report.episodes[-1]
-    group, chunk, cause = v.evidence()
     return SweepRow(
         length=length,
         budget=geometry.max_num_batched_tokens,
         blocks_per_chunk=geometry.blocks_per_chunk,
-        E=v.E,
-        external=res.external_tokens,
-        verdict=v.verdict,
-        binding_group=group,
-        terminal_chunk=chunk,
-        cause=cause,
+        E=r.expected_E,
+        external=r.external_tokens,
+        verdict=r.verdict,
+        binding_group=r.binding_group,
+        terminal_chunk=r.terminal_chunk,
+        cause=r.cause,
         seconds=time.monotonic() - t,
     )
 
@@ -59,7 +51,6 @@ def run_sweep(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> list[SweepRow]:
     """Run `run_one` for every length (each on a fresh harness, trace discarded)."""
-    require_vllm()
     todo: Sequence[int] = list(lengths)
     rows = []
     for i, n in enumerate(todo):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from keytrace.analysis.diff import EpisodeVerdict, _Group, diff, needed_chunks
+from keytrace.analysis.diff import EpisodeVerdict, diff
+from keytrace.analysis.rules import Group, needed_chunks
 from keytrace.cli import main
 from keytrace.format.reader import open_trace
 from tests.factories import TINY, TraceBuilder, new_builder
@@ -85,7 +86,7 @@ def test_offered_not_accepted(tmp_path: Path) -> None:
         b.store("r1", "c", 1, [], rejected=[4])
 
     v, _ = _only(tmp_path, swa1=[5], episode_external=0, extra=reject)
-    assert v.verdict == "mismatch" and v.terminal.cause == "offered_not_accepted"
+    assert v.verdict == "mismatch" and v.terminal.cause == "rejected"
 
 
 def test_pending_is_explained(tmp_path: Path) -> None:
@@ -93,7 +94,7 @@ def test_pending_is_explained(tmp_path: Path) -> None:
         b.store("r1", "c", 1, [4], complete=False, job=9)
 
     v, report = _only(tmp_path, swa1=[5], episode_external=0, extra=pend)
-    assert v.verdict == "explained" and v.terminal.cause == "pending"
+    assert v.verdict == "explained" and v.terminal.cause == "in_flight"
     assert report.verdict == "agree"
 
 
@@ -132,7 +133,7 @@ def test_moving_one_row_changes_the_verdict(tmp_path: Path) -> None:
     b.close()
     v_after = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
     assert v_before.verdict == "mismatch" and "resident, yet lookup fell short" in v_before.reason
-    assert v_after.verdict == "explained" and v_after.terminal.cause == "pending"
+    assert v_after.verdict == "explained" and v_after.terminal.cause == "in_flight"
 
 
 def test_completed_after_and_other_engine(tmp_path: Path) -> None:
@@ -152,15 +153,18 @@ def test_completed_after_and_other_engine(tmp_path: Path) -> None:
     assert {e.engine_id for e in report.episodes} == {"A"}
 
 
-def test_completed_after(tmp_path: Path) -> None:
-    d = tmp_path / "t"
-    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
-    b.prime("r1", "c", 100, swa_chunks={1: [5]})
-    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
-    b.store("r3", "c", 1, [4])
-    b.close()
-    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
-    assert v.verdict == "explained" and v.terminal.cause == "completed_after"
+def test_a_store_first_offered_after_the_lookup_explains_nothing(tmp_path: Path) -> None:
+    # chunk 4 is prepared and completed only after the episode (by a later request, or by
+    # the episode's own request once it computed it): not in flight at the lookup
+    for who in ("r3", "r2"):
+        d = tmp_path / who / "t"
+        b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+        b.prime("r1", "c", 100, swa_chunks={1: [5]})
+        b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+        b.store(who, "c", 1, [4])
+        b.close()
+        v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+        assert (v.verdict, v.terminal.cause) == ("mismatch", "never_offered"), who
 
 
 def test_other_group_id(tmp_path: Path) -> None:
@@ -247,8 +251,8 @@ def test_request_filter_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_needed_chunks_rule() -> None:
-    swa = _Group(1, 64, 2, 128, 0, False, "sliding_window", "SWA")
-    mtp = _Group(2, 64, 2, 128, 0, True, "sliding_window", "SWA, MTP")
+    swa = Group(1, 64, 2, 128, 0, False, "sliding_window")
+    mtp = Group(2, 64, 2, 128, 0, True, "sliding_window")
     # DSv4 17,975 tokens: 280 keyed chunks, E = 17,920: no peek chunk exists
     assert needed_chunks(mtp, 0, 17_920, 280) == [277, 278, 279]
     # 18,877 tokens: E = 18,688 = chunk 292; the peek chunk 292 is keyed

@@ -6,30 +6,9 @@ so an accidental import fails loudly instead of silently succeeding on a dev mac
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
-# A None entry in sys.modules makes `import X` raise ModuleNotFoundError and makes
-# importlib.util.find_spec("X") answer "not installed" -- exactly a machine without X.
-BLOCKER = textwrap.dedent(
-    """
-    import sys
-    BLOCKED = sys.argv[1].split(",")
-    for name in BLOCKED:
-        sys.modules[name] = None
-    def loaded(name):
-        return sys.modules.get(name) is not None
-    """
-)
-
-
-def _run(blocked: str, body: str, *args: str) -> subprocess.CompletedProcess[str]:
-    code = BLOCKER + textwrap.dedent(body)
-    return subprocess.run(
-        [sys.executable, "-c", code, blocked, *args], capture_output=True, text=True, timeout=120
-    )
+from tests.isolation import run_blocked as _run
 
 
 def test_core_and_cli_work_without_vllm_or_torch(tmp_path: Path) -> None:

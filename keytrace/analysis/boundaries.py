@@ -1,0 +1,67 @@
+"""Where the store path meant later lookups to hit: the intended boundaries of an episode.
+
+Every request keeps sliding-window tails for its own boundary (its own cap, `store_boundary`)
+and, when the GPU prefix cache reported one, for its ``shared_prefix_boundary`` junction
+(aligned down): ``reachable_boundaries`` in ``_build_store_jobs``. A boundary ``b`` of an
+earlier request ``r'`` is *intended* for an episode when ``r'`` shares the episode's prefix
+through ``b``. Keys are chained, content-addressed hashes, so that is exactly: ``r'``
+offered (before the episode) the same anchor-group key for the chunk ending at ``b`` as the
+episode looked up. The anchor is the first full-attention group (else the first group).
+
+Only one key per (request, boundary) is joined against the episode's anchor lookups, so the
+cost is one pass over the anchor group's lookup rows. ``r'`` may be the episode's own
+request (a preempted request that stored before it was resumed): it stored before ``s``.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from keytrace.analysis.rules import Group, align_down, store_boundary
+
+STORE_OFFERS = ("prepared", "rejected", "failed", "completed")
+
+
+def anchor(groups: list[Group]) -> Group:
+    return next((g for g in groups if g.full_attention), groups[0])
+
+
+def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
+    """(inst, req_id, P, b): every request's own boundary, and its junction if any."""
+    req = episodes.group_by("inst", "req_id").agg(
+        pl.col("P").max(), pl.col("spb").drop_nulls().max()
+    )
+    own = req.select("inst", "req_id", "P", store_boundary(groups, pl.col("P")).alias("b"))
+    junction = req.filter(pl.col("spb") > 0).select(
+        "inst", "req_id", "P", align_down(pl.col("spb"), groups).alias("b")
+    )
+    return pl.concat([own, junction]).filter(pl.col("b") > 0).unique()
+
+
+def chain(
+    episodes: pl.LazyFrame, lookups: pl.LazyFrame, stores: pl.LazyFrame, groups: list[Group]
+) -> pl.LazyFrame:
+    """Per episode: its intended ``boundaries``, the ``chain`` requests and ``chain_P`` (the
+    longest prompt among them: how far they could key chunks)."""
+    a = anchor(groups)
+    bounds = request_boundaries(episodes, groups).with_columns(
+        (pl.col("b") // a.tpc - 1).alias("chunk")
+    )
+    bkeys = (
+        stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
+        .join(bounds, on=["inst", "req_id", "chunk"])
+        .group_by("inst", "key", "b", "req_id")
+        .agg(pl.col("P").first(), pl.col("seq").min().alias("first_seq"))
+    )
+    return (
+        lookups.filter(pl.col("gid") == a.gid)
+        .select("inst", "s", "key")
+        .join(bkeys, on=["inst", "key"])
+        .filter(pl.col("first_seq") < pl.col("s"))
+        .group_by("inst", "s")
+        .agg(
+            pl.col("b").unique().alias("boundaries"),
+            pl.col("req_id").unique().alias("chain"),
+            pl.col("P").max().alias("chain_P"),
+        )
+    )

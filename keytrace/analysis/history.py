@@ -1,0 +1,164 @@
+"""Why a key a lookup needed was (not) there: the store history of a key at a moment.
+
+A *probe* is one key needed by one episode: ``(pid, inst, s, t, key, gid, token_end,
+keyable_end)``: the episode's recorder instance, sequence number and wall clock, the key
+and its group, the token its chunk ends at, and how far the earlier requests on the
+episode's chain reached (a chunk ending beyond that was never keyable by them).
+
+`causes` adds ``cause`` to every probe, with this precedence (docs/diff.md):
+
+``resident``      completed on the instance before s, not evicted or reset since
+``in_flight``     prepared before s and not yet settled (completed or failed) at s
+``evicted``       completed before s, then evicted (or the tier reset) before s
+``other_engine``  resident on another recorder instance at that moment (wall clock)
+``store_failed``  offered before s and the allocation or the transfer failed (capacity)
+``rejected``      offered before s, declined by ``prepare_store`` (e.g. ``store_threshold``)
+``other_group``   the block hash stored under another group id, this group's never
+``never_offered`` keyable by an earlier request on the chain, never offered before s
+``not_keyable``   no earlier request on the chain was long enough to key it
+
+A store first offered *after* the lookup, by the episode's own request or any later one,
+explains nothing: only what was in flight or resident at s counts.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
+"""Timing, capacity or routing: a shortfall with only these causes is not a rule bug."""
+RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
+"""The store path and the lookup path disagree about this key."""
+
+OFFER_EVENTS = ("prepared", "rejected", "failed")
+
+
+def resident(completed: pl.Expr, removed: pl.Expr) -> pl.Expr:
+    """*Resident*: a completion after the last removal (the one definition keytrace uses)."""
+    return completed.is_not_null() & (completed > removed.fill_null(-1))
+
+
+def _hash(key: pl.Expr) -> pl.Expr:
+    return key.bin.slice(0, key.bin.size() - 4)
+
+
+def causes(probes: pl.DataFrame, stores: pl.LazyFrame) -> pl.DataFrame:
+    """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys."""
+    if probes.height == 0:
+        return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
+    keys = probes.select("key").unique()
+    hashes = keys.select(_hash(pl.col("key")).alias("h")).unique()
+    hist_q = stores.join(keys.lazy(), on="key", how="semi").select(
+        "inst", "seq", "ts", "event", "key"
+    )
+    resets_q = stores.filter(pl.col("event") == "reset").select("inst", "seq", "ts")
+    first_prep_q = (
+        stores.filter(pl.col("event") == "prepared")
+        .group_by("inst", "gid")
+        .agg(pl.col("seq").min().alias("first_prep"))
+    )
+    other_gid_q = (
+        stores.filter(pl.col("event") == "completed")
+        .with_columns(_hash(pl.col("key")).alias("h"))
+        .join(hashes.lazy(), on="h", how="semi")
+        .select("inst", "seq", pl.col("gid").alias("other_gid"), "h")
+    )
+    hist, resets, first_prep, other_gid = pl.collect_all(
+        [hist_q, resets_q, first_prep_q, other_gid_q]
+    )
+    base = probes.select("pid", "inst", "s", "t", "key", "gid")
+
+    # this instance, before s
+    ev = pl.col("event")
+    own = (
+        base.join(hist, on=["inst", "key"])
+        .filter(pl.col("seq") < pl.col("s"))
+        .group_by("pid")
+        .agg(
+            pl.col("seq").filter(ev == "completed").max().alias("completed"),
+            pl.col("seq").filter(ev == "evicted").max().alias("evicted"),
+            pl.col("seq").filter(ev == "prepared").max().alias("prepared"),
+            pl.col("seq").filter(ev.is_in(["completed", "failed"])).max().alias("settled"),
+            ev.is_in(OFFER_EVENTS).any().alias("offered"),
+            (ev == "failed").any().alias("failed"),
+            (ev == "rejected").any().alias("rejected"),
+        )
+    )
+    last_reset = (
+        base.join(resets.select("inst", pl.col("seq").alias("reset")), on="inst")
+        .filter(pl.col("reset") < pl.col("s"))
+        .group_by("pid")
+        .agg(pl.col("reset").max())
+    )
+    # other instances, before the episode's wall clock
+    elsewhere = (
+        base.join(hist, on="key")
+        .filter((pl.col("inst_right") != pl.col("inst")) & (pl.col("ts") < pl.col("t")))
+        .group_by("pid", "inst_right")
+        .agg(
+            pl.col("t").first(),
+            pl.col("ts").filter(ev == "completed").max().alias("o_completed"),
+            pl.col("ts").filter(ev == "evicted").max().alias("o_evicted"),
+        )
+    )
+    other_resets = (
+        elsewhere.select("pid", "inst_right", "t")
+        .join(
+            resets.select(pl.col("inst").alias("inst_right"), pl.col("ts").alias("o_reset")),
+            on="inst_right",
+        )
+        .filter(pl.col("o_reset") < pl.col("t"))
+        .group_by("pid", "inst_right")
+        .agg(pl.col("o_reset").max())
+    )
+    other = (
+        elsewhere.join(other_resets, on=["pid", "inst_right"], how="left")
+        .group_by("pid")
+        .agg(
+            resident(pl.col("o_completed"), pl.max_horizontal("o_evicted", "o_reset"))
+            .any()
+            .alias("other_engine")
+        )
+    )
+    # the hash under another group id, while this group id never reached the store path
+    skew = (
+        base.with_columns(_hash(pl.col("key")).alias("h"))
+        .join(other_gid, on=["inst", "h"])
+        .filter((pl.col("seq") < pl.col("s")) & (pl.col("other_gid") != pl.col("gid")))
+        .group_by("pid")
+        .agg(pl.len().alias("n_other"))
+    )
+    facts = (
+        probes.join(own, on="pid", how="left")
+        .join(last_reset, on="pid", how="left")
+        .join(other, on="pid", how="left")
+        .join(skew, on="pid", how="left")
+        .join(first_prep, on=["inst", "gid"], how="left")
+    )
+    removed = pl.max_horizontal("evicted", "reset")
+    in_flight = (
+        pl.col("prepared").is_not_null()
+        & (pl.col("prepared") > removed.fill_null(-1))
+        & (pl.col("settled").is_null() | (pl.col("settled") < pl.col("prepared")))
+    )
+    own_gid_stored = pl.col("first_prep").is_not_null() & (pl.col("first_prep") < pl.col("s"))
+    cause = (
+        pl.when(resident(pl.col("completed"), removed))
+        .then(pl.lit("resident"))
+        .when(in_flight)
+        .then(pl.lit("in_flight"))
+        .when(pl.col("completed").is_not_null())
+        .then(pl.lit("evicted"))
+        .when(pl.col("other_engine").fill_null(False))
+        .then(pl.lit("other_engine"))
+        .when(pl.col("failed").fill_null(False))
+        .then(pl.lit("store_failed"))
+        .when(pl.col("rejected").fill_null(False))
+        .then(pl.lit("rejected"))
+        .when(pl.col("n_other").is_not_null() & ~own_gid_stored)
+        .then(pl.lit("other_group"))
+        .when(pl.col("token_end") <= pl.col("keyable_end").fill_null(0))
+        .then(pl.lit("never_offered"))
+        .otherwise(pl.lit("not_keyable"))
+    )
+    return facts.with_columns(cause.alias("cause")).select(*probes.columns, "cause")

@@ -1,0 +1,203 @@
+"""vLLM 0.33.0's offloading lookup and store arithmetic, in one place.
+
+Every rule keytrace relies on is written here once: chunk windows, the lookup cap, the
+load window, the chunks a lookup needs for a hit (with the EAGLE/MTP peek), the store
+path's intended boundary. Sources: ``OffloadingConnectorScheduler`` (``SCH`` in
+``../shared/docs/vllm-offload-notes.md``) and ``GroupOffloadConfig``.
+
+The integer functions are *duck-typed*: called with Python ints they return ints (the
+recorder, reporters, tests); called with polars expressions they return expressions (the
+differ evaluates them over millions of episodes in one pass). Only the few operations
+where the two worlds differ go through `least`/`greatest`, which import polars lazily, so
+this module stays importable on the plugin path without polars.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+N = TypeVar("N")  # an int, or a polars expression evaluating to integers
+
+KIND_SHORT = {
+    "full_attention": "FA",
+    "mla": "MLA",
+    "sliding_window": "SWA",
+    "chunked_local": "local",
+    "mamba": "Mamba",
+}
+"""Short names of KV-cache group kinds, as printed in every report."""
+
+
+def group_label(kind: str, eagle: bool) -> str:
+    """``"SWA, MTP"``: the kind's short name, marked when the group is an EAGLE/MTP group."""
+    short = KIND_SHORT.get(kind, kind)
+    return f"{short}, MTP" if eagle else short
+
+
+def least(a: Any, b: Any) -> Any:
+    """min() of ints, or the row-wise minimum of expressions (a null bound is no bound)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    import polars as pl
+
+    return pl.min_horizontal(a, b)
+
+
+def greatest(a: Any, b: Any) -> Any:
+    """max() of ints, or the row-wise maximum of expressions."""
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    import polars as pl
+
+    return pl.max_horizontal(a, b)
+
+
+def cdiv(a: N, b: int) -> N:
+    """Ceiling division of a non-negative ``a`` (vLLM's ``cdiv``)."""
+    return (a + (b - 1)) // b  # type: ignore[operator,no-any-return]
+
+
+def window_chunks(sliding_window: int | None, extra_retained: int, tpc: int) -> int | None:
+    """``get_sliding_window_size_in_chunks`` for a sliding-window spec (None: full attention).
+
+    ``max(cdiv(sw, tpc), cdiv(sw - 1 + extra_retained, tpc))``.
+    """
+    if sliding_window is None:
+        return None
+    return max(cdiv(sliding_window, tpc), cdiv(sliding_window - 1 + extra_retained, tpc))
+
+
+@dataclass(frozen=True)
+class Group:
+    """One offloaded KV-cache group as the differ needs it (from a trace header).
+
+    ``window`` is in chunks (None: full attention, scanned left to right to the first
+    MISS); ``sliding_window`` in tokens; ``eagle`` marks an EAGLE/MTP draft group.
+    """
+
+    gid: int
+    tpc: int
+    window: int | None
+    sliding_window: int | None = None
+    extra: int = 0
+    eagle: bool = False
+    kind: str = "sliding_window"
+
+    @property
+    def label(self) -> str:
+        return group_label(self.kind, self.eagle)
+
+    @property
+    def full_attention(self) -> bool:
+        return self.window is None
+
+
+def groups_from_header(header: dict[str, Any]) -> list[Group]:
+    """The offloaded groups of a trace header, in group-id order."""
+    out = []
+    for g in header.get("groups", []):
+        if not g.get("offloaded"):
+            continue
+        out.append(
+            Group(
+                gid=int(g["group_id"]),
+                tpc=int(g["tokens_per_chunk"]),
+                window=g.get("window_chunks"),
+                sliding_window=g.get("sliding_window"),
+                extra=int(g.get("extra_retained_tokens") or 0),
+                eagle=bool(g.get("is_eagle")),
+                kind=str(g["kind"]),
+            )
+        )
+    return sorted(out, key=lambda g: g.gid)
+
+
+def unit(groups: Iterable[Group]) -> int:
+    """The hit granularity: a hit ends on a chunk boundary of every group."""
+    return math.lcm(*(g.tpc for g in groups))
+
+
+def lookup_cap(groups: Sequence[Group], num_tokens: N, local: N, max_new: N | None) -> N:
+    """L: the largest hit boundary vLLM's lookup may return.
+
+    ``num_tokens - 1`` when a sliding-window group exists (the last prompt token is always
+    recomputed), else ``num_tokens``; within ``local + max_new`` when the connector was
+    given a bound; rounded down to a multiple of every group's chunk size; at least 0.
+    """
+    cap: Any = num_tokens if max_new is None else least(num_tokens, local + max_new)  # type: ignore[operator]
+    if any(not g.full_attention for g in groups):
+        cap = cap - 1
+    u = unit(groups)
+    return greatest(0, cap // u * u)  # type: ignore[no-any-return]
+
+
+def store_boundary(groups: Sequence[Group], prompt_tokens: N) -> N:
+    """The boundary a request's own store keeps sliding-window tails for: its own cap.
+
+    (``reachable_boundaries = (P - 1,)``, aligned down to the full-attention chunk.)
+    """
+    return lookup_cap(groups, prompt_tokens, 0, None)
+
+
+def align_down(tokens: N, groups: Sequence[Group]) -> N:
+    """A position rounded down to the hit granularity (a junction's boundary)."""
+    u = unit(groups)
+    return tokens // u * u  # type: ignore[operator,no-any-return]
+
+
+def load_window(g: Group, end: N) -> N:
+    """``GroupOffloadConfig.load_window_size_in_chunks(end)``.
+
+    For a sliding-window spec a right edge that is not chunk aligned widens the window:
+    ``max(W, cdiv(sw - 1 + extra + (-end mod tpc), tpc))``.
+    """
+    assert g.window is not None
+    if g.kind != "sliding_window" or g.sliding_window is None:
+        return g.window  # type: ignore[return-value]
+    pad = (g.tpc - end % g.tpc) % g.tpc  # type: ignore[operator]
+    return greatest(g.window, cdiv(g.sliding_window - 1 + g.extra + pad, g.tpc))  # type: ignore[no-any-return]
+
+
+def needed_range(g: Group, local: N, E: N, keyed_chunks: N) -> tuple[N, N]:
+    """``[lo, hi)``: the chunks of ``g`` vLLM's lookup needs for a hit ending at ``E``.
+
+    Full attention: every chunk in ``[local, E)``. A sliding-window group: the run its
+    right-to-left scan must find, ending at the end of its query slice. An unverified
+    EAGLE/MTP group queries one extra *peek* chunk past ``E`` when that chunk is keyed,
+    needs one more consecutive hit, then pops the peek (``SCH:935-996``).
+    """
+    tpc = g.tpc
+    start = local // tpc  # type: ignore[operator]
+    if g.window is None:
+        return start, E // tpc  # type: ignore[operator]
+    if g.eagle:
+        query_max = least(E + tpc, keyed_chunks * tpc)  # type: ignore[operator]
+        num_chunks = least(cdiv(query_max, tpc), keyed_chunks)
+        candidate_end = least(E, (num_chunks - 1) * tpc)  # type: ignore[operator]
+        initial = load_window(g, candidate_end) + 1  # type: ignore[operator]
+    else:
+        num_chunks = least(cdiv(E, tpc), keyed_chunks)
+        candidate_end = least(E, num_chunks * tpc)  # type: ignore[operator]
+        initial = load_window(g, candidate_end)
+    return greatest(start, num_chunks - initial), num_chunks  # type: ignore[operator]
+
+
+def needed_chunks(g: Group, local: int, E: int, keyed_chunks: int) -> list[int]:
+    """`needed_range` as a list of chunk indices."""
+    lo, hi = needed_range(g, local, E, keyed_chunks)
+    return list(range(lo, hi))
+
+
+def eagle_peek_unkeyable(prompt_tokens: int, groups: Sequence[Group]) -> bool:
+    """The stock vLLM 0.33.0 miss (docs/findings.md): an identical resend of
+    ``prompt_tokens`` gets 0 external tokens when its own boundary ``E`` leaves less than
+    one MTP chunk of prompt (``P - E < tpc(MTP)``): the store kept the MTP tail for a peek
+    chunk ``[E, E + tpc)`` that the prompt is too short to key."""
+    E = store_boundary(groups, prompt_tokens)
+    return (
+        any(g.eagle and not g.full_attention and prompt_tokens - E < g.tpc for g in groups)
+        and E > 0
+    )

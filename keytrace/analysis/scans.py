@@ -1,0 +1,128 @@
+"""What each lookup scan and each episode's scans say, as a few columns per scan.
+
+A *scan* is one call of vLLM's per-group lookup helper (``_maximal_prefix_lookup`` for a
+full-attention group, left to right, stopping at the first MISS; ``_sliding_window_lookup``
+for a windowed group, right to left). Per scan, in call order:
+
+- ``lead_hits``: HITs before the first non-HIT (a full-attention scan's resident prefix,
+  by the manager's own word);
+- the *terminal* row: the first MISS or RETRY, else the first non-HIT (``term_*``);
+- the counts per result.
+
+These are the per-scan summary rows the recorder writes in trace format v2; for a v1 trace
+`scan_summaries` derives them from the raw lookup rows.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from keytrace.analysis.rules import Group
+
+SCAN_COLUMNS = (
+    "inst",
+    "s",
+    "scan",
+    "gid",
+    "n",
+    "n_hit",
+    "n_pending",
+    "n_retry",
+    "n_miss",
+    "lead_hits",
+    "term_seq",
+    "term_chunk",
+    "term_key",
+    "term_result",
+)
+
+
+def scan_summaries(lookups: pl.LazyFrame) -> pl.LazyFrame:
+    """One row per (instance, episode, scan) from raw lookup rows (see the module doc)."""
+    res = pl.col("result")
+    bad = res.is_in(["MISS", "RETRY"])
+    nonhit = res != "HIT"
+    term = pl.when(bad.any()).then(bad).otherwise(nonhit)
+    return (
+        lookups.sort("seq")
+        .group_by("inst", "s", "scan", maintain_order=True)
+        .agg(
+            pl.col("gid").first(),
+            pl.len().alias("n"),
+            (res == "HIT").sum().alias("n_hit"),
+            (res == "HIT_PENDING").sum().alias("n_pending"),
+            (res == "RETRY").sum().alias("n_retry"),
+            (res == "MISS").sum().alias("n_miss"),
+            (res == "HIT").cast(pl.Int32).cum_prod().sum().alias("lead_hits"),
+            pl.col("seq").filter(term).first().alias("term_seq"),
+            pl.col("chunk").filter(term).first().alias("term_chunk"),
+            pl.col("key").filter(term).first().alias("term_key"),
+            res.filter(term).first().alias("term_result"),
+        )
+        .with_columns(
+            pl.col("n", "n_hit", "n_pending", "n_retry", "n_miss", "lead_hits").cast(pl.Int32)
+        )
+    )
+
+
+def resident_prefix(
+    scans: pl.LazyFrame, episodes: pl.LazyFrame, groups: list[Group]
+) -> pl.LazyFrame:
+    """F per episode: how far every full-attention group's chunks are resident from S.
+
+    Each full-attention group's first scan in the episode covers ``[S, cap)`` left to
+    right; its leading HITs are resident by the manager's word, so its prefix ends at
+    ``(S // tpc + lead_hits) * tpc``. F is the smallest over the full-attention groups; a
+    group the episode never scanned contributes S; with no full-attention group F is null
+    (no constraint).
+    """
+    fa = [g for g in groups if g.full_attention]
+    if not fa:
+        return episodes.select("inst", "s", pl.lit(None, dtype=pl.Int64).alias("F"))
+    tpc = {g.gid: g.tpc for g in fa}
+    first = (
+        scans.filter(pl.col("gid").is_in(list(tpc)))
+        .group_by("inst", "s", "gid")
+        .agg(pl.col("lead_hits").sort_by("scan").first())
+    )
+    per_group = [
+        episodes.select("inst", "s", "S")
+        .join(first.filter(pl.col("gid") == g.gid), on=["inst", "s"], how="left")
+        .select(
+            "inst",
+            "s",
+            pl.when(pl.col("lead_hits").is_null())
+            .then(pl.col("S"))
+            .otherwise((pl.col("S") // g.tpc + pl.col("lead_hits")) * g.tpc)
+            .alias(f"F{g.gid}"),
+        )
+        for g in fa
+    ]
+    out = per_group[0]
+    for other in per_group[1:]:
+        out = out.join(other, on=["inst", "s"])
+    return out.select("inst", "s", pl.min_horizontal(pl.col(r"^F\d+$")).cast(pl.Int64).alias("F"))
+
+
+def binding(scans: pl.LazyFrame) -> pl.LazyFrame:
+    """Per episode: the binding scan and its terminal row.
+
+    The binding scan is the last scan (in call order) that saw a non-HIT result; its
+    terminal row is the first MISS or RETRY, else its first non-HIT. An episode whose
+    every lookup was a HIT binds on the group of its last scan, with no terminal key.
+    """
+    last_bad = (
+        scans.filter(pl.col("n_hit") < pl.col("n"))
+        .sort("scan")
+        .group_by("inst", "s")
+        .agg(
+            pl.col("gid").last().alias("bind_gid"),
+            pl.col("term_seq", "term_chunk", "term_key", "term_result").last(),
+        )
+    )
+    last_any = scans.sort("scan").group_by("inst", "s").agg(pl.col("gid").last().alias("last_gid"))
+    return (
+        last_any.join(last_bad, on=["inst", "s"], how="left")
+        .with_columns(pl.coalesce("bind_gid", "last_gid").alias("bind_gid"))
+        .drop("last_gid")
+    )
