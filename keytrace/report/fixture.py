@@ -8,7 +8,8 @@ scheduler through `keytrace.vllm.replay.replay`).
 from __future__ import annotations
 
 import hashlib
-import pprint
+import json
+from typing import Any
 
 from keytrace.analysis.plan import ReplayPlan
 
@@ -33,7 +34,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from keytrace.vllm.replay import replay  # noqa: E402
+from keytrace.vllm.replay import replay
 """
 
 CONSTANTS = """\
@@ -80,7 +81,7 @@ def render_fixture(
     )
     marker = ""
     if xfail_reason:
-        marker = f"@pytest.mark.xfail(strict=True, reason={xfail_reason!r})\n"
+        marker = f"@pytest.mark.xfail(\n    strict=True,\n    reason={_str(xfail_reason)},\n)\n"
     parts = [
         HEADER.format(
             keytrace_version=plan.keytrace_version,
@@ -98,7 +99,7 @@ def render_fixture(
         ),
         IMPORTS,
         CONSTANTS.format(
-            geometry=pprint.pformat(plan.geometry, width=88, sort_dicts=True),
+            geometry=literal(plan.geometry, indent=0, prefix_len=len("GEOMETRY = ")),
             prime_lengths=list(plan.prime_lengths),
             episode_length=plan.episode_length,
             expected_E=plan.expected_E,
@@ -106,7 +107,8 @@ def render_fixture(
         ),
         TEST.format(marker=marker, test_name=function_name(plan)),
     ]
-    return "\n\n".join(p.rstrip("\n") for p in parts) + "\n"
+    head = "\n\n".join(p.rstrip("\n") for p in parts[:-1])
+    return head + "\n\n\n" + parts[-1].rstrip("\n") + "\n"  # two blank lines before the test
 
 
 def file_name(plan: ReplayPlan, text: str) -> str:
@@ -115,3 +117,50 @@ def file_name(plan: ReplayPlan, text: str) -> str:
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
     name = str(plan.geometry.get("name") or "recorded").replace("-", "_")
     return f"test_keytrace_{name}_{plan.episode_length}_{digest}.py"
+
+
+LINE_LENGTH = 100  # [tool.ruff] line-length
+
+
+def _str(value: str) -> str:
+    """A double-quoted Python string literal (JSON escapes are valid Python escapes)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _scalar(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, str):
+        return _str(value)
+    if isinstance(value, int):
+        return repr(value)
+    raise TypeError(f"cannot render {type(value).__name__} as a fixture literal")
+
+
+def literal(value: Any, *, indent: int = 0, prefix_len: int = 0) -> str:
+    """``value`` as Python source, formatted the way ruff formats it.
+
+    Dicts are sorted by key. A list or dict goes on one line when it fits within the line
+    length after ``prefix_len`` columns and has no nested container; otherwise one item
+    per line with a trailing comma (ruff keeps such a literal expanded).
+    """
+    if isinstance(value, dict):
+        items = [(_str(str(k)) + ": ", v) for k, v in sorted(value.items())]
+        opener, closer = "{", "}"
+    elif isinstance(value, (list, tuple)):
+        items = [("", v) for v in value]
+        opener, closer = "[", "]"
+    else:
+        return _scalar(value)
+    if not items:
+        return opener + closer
+    flat = not any(isinstance(v, (dict, list, tuple)) for _, v in items)
+    if flat:
+        one_line = opener + ", ".join(k + _scalar(v) for k, v in items) + closer
+        if indent + prefix_len + len(one_line) <= LINE_LENGTH:
+            return one_line
+    pad = " " * (indent + 4)
+    body = "".join(
+        f"{pad}{k}{literal(v, indent=indent + 4, prefix_len=len(k))},\n" for k, v in items
+    )
+    return f"{opener}\n{body}{' ' * indent}{closer}"

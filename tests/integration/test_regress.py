@@ -6,6 +6,7 @@ are red when the bug is injected (KEYTRACE_INJECT) and green on stock vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -137,3 +138,18 @@ def test_replay_refuses_other_vllm_version(
     assert main(["replay", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "recorded on vLLM 0.34.0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_committed_regressions_regenerate_byte_identically() -> None:
+    # tools/regen_regressions.py is their only source: recorded afresh, planned, rendered
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from regen_regressions import OUT, REGRESSIONS, render
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    committed = {p.name for p in OUT.glob("test_keytrace_*.py")}
+    wanted = dict(render(r) for r in REGRESSIONS)
+    assert committed == set(wanted)  # names carry the true content hash
+    for name, text in wanted.items():
+        assert (OUT / name).read_text() == text, name
+        assert name.endswith(f"_{hashlib.sha256(text.encode()).hexdigest()[:8]}.py")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,10 @@ from keytrace.analysis.geometry import SMALL
 from keytrace.analysis.plan import ReplayPlan, plan_from_trace
 from keytrace.cli import main
 from keytrace.format.reader import open_trace
-from keytrace.report.fixture import file_name, render_fixture
+from keytrace.report.fixture import file_name, literal, render_fixture
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden"
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 PLAN = ReplayPlan(
@@ -46,6 +49,34 @@ def test_golden(update_golden: bool) -> None:
     expected = _golden("fixture_small_1030.py.txt", actual, update_golden)
     assert actual == expected
     compile(expected, "fixture_small_1030.py", "exec")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"xfail_reason": "known upstream bug"},
+        {"xfail_reason": "x" * 150, "docstring_extra": "why"},
+    ],
+)
+def test_generated_text_is_what_the_repo_formatter_writes(kw: dict[str, str]) -> None:
+    # the repository's own formatter and linter, on the generator's output as is
+    text = render_fixture(PLAN, **kw)
+    for cmd in (["format", "--check"], ["check"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "ruff", *cmd, "--stdin-filename", "tests/regressions/t.py", "-"],
+            input=text,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+
+
+def test_literal_matches_the_value() -> None:
+    geo = PLAN.geometry
+    assert eval(literal(geo)) == geo
+    assert literal([1, 2]) == "[1, 2]" and literal({}) == "{}" and literal('a"b') == '"a\\"b"'
 
 
 def test_deterministic_and_content_named() -> None:

@@ -79,7 +79,7 @@ GEOMETRY = {
     "max_model_len": 131072,
     "max_num_batched_tokens": 8192,
     "name": "recorded",
-    "num_gpu_blocks": 107604,
+    "num_gpu_blocks": 14884,
     "retention_interval": 0,
 }
 PRIME_LENGTHS = [17975]

@@ -1,0 +1,97 @@
+"""Regenerate tests/regressions/ on the real vLLM scheduler: `REGRESSIONS` is their only source.
+
+    python tools/regen_regressions.py            # rewrite the committed files
+    python tools/regen_regressions.py --check    # exit 1 if any would change
+
+Each entry is recorded (`keytrace.vllm.replay.replay`: prime chain, GPU-only reset,
+episode), planned from its own trace and rendered by `keytrace fixture`'s generator with the
+entry's xfail reason and note. The file name carries the content hash, so a stale name is a
+changed file. `tests/integration/test_regress.py` checks the committed copies regenerate
+byte-identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "regressions"
+
+
+@dataclass(frozen=True)
+class Regression:
+    geometry: str
+    prime_lengths: tuple[int, ...]
+    episode_length: int
+    xfail: str | None
+    note: str
+
+
+REGRESSIONS = (
+    Regression(
+        geometry="dsv4",
+        prime_lengths=(17_975,),
+        episode_length=17_975,
+        xfail=(
+            "vLLM 0.33.0: EAGLE/MTP store tail assumes a peek chunk the prompt cannot key "
+            "(keytrace findings, docs/findings.md)"
+        ),
+        note="""\
+Evidence (keytrace diff on stock vLLM 0.33.0): the prime's own boundary is
+E = round_down(17,975 - 1, 256) = 17,920. The store keeps the MTP group's tail for that
+boundary shifted one chunk right for the EAGLE peek: chunks 278, 279 and the peek 280.
+Chunk 280 ends at token 17,984 > 17,975, so it is never keyed or stored. The resend's
+lookup has no peek chunk to query, needs the run 277-279 and pops 279: chunk 277 was
+never offered. Every length with (P mod 256) in [1, 63] misses the same way; the
+sweep in docs/findings.md checks the rule over 2,000+ consecutive lengths. Upstream:
+the replay-boundary class of vllm #51761 / #52287 (prior-art.md section 1.5).""",
+    ),
+)
+
+
+def render(reg: Regression) -> tuple[str, str]:
+    """(file name, text) of one regression, recorded afresh on the real scheduler."""
+    from keytrace.analysis.geometry import builtin
+    from keytrace.analysis.plan import plan_from_trace
+    from keytrace.format.reader import open_trace
+    from keytrace.report.fixture import file_name, render_fixture
+    from keytrace.vllm.replay import replay
+
+    with tempfile.TemporaryDirectory(prefix="keytrace-regen-") as tmp:
+        replay(builtin(reg.geometry), list(reg.prime_lengths), reg.episode_length, trace_dir=tmp)
+        plan = plan_from_trace(open_trace(tmp))
+    text = render_fixture(plan, xfail_reason=reg.xfail, docstring_extra=reg.note)
+    return file_name(plan, text), text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="Change nothing; exit 1 on a difference.")
+    args = ap.parse_args()
+    from keytrace.cli._common import quiet_host_logs
+
+    quiet_host_logs()
+    wanted = dict(render(r) for r in REGRESSIONS)
+    present = {p.name for p in OUT.glob("test_keytrace_*.py")}
+    stale = sorted(present - set(wanted))
+    changed = sorted(
+        n for n, t in wanted.items() if not (OUT / n).exists() or (OUT / n).read_text() != t
+    )
+    if args.check:
+        for n in stale + changed:
+            print(f"would change: {n}")
+        return 1 if stale or changed else 0
+    for n in stale:
+        (OUT / n).unlink()
+    for n, t in wanted.items():
+        (OUT / n).write_text(t)
+    print(f"{len(wanted)} regression(s) written, {len(stale)} stale removed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
