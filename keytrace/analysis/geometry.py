@@ -161,7 +161,7 @@ def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dic
     fa = [g["group_id"] for g in groups if g["window_chunks"] is None]
     swa = sorted(
         (g for g in groups if g["window_chunks"] is not None),
-        key=lambda g: g["window_chunks"],
+        key=lambda g: int(g["window_chunks"]),  # type: ignore[call-overload]
         reverse=True,
     )
     fa_tpc = {g["tokens_per_chunk"] for g in groups if g["window_chunks"] is None}

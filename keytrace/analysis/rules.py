@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeAlias
 
-N = TypeVar("N")  # an int, or a polars expression evaluating to integers
+Num: TypeAlias = Any
+"""An ``int``, or a polars expression evaluating to integers: the duck-typed functions below
+return the same kind they are given (mypy cannot express "int in, int out; Expr in, Expr
+out" for operator-based code, so this alias says it in words)."""
 
 KIND_SHORT = {
     "full_attention": "FA",
@@ -55,9 +58,9 @@ def greatest(a: Any, b: Any) -> Any:
     return pl.max_horizontal(a, b)
 
 
-def cdiv(a: N, b: int) -> N:
+def cdiv(a: Num, b: int) -> Num:
     """Ceiling division of a non-negative ``a`` (vLLM's ``cdiv``)."""
-    return (a + (b - 1)) // b  # type: ignore[operator,no-any-return]
+    return (a + (b - 1)) // b
 
 
 def window_chunks(sliding_window: int | None, extra_retained: int, tpc: int) -> int | None:
@@ -67,7 +70,7 @@ def window_chunks(sliding_window: int | None, extra_retained: int, tpc: int) -> 
     """
     if sliding_window is None:
         return None
-    return max(cdiv(sliding_window, tpc), cdiv(sliding_window - 1 + extra_retained, tpc))
+    return int(max(cdiv(sliding_window, tpc), cdiv(sliding_window - 1 + extra_retained, tpc)))
 
 
 @dataclass(frozen=True)
@@ -120,21 +123,21 @@ def unit(groups: Iterable[Group]) -> int:
     return math.lcm(*(g.tpc for g in groups))
 
 
-def lookup_cap(groups: Sequence[Group], num_tokens: N, local: N, max_new: N | None) -> N:
+def lookup_cap(groups: Sequence[Group], num_tokens: Num, local: Num, max_new: Num | None) -> Num:
     """L: the largest hit boundary vLLM's lookup may return.
 
     ``num_tokens - 1`` when a sliding-window group exists (the last prompt token is always
     recomputed), else ``num_tokens``; within ``local + max_new`` when the connector was
     given a bound; rounded down to a multiple of every group's chunk size; at least 0.
     """
-    cap: Any = num_tokens if max_new is None else least(num_tokens, local + max_new)  # type: ignore[operator]
+    cap: Any = num_tokens if max_new is None else least(num_tokens, local + max_new)
     if any(not g.full_attention for g in groups):
         cap = cap - 1
     u = unit(groups)
-    return greatest(0, cap // u * u)  # type: ignore[no-any-return]
+    return greatest(0, cap // u * u)
 
 
-def store_boundary(groups: Sequence[Group], prompt_tokens: N) -> N:
+def store_boundary(groups: Sequence[Group], prompt_tokens: Num) -> Num:
     """The boundary a request's own store keeps sliding-window tails for: its own cap.
 
     (``reachable_boundaries = (P - 1,)``, aligned down to the full-attention chunk.)
@@ -142,13 +145,13 @@ def store_boundary(groups: Sequence[Group], prompt_tokens: N) -> N:
     return lookup_cap(groups, prompt_tokens, 0, None)
 
 
-def align_down(tokens: N, groups: Sequence[Group]) -> N:
+def align_down(tokens: Num, groups: Sequence[Group]) -> Num:
     """A position rounded down to the hit granularity (a junction's boundary)."""
     u = unit(groups)
-    return tokens // u * u  # type: ignore[operator,no-any-return]
+    return tokens // u * u
 
 
-def load_window(g: Group, end: N) -> N:
+def load_window(g: Group, end: Num) -> Num:
     """``GroupOffloadConfig.load_window_size_in_chunks(end)``.
 
     For a sliding-window spec a right edge that is not chunk aligned widens the window:
@@ -156,12 +159,12 @@ def load_window(g: Group, end: N) -> N:
     """
     assert g.window is not None
     if g.kind != "sliding_window" or g.sliding_window is None:
-        return g.window  # type: ignore[return-value]
-    pad = (g.tpc - end % g.tpc) % g.tpc  # type: ignore[operator]
-    return greatest(g.window, cdiv(g.sliding_window - 1 + g.extra + pad, g.tpc))  # type: ignore[no-any-return]
+        return g.window
+    pad = (g.tpc - end % g.tpc) % g.tpc
+    return greatest(g.window, cdiv(g.sliding_window - 1 + g.extra + pad, g.tpc))
 
 
-def needed_range(g: Group, local: N, E: N, keyed_chunks: N) -> tuple[N, N]:
+def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, Num]:
     """``[lo, hi)``: the chunks of ``g`` vLLM's lookup needs for a hit ending at ``E``.
 
     Full attention: every chunk in ``[local, E)``. A sliding-window group: the run its
@@ -170,19 +173,19 @@ def needed_range(g: Group, local: N, E: N, keyed_chunks: N) -> tuple[N, N]:
     needs one more consecutive hit, then pops the peek (``SCH:935-996``).
     """
     tpc = g.tpc
-    start = local // tpc  # type: ignore[operator]
+    start = local // tpc
     if g.window is None:
-        return start, E // tpc  # type: ignore[operator]
+        return start, E // tpc
     if g.eagle:
-        query_max = least(E + tpc, keyed_chunks * tpc)  # type: ignore[operator]
+        query_max = least(E + tpc, keyed_chunks * tpc)
         num_chunks = least(cdiv(query_max, tpc), keyed_chunks)
-        candidate_end = least(E, (num_chunks - 1) * tpc)  # type: ignore[operator]
-        initial = load_window(g, candidate_end) + 1  # type: ignore[operator]
+        candidate_end = least(E, (num_chunks - 1) * tpc)
+        initial = load_window(g, candidate_end) + 1
     else:
         num_chunks = least(cdiv(E, tpc), keyed_chunks)
-        candidate_end = least(E, num_chunks * tpc)  # type: ignore[operator]
+        candidate_end = least(E, num_chunks * tpc)
         initial = load_window(g, candidate_end)
-    return greatest(start, num_chunks - initial), num_chunks  # type: ignore[operator]
+    return greatest(start, num_chunks - initial), num_chunks
 
 
 def needed_chunks(g: Group, local: int, E: int, keyed_chunks: int) -> list[int]:

@@ -62,7 +62,7 @@ verbose_option = click.option(
 )
 
 
-def command(name: str) -> Callable[[Callable[..., int]], click.Command]:
+def subcommand(name: str) -> Callable[[Callable[..., int]], click.Command]:
     """``@click.command(name)`` plus --debug and --verbose, and quiet host logs before the
     command body runs (so before any vLLM import)."""
 

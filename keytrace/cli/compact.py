@@ -6,11 +6,11 @@ import os
 
 import click
 
-from keytrace.cli._common import command
+from keytrace.cli._common import subcommand
 from keytrace.format.compact import compact
 
 
-@command("compact")
+@subcommand("compact")
 @click.argument("trace_dir", type=str)
 @click.option(
     "-o", "--out", "out_dir", default=None, help="Output folder [default: TRACE_DIR-compact]."

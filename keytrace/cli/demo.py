@@ -9,11 +9,11 @@ import tempfile
 import click
 
 from keytrace.analysis.rules import groups_from_header
-from keytrace.cli._common import command
+from keytrace.cli._common import subcommand
 from keytrace.report.text import render_diff
 
 
-@command("demo")
+@subcommand("demo")
 @click.option(
     "--out",
     "out_dir",
@@ -43,7 +43,9 @@ def command(out_dir: str | None) -> int:
         render_diff(run.report, sys.stdout)
     bad = [r for r in res.sweep if r.verdict == "mismatch"]
     labels = {g.gid: f"{g.gid} ({g.label})" for g in groups_from_header(res.runs[-1].report.header)}
-    where = ", ".join(labels[g] for g in sorted({r.binding_group for r in bad} - {None}))
+    where = ", ".join(
+        labels[g] for g in sorted({r.binding_group for r in bad if r.binding_group is not None})
+    )
     causes = ", ".join(sorted({r.cause or "?" for r in bad}))
     click.echo(
         f"\n== sweep of stock vLLM: {len(bad)} of {len(res.sweep)} lengths mismatch"

@@ -7,7 +7,7 @@ import sys
 import click
 
 from keytrace.analysis.diff import diff
-from keytrace.cli._common import command, echo_trace_warnings, json_option, trace_paths
+from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
@@ -15,7 +15,7 @@ from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff
 
 
-@command("diff")
+@subcommand("diff")
 @trace_paths
 @click.option("--request", default=None, help="Only episodes of this request id.")
 @click.option("--engine", default=None, help="Only this engine id (or recorder instance).")

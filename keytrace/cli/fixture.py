@@ -7,13 +7,13 @@ import os
 import click
 
 from keytrace.analysis.plan import plan_from_trace
-from keytrace.cli._common import command, echo_trace_warnings, trace_paths
+from keytrace.cli._common import echo_trace_warnings, subcommand, trace_paths
 from keytrace.errors import UsageError
 from keytrace.format.reader import open_trace
 from keytrace.report.fixture import file_name, render_fixture
 
 
-@command("fixture")
+@subcommand("fixture")
 @trace_paths
 @click.option(
     "-o", "--out", "out", required=True, help="A .py file, or a folder for a content-named file."

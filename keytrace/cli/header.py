@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from keytrace.cli._common import command, echo_trace_warnings, json_option, trace_paths
+from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_header
 
 
-@command("header")
+@subcommand("header")
 @trace_paths
 @json_option
 def command(paths: tuple[str, ...], as_json: bool) -> int:

@@ -6,13 +6,13 @@ import sys
 
 import click
 
-from keytrace.cli._common import command, echo_trace_warnings, json_option, trace_paths
+from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 
 
-@command("replay")
+@subcommand("replay")
 @trace_paths
 @click.option(
     "--request",

@@ -7,13 +7,13 @@ import sys
 import click
 
 from keytrace.analysis.summary import summarize
-from keytrace.cli._common import command, echo_trace_warnings, json_option, trace_paths
+from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_summary
 
 
-@command("summary")
+@subcommand("summary")
 @trace_paths
 @json_option
 @click.option("--episodes", default=20, show_default=True, help="How many episodes to list.")

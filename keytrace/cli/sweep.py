@@ -8,7 +8,7 @@ import click
 
 from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header
 from keytrace.analysis.sweep import SweepRow, parse_lengths
-from keytrace.cli._common import command
+from keytrace.cli._common import subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.report.table import write_rows
@@ -30,7 +30,7 @@ def _table(rows: list[SweepRow]) -> None:
         )
 
 
-@command("sweep")
+@subcommand("sweep")
 @click.option(
     "--lengths", required=True, help="START:STOP[:STEP] (stop inclusive), a comma list, or both."
 )

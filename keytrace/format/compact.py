@@ -39,7 +39,7 @@ def compact(paths: list[str], out_dir: str, *, force: bool = False) -> CompactRe
             table,
             tmp,
             compression="zstd",
-            use_dictionary=[c for c in table.column_names if c != "key"],
+            use_dictionary=[c for c in table.column_names if c != "key"],  # type: ignore[arg-type]  # pyarrow takes column names; its stubs say bool
         )
         os.replace(tmp, dest)
         files[kind] = dest

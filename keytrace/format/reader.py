@@ -266,9 +266,9 @@ def _check_values(trace: Trace) -> None:
         return
     for part in parts:
         col = pq.read_table(part.path, columns=["result"]).column("result")
-        unknown = (
-            set(pa.compute.unique(col.cast(pa.string())).to_pylist()) - set(LOOKUP_RESULTS) - {None}
-        )
+        unknown = {
+            v for v in pa.compute.unique(col.cast(pa.string())).to_pylist() if v is not None
+        } - set(LOOKUP_RESULTS)
         if unknown:
             raise TraceError(
                 f"{part.path}: unknown lookup result value(s) {', '.join(sorted(unknown))} "

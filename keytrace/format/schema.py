@@ -52,7 +52,7 @@ LOAD_EVENTS: tuple[str, ...] = ("prepared", "completed")
 
 _STR = pa.dictionary(pa.int32(), pa.string())
 
-COMMON_FIELDS: tuple[pa.Field, ...] = (
+COMMON_FIELDS: tuple[pa.Field[Any], ...] = (
     pa.field("seq", pa.int64(), nullable=False),
     pa.field("ts_ns", pa.int64(), nullable=False),
     pa.field("instance", _STR, nullable=False),
@@ -68,7 +68,7 @@ incremented once per recorded call, so "before/after" between any two rows of on
 decidable; rows produced by one call share its ``seq``. ``step`` counts
 ``build_connector_meta`` calls seen by this scheduler instance."""
 
-_KIND_FIELDS: dict[str, tuple[pa.Field, ...]] = {
+_KIND_FIELDS: dict[str, tuple[pa.Field[Any], ...]] = {
     "store": (
         pa.field("event", _STR, nullable=False),
         pa.field("req_id", _STR),

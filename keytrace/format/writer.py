@@ -225,10 +225,10 @@ class TraceWriter:
 
     def _run(self) -> None:
         tick = min(1.0, max(0.05, self.max_seconds / 4))
-        while not self._closed:
+        while True:
             self._wake.wait(tick)
             self._wake.clear()
-            if self._closed:
+            if self._closed:  # set by close() from another thread
                 return
             with self._lock:
                 rows = sum(b.rows for b in self._bufs.values())
@@ -271,7 +271,7 @@ class TraceWriter:
                         table,
                         fh,
                         compression="zstd",
-                        use_dictionary=[c for c in table.column_names if c != "key"],
+                        use_dictionary=[c for c in table.column_names if c != "key"],  # type: ignore[arg-type]  # pyarrow takes column names; its stubs say bool
                         row_group_size=max(len(table), 1),
                     )
                 os.replace(tmp, final)
@@ -289,24 +289,26 @@ class TraceWriter:
         schema = SCHEMAS[kind]
         counts = np.asarray(buf.counts, dtype=np.int64)
         expand = bool(len(counts)) and bool((counts != 1).any())
-        arrays: dict[str, pa.Array] = {}
+        arrays: dict[str, pa.Array[Any]] = {}
         names = call_columns(kind)
-        transposed = list(zip(*buf.calls, strict=True)) if buf.calls else [() for _ in names]
+        transposed: list[tuple[Any, ...]] = (
+            list(zip(*buf.calls, strict=True)) if buf.calls else [() for _ in names]
+        )
         for name, values in zip(names, transposed, strict=True):
             typ = schema.field(name).type
             arr = pa.array(values, type=typ.value_type if pa.types.is_dictionary(typ) else typ)
             if expand:
                 arr = arr.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
             arrays[name] = arr.dictionary_encode() if pa.types.is_dictionary(typ) else arr
-        for name, values in buf.key_cols.items():
-            arrays[name] = pa.array(values, type=schema.field(name).type)
+        for name, per_row in buf.key_cols.items():
+            arrays[name] = pa.array(per_row, type=schema.field(name).type)
         if "group_id" in _DERIVED[kind]:
             arrays["group_id"] = _group_ids(arrays["key"])
         if "chunk_idx" in _DERIVED[kind]:
             arrays["chunk_idx"] = self._chunk_idx(arrays["group_id"], arrays["end_token"])
         return pa.Table.from_arrays([arrays[n] for n in schema.names], schema=schema)
 
-    def _chunk_idx(self, group_ids: pa.Array, end_tokens: pa.Array) -> pa.Array:
+    def _chunk_idx(self, group_ids: pa.Array[Any], end_tokens: pa.Array[Any]) -> pa.Array[Any]:
         gid = group_ids.to_numpy(zero_copy_only=False)
         end = end_tokens.to_numpy(zero_copy_only=False)
         tpc = np.zeros(len(gid), dtype=np.float64)
@@ -345,17 +347,17 @@ class TraceWriter:
             )
 
 
-def _group_ids(keys: pa.Array) -> pa.Array:
+def _group_ids(keys: pa.Array[Any]) -> pa.Array[Any]:
     """Vectorised ``int.from_bytes(key[-4:], 'big')`` over a binary array (nulls stay null)."""
     if len(keys) == 0:
         return pa.array([], type=pa.int32())
-    offsets = np.frombuffer(keys.buffers()[1], dtype=np.int32)[
+    offsets_buf, data_buf = keys.buffers()[1], keys.buffers()[2]
+    assert offsets_buf is not None  # a non-empty binary array always has offsets
+    offsets = np.frombuffer(memoryview(offsets_buf), dtype=np.int32)[
         keys.offset : keys.offset + len(keys) + 1
     ]
     data = (
-        np.frombuffer(keys.buffers()[2], dtype=np.uint8)
-        if keys.buffers()[2]
-        else np.zeros(0, np.uint8)
+        np.frombuffer(memoryview(data_buf), dtype=np.uint8) if data_buf else np.zeros(0, np.uint8)
     )
     ends = offsets[1:]
     valid = (ends - offsets[:-1]) >= 4

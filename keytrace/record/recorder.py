@@ -67,7 +67,7 @@ class Recorder:
         self.episode = -1
         self.scan = -1
         self.exact_scans = False
-        self._last_lookup_gid: int | None = None
+        self._last_lookup_gid: bytes | None = None
         self._pending_episode: dict[str, list[Any]] = {}
         self.failures = 0
 
@@ -153,7 +153,7 @@ class Recorder:
         if not self.exact_scans:
             gid = key[-4:]
             if gid != self._last_lookup_gid:
-                self._last_lookup_gid = gid  # type: ignore[assignment]
+                self._last_lookup_gid = gid
                 self.scan += 1
         self.writer.append(
             "lookup",

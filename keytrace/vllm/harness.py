@@ -224,7 +224,9 @@ def _chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
     per_block = sum(
         g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv.kv_cache_groups
     )
-    return round_up(per_block * geometry.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+    return int(
+        round_up(per_block * geometry.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+    )
 
 
 # ------------------------------------------------------------------ fake worker

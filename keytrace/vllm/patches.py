@@ -355,15 +355,17 @@ class _Undo:
         owner = self.owner()
         if owner is None:
             return
-        own = owner.__dict__ if isinstance(owner, type) else vars(owner)
-        if own.get(self.attr) is not self.proxy:
-            log.debug("keytrace: %s was replaced by someone else; left as is", self.attr)
-            return
         if isinstance(owner, type):
-            if self.had_own:
+            if owner.__dict__.get(self.attr) is not self.proxy:
+                log.debug("keytrace: %s was replaced by someone else; left as is", self.attr)
+            elif self.had_own:
                 setattr(owner, self.attr, self.original)
             else:
                 delattr(owner, self.attr)
+            return
+        own = vars(owner)
+        if own.get(self.attr) is not self.proxy:
+            log.debug("keytrace: %s was replaced by someone else; left as is", self.attr)
         elif self.had_own:
             own[self.attr] = self.original
         else:
