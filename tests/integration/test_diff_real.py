@@ -20,8 +20,10 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
+from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.analysis.geometry import DSV4, SMALL, Geometry  # noqa: E402
 from keytrace.cli import main  # noqa: E402
+from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.vllm.sweep import run_one  # noqa: E402
 
 ONE_STEP = {"dsv4": 32_768, "small": 2048}
@@ -106,6 +108,9 @@ def test_cold_lookup_agrees(tmp_path: Path) -> None:
         h = Harness(DSV4, max_prompt_tokens=5000)
         h.submit(5000)
         h.run_until_idle()
+    report = diff(open_trace(str(d)), all_episodes=True)
+    [episode] = report.episodes
+    assert (episode.verdict, episode.E, episode.external_tokens) == ("cold", None, 0)
     assert main(["diff", str(d), "--all", "--json"]) == 0
 
 

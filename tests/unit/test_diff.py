@@ -106,15 +106,108 @@ def test_evicted_is_explained(tmp_path: Path) -> None:
     assert v.verdict == "explained" and v.terminal.cause == "evicted"
 
 
-def test_reset_counts_as_removal(tmp_path: Path) -> None:
+def test_a_tier_reset_removes_what_was_stored_before_it(tmp_path: Path) -> None:
+    # chunk 4 completed, then the tier was reset, then chunks 0..5 (FA) and 5 were stored
+    # again: lookup misses 4. With the reset row 4 was removed (explained); without it,
+    # 4 would be resident and the miss a mismatch. The reset row alone decides.
+    verdicts = {}
+    for with_reset in (True, False):
+        d = tmp_path / str(with_reset) / "t"
+        b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+        b.store("r0", "c", 1, [4])
+        if with_reset:
+            b.rec.reset()
+        b.prime("r1", "c", 100, swa_chunks={1: [5]})
+        b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+        b.close()
+        v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+        verdicts[with_reset] = (v.verdict, v.terminal.cause)
+    assert verdicts == {True: ("explained", "evicted"), False: ("mismatch", "resident")}
+
+
+def test_evicted_then_stored_again_is_resident(tmp_path: Path) -> None:
+    def again(b: TraceBuilder) -> None:
+        b.evict("r3", "c", 1, [4])
+        b.store("r4", "c", 1, [4])  # re-stored after the eviction: resident at the episode
+
+    v, _ = _only(tmp_path, swa1=[4, 5], episode_external=0, swa1_results={5: "HIT"}, extra=again)
+    assert (v.verdict, v.terminal.cause) == ("mismatch", "resident")
+
+
+def test_resident_prefix_bounds_E(tmp_path: Path) -> None:
+    # two chain requests: r0 (52 tokens, boundary 48) and r1 (100 tokens, boundary 96).
+    # The episode's full-attention scan misses chunk 4 (evicted), so F = 64: E is r0's 48,
+    # not r1's 96. vLLM returned 48 -> a hit.
     d = tmp_path / "t"
     b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r0", "c", 52, swa_chunks={1: [1, 2]})
     b.prime("r1", "c", 100, swa_chunks={1: [4, 5]})
-    b.rec.reset()
-    b.episode("r2", 100, external=0, chain="c", scans=[(0, [(0, "MISS")])])
+    b.evict("r9", "c", 0, [4])
+    fa = [(0, "HIT"), (1, "HIT"), (2, "HIT"), (3, "HIT"), (4, "MISS")]
+    b.episode(
+        "r2",
+        100,
+        external=48,
+        chain="c",
+        scans=[(0, fa), (1, _swa_scan({1: "HIT", 2: "HIT"}, hi=3))],
+    )
     b.close()
     v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
-    assert v.verdict == "cold"  # after a reset nothing is resident: no expected boundary
+    assert (v.verdict, v.L, v.E, v.external_tokens) == ("hit", 96, 48, 48)
+
+
+@pytest.mark.parametrize("result", ["HIT_PENDING", "RETRY"])
+def test_a_pending_or_retried_binding_key_is_explained(tmp_path: Path, result: str) -> None:
+    v, _ = _only(tmp_path, swa1=[5], episode_external=0, swa1_results={5: "HIT", 4: result})
+    assert v.verdict == "explained" and v.terminal.result == result
+    assert v.reason == f"lookup saw {result} at the binding key: the store had not finished"
+
+
+def test_other_engine_counts_only_when_resident_there_at_that_moment(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    geo = TINY.with_(groups=TINY.groups[:2])
+    a = new_builder(d, geometry=geo, engine_id="A")
+    bb = new_builder(d, geometry=geo, engine_id="B", dp_rank=1)
+    a.prime("r1", "c", 100, swa_chunks={1: [5]})
+    a.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    bb.store("rb", "c", 1, [4])  # on engine B, but only after the episode
+    a.close()
+    bb.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.terminal.cause) == ("mismatch", "never_offered")
+
+
+def test_engine_and_rank_select_episodes(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    geo = TINY.with_(groups=TINY.groups[:2])
+    a = new_builder(d, geometry=geo, engine_id="A", dp_rank=0)
+    bb = new_builder(d, geometry=geo, engine_id="B", dp_rank=1)
+    a.prime("ra", "c", 100, swa_chunks={1: [4, 5]})
+    bb.prime("rb", "d", 100, swa_chunks={1: [5]})
+    bb.episode("rb2", 100, external=0, chain="d", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    a.episode(
+        "ra2",
+        100,
+        external=96,
+        chain="c",
+        scans=[(0, FA_ALL), (1, _swa_scan({4: "HIT", 5: "HIT"}))],
+    )
+    a.close()
+    bb.close()
+    trace = open_trace(str(d))
+    whole = diff(trace, all_episodes=True)
+    assert whole.counts == {"cold": 2, "hit": 1, "mismatch": 1}
+    assert whole.first_mismatch is not None and whole.first_mismatch.req_id == "rb2"
+    for sel in ({"engine": "A"}, {"rank": 0}):
+        r = diff(trace, all_episodes=True, **sel)
+        assert {e.req_id for e in r.episodes} == {"ra", "ra2"}, sel
+        assert r.counts == {"cold": 1, "hit": 1} and r.verdict == "agree"
+    for sel in ({"engine": "B"}, {"rank": 1}):
+        r = diff(trace, all_episodes=True, **sel)
+        assert {e.req_id for e in r.episodes} == {"rb", "rb2"} and r.verdict == "mismatch", sel
+    assert main(["diff", str(d), "--rank", "0"]) == 0
+    assert main(["diff", str(d), "--rank", "1"]) == 1
+    assert main(["diff", str(d), "--engine", "B"]) == 1
 
 
 def test_moving_one_row_changes_the_verdict(tmp_path: Path) -> None:

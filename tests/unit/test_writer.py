@@ -73,9 +73,13 @@ def test_round_trip_every_kind(tmp_path: Path) -> None:
     assert trace.collect("load")["chunk_idx"].to_list() == [3]
     step = trace.collect("step").row(0, named=True)
     assert (step["computed_tokens"], step["scheduled_tokens"], step["resumed"]) == (16, 84, True)
-    # seq is one process-wide order shared by all kinds
-    seqs = sorted(s for kind in KINDS for s in trace.collect(kind)["seq"].to_list())
-    assert len(set(seqs)) >= 6
+    # seq is one process-wide order shared by all kinds: one number per recorded call, in
+    # call order (the episode takes its number at episode_begin)
+    seq = {kind: trace.collect(kind).sort("seq")["seq"].to_list() for kind in KINDS}
+    first = seq["episode"][0]
+    assert seq["lookup"] == [first + 1]
+    assert seq["store"] == [first + 2, first + 3, first + 4]
+    assert seq["load"] == [first + 5] and seq["step"] == [first + 6]
 
 
 def test_partial_key_has_null_chunk(tmp_path: Path) -> None:
@@ -112,17 +116,27 @@ def test_modes_and_layout(tmp_path: Path) -> None:
     d = tmp_path / "trace"
     w = TraceWriter(d, HEADER)
     w.append("step", 1, _step_row(w, 0))
+    key = bytes(32) + (1).to_bytes(4, "big")
+    w.append(
+        "store", 2, (*w.common(1, 0, 0), "prepared", "r", 7), key=[key, key], end_token=[16, 32]
+    )
     w.close()
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     parts = _parts(d)
-    assert len(parts) == 1 and parts[0].parent.name == "kind=step"
-    assert stat.S_IMODE(os.stat(parts[0]).st_mode) == 0o600
+    assert [p.parent.name for p in parts] == ["kind=step", "kind=store"]
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in parts)
     md = pq.ParquetFile(parts[0]).schema_arrow.metadata
     assert md[b"keytrace.schema_version"] == str(SCHEMA_VERSION).encode()
     assert md[b"keytrace.kind"] == b"step"
-    # keys are stored once, without a dictionary; zstd everywhere
-    col = pq.ParquetFile(parts[0]).metadata.row_group(0).column(0)
-    assert col.compression == "ZSTD"
+    # keys are stored once, without a dictionary (hashes never repeat); the small string
+    # columns are dictionary-encoded; zstd everywhere
+    store = pq.ParquetFile(parts[1])
+    names = store.schema_arrow.names
+    rg = store.metadata.row_group(0)
+    cols = {names[i]: rg.column(i) for i in range(rg.num_columns)}
+    assert not any("DICTIONARY" in e for e in cols["key"].encodings)
+    assert any("DICTIONARY" in e for e in cols["event"].encodings)
+    assert {c.compression for c in cols.values()} == {"ZSTD"}
 
 
 _CHILD = textwrap.dedent(

@@ -1,0 +1,77 @@
+"""The text reporters, compared line for line (what a person reads is the contract)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from keytrace.analysis.diff import diff
+from keytrace.analysis.summary import summarize
+from keytrace.format.reader import open_trace
+from keytrace.report.text import render_diff, render_summary
+from tests.factories import TraceBuilder
+from tests.unit.test_diff import _build
+
+
+def _text(render, obj) -> list[str]:  # type: ignore[no-untyped-def]
+    buf = io.StringIO()
+    render(obj, buf)
+    return buf.getvalue().splitlines()
+
+
+def test_mismatch_report(tmp_path: Path) -> None:
+    trace = open_trace(str(_build(tmp_path, swa1=[5], episode_external=0)))
+    assert _text(render_diff, diff(trace)) == [
+        "MISMATCH: request r2 got 0 external tokens, expected 96 (E=96); binding group 1 (SWA), "
+        "terminal chunk 4 (MISS)",
+        "episodes: cold 1, mismatch 1",
+        "",
+        "MISMATCH: request r2 (engine engine-a, rank 0, step 0): 100 prompt tokens, local 0, "
+        "external 0, expected boundary E=96 (cap L=96)",
+        "  why: lookup needed chunks the store path did not keep: never offered by the store path",
+        "  binding group 1 (SWA); terminal key chunk 4 (tokens 64–80) looked up as MISS: never "
+        "offered by the store path",
+        "  group 1 (SWA) needed chunks 4–5 for a hit at 96; store wrote 5 near there",
+        "    group 1 chunk 4 [64, 80): lookup MISS; never offered by the store path",
+    ]
+
+
+def test_explained_and_agree_reports(tmp_path: Path) -> None:
+    def evict(b: TraceBuilder) -> None:
+        b.evict("r3", "c", 1, [4])
+
+    d = _build(tmp_path, swa1=[4, 5], episode_external=0, swa1_results={5: "HIT"}, extra=evict)
+    report = diff(open_trace(str(d)), all_episodes=True)
+    lines = _text(render_diff, report)
+    assert lines[:2] == [
+        "AGREE: no store/lookup mismatch in 2 episode(s)",
+        "episodes: cold 1, explained 1",
+    ]
+    assert (
+        "  why: shortfall explained by timing/capacity/routing: evicted before the episode" in lines
+    )
+    assert "    group 1 chunk 4 [64, 80): lookup MISS; evicted before the episode" in lines
+    assert (
+        "COLD: request r1 (engine engine-a, rank 0, step 0): 100 prompt tokens, local 0, "
+        "external 0, expected boundary E=- (cap L=96)" in lines
+    )
+
+
+def test_summary(tmp_path: Path) -> None:
+    trace = open_trace(str(_build(tmp_path, swa1=[5], episode_external=0)))
+    assert _text(render_summary, summarize(trace)) == [
+        "trace: 3 part(s) from 1 recorder instance(s); vLLM 0.33.0, model None, blocks_per_chunk 1",
+        "rows: store 14, lookup 13, episode 2, load 0, step 0",
+        "",
+        "group  kind        tpc    stored prepared rejected evicted   lookups      HIT     MISS "
+        "PENDING RETRY",
+        "    0  FA           16         6        6        0       0         7        6        1 "
+        "      0     0",
+        "    1  SWA          16         1        1        0       0         6        1        5 "
+        "      0     0",
+        "",
+        "episodes (first 2):",
+        "  request        prompt    local  external  accepted",
+        "  r1                100        0         0         0",
+        "  r2                100        0         0         0",
+    ]

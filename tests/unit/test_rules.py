@@ -1,0 +1,108 @@
+"""vLLM 0.33.0's arithmetic (keytrace.analysis.rules): worked values, and the int and polars
+evaluations of the same duck-typed function agreeing on random inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import polars as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keytrace.analysis.rules import (
+    Group,
+    eagle_peek_unkeyable,
+    group_label,
+    load_window,
+    lookup_cap,
+    needed_chunks,
+    needed_range,
+    store_boundary,
+    window_chunks,
+)
+
+MLA = Group(0, 256, None, kind="mla")
+SWA = Group(1, 64, 2, 128, 0, False, "sliding_window")
+MTP = Group(2, 64, 2, 128, 0, True, "sliding_window")
+C4 = Group(3, 4, 2, 8, 0, False, "sliding_window")
+DSV4 = [MLA, Group(4, 8, 16, 128, 0, False, "sliding_window"), SWA, MTP, C4]
+
+
+def test_labels_and_windows() -> None:
+    assert [group_label(g.kind, g.eagle) for g in (MLA, SWA, MTP)] == ["MLA", "SWA", "SWA, MTP"]
+    # get_sliding_window_size_in_chunks: max(cdiv(sw, tpc), cdiv(sw - 1 + extra, tpc))
+    assert window_chunks(128, 0, 64) == 2
+    assert window_chunks(128, 3, 64) == 3  # multi-module MTP retains more
+    assert window_chunks(None, 0, 64) is None
+
+
+def test_cap_and_boundary() -> None:
+    # 17,975 tokens: L = round_down(17,974, 256) = 17,920 (a window group: minus 1)
+    assert lookup_cap(DSV4, 17_975, 0, None) == 17_920
+    assert store_boundary(DSV4, 18_944) == 18_688  # exact multiple: last chunk recomputed
+    assert lookup_cap([MLA], 18_944, 0, None) == 18_944  # no window group: no minus 1
+    assert lookup_cap(DSV4, 20_000, 512, 1000) == 1_280  # within S + max_new
+    assert lookup_cap(DSV4, 100, 0, None) == 0
+
+
+def test_needed_chunks_with_the_eagle_peek() -> None:
+    # 17,975 tokens: 280 keyed chunks of 64; E = 17,920 = chunk 280's start: no peek exists
+    assert needed_chunks(MTP, 0, 17_920, 280) == [277, 278, 279]
+    # 18,877 tokens: E = 18,688; the peek chunk 292 is keyed (294 keyed chunks)
+    assert needed_chunks(MTP, 0, 18_688, 294) == [290, 291, 292]
+    assert needed_chunks(SWA, 0, 18_688, 294) == [290, 291]
+    assert needed_chunks(MLA, 512, 1_024, 10) == [2, 3]
+    # a right edge off the chunk grid widens the window (load_window_size_in_chunks)
+    assert load_window(C4, 16) == 2 and load_window(SWA, 18_688 + 32) == 3
+
+
+def test_the_stock_rule() -> None:
+    assert eagle_peek_unkeyable(17_975, DSV4)  # 17,975 mod 256 = 55 < 64
+    assert not eagle_peek_unkeyable(18_877, DSV4)  # 189
+    assert not eagle_peek_unkeyable(18_944, DSV4)  # 0: E = 18,688, P - E = 256
+
+
+groups_st = st.lists(
+    st.builds(
+        Group,
+        gid=st.integers(0, 7),
+        tpc=st.sampled_from([4, 8, 16, 64, 256]),
+        window=st.one_of(st.none(), st.integers(1, 20)),
+        sliding_window=st.one_of(st.none(), st.integers(1, 600)),
+        extra=st.integers(0, 4),
+        eagle=st.booleans(),
+        kind=st.sampled_from(["sliding_window", "mla", "full_attention"]),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    groups=groups_st,
+    num_tokens=st.integers(0, 40_000),
+    local=st.integers(0, 40_000),
+    max_new=st.one_of(st.none(), st.integers(0, 40_000)),
+    E=st.integers(0, 40_000),
+    keyed=st.integers(0, 700),
+)
+def test_polars_and_int_evaluations_agree(
+    groups: list[Group], num_tokens: int, local: int, max_new: int | None, E: int, keyed: int
+) -> None:
+    groups = [dataclasses.replace(g, gid=i) for i, g in enumerate(groups)]
+    df = pl.DataFrame(
+        {"N": [num_tokens], "S": [local], "m": [max_new], "E": [E], "k": [keyed]},
+        schema={"N": pl.Int64, "S": pl.Int64, "m": pl.Int64, "E": pl.Int64, "k": pl.Int64},
+    )
+    cols = {"cap": lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("m"))}
+    for g in groups:
+        if g.window is None:
+            continue
+        lo, hi = needed_range(g, pl.col("S"), pl.col("E"), pl.col("k"))
+        cols[f"lo{g.gid}"], cols[f"hi{g.gid}"] = lo, hi
+    row = df.select(**cols).row(0, named=True)
+    assert row["cap"] == lookup_cap(groups, num_tokens, local, max_new)
+    for g in groups:
+        if g.window is not None:
+            assert (row[f"lo{g.gid}"], row[f"hi{g.gid}"]) == needed_range(g, local, E, keyed)
