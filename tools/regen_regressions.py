@@ -50,6 +50,23 @@ never offered. Every length with (P mod 256) in [1, 63] misses the same way; the
 sweep in docs/findings.md checks the rule over 2,000+ consecutive lengths. Upstream:
 the replay-boundary class of vllm #51761 / #52287 (prior-art.md section 1.5).""",
     ),
+    Regression(
+        geometry="dsv4",
+        prime_lengths=(17_975,),
+        episode_length=18_000,
+        xfail=(
+            "vLLM 0.33.0: the next turn keys the MTP peek chunk the previous turn could not "
+            "(keytrace findings, docs/findings.md)"
+        ),
+        note="""\
+Evidence (keytrace diff on stock vLLM 0.33.0): a two-turn conversation whose second turn is
+a little longer than the first. The first turn (17,975 tokens) stores the MTP tail for its
+boundary E = 17,920 shifted for the EAGLE peek: 278, 279, and the peek 280, which it cannot
+key (280 ends at 17,984). The second turn (18,000 tokens) can key 280, so lookup queries it
+as the peek, needs 278-280 and finds 280 missing: 0 external tokens. The turn then stores
+280 itself, after its own lookup; that store explains nothing (keytrace diff reports
+cause not_keyable; before issue 12 it called this shortfall explained).""",
+    ),
 )
 
 

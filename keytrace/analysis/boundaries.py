@@ -58,10 +58,11 @@ def chain(
         .select("inst", "s", "key")
         .join(bkeys, on=["inst", "key"])
         .filter(pl.col("first_seq") < pl.col("s"))
+        .sort("first_seq")
         .group_by("inst", "s")
         .agg(
             pl.col("b").unique().alias("boundaries"),
-            pl.col("req_id").unique().alias("chain"),
+            pl.col("req_id").unique(maintain_order=True).alias("chain"),
             pl.col("P").max().alias("chain_P"),
         )
     )

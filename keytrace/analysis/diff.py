@@ -17,9 +17,10 @@ from typing import Any
 
 import polars as pl
 
-from keytrace.analysis import frames, scans
+from keytrace.analysis import frames, lost, scans
 from keytrace.analysis.boundaries import chain
 from keytrace.analysis.history import causes
+from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.results import DiffReport, EpisodeVerdict, NeededChunk, TerminalKey
 from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range, unit
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, reason, shortfall_verdicts
@@ -55,12 +56,12 @@ def diff(
     explained = _explain_shortfalls(trace, groups, sf)
     tick("shortfalls", 2, 4)
     judged = eps.join(
-        explained.select(*KEY, "verdict2", "decisive", "term_result"), on=KEY, how="left"
-    )
-    judged = judged.with_columns(pl.coalesce("verdict2", "verdict").alias("verdict")).drop(
-        "verdict2"
-    )
+        explained.select(*KEY, "verdict2", "decisive", "term_result", "bind_gid"),
+        on=KEY,
+        how="left",
+    ).with_columns(pl.coalesce("verdict2", "verdict").alias("verdict"))
     counts = dict(judged.group_by("verdict").len().sort("verdict").iter_rows())
+    lost_tokens = _lost_tokens(trace, groups, judged)
     reported = (
         judged
         if all_episodes
@@ -79,7 +80,29 @@ def diff(
         warnings=list(trace.warnings),
         header=trace.header,
         all_episodes=all_episodes,
+        lost=lost_tokens,
     )
+
+
+def _lost_tokens(trace: Trace, groups: list[Group], judged: pl.DataFrame) -> LostTokens:
+    """The per-engine account of every prompt token (`keytrace.analysis.lost`)."""
+    first_cause = (
+        pl.when(pl.col("decisive").list.len() > 0)
+        .then(pl.col("decisive").list.first())
+        .when(pl.col("term_result").is_in(["HIT_PENDING", "RETRY"]))
+        .then(pl.lit("in_flight"))
+        .otherwise(pl.lit("all_resident"))
+    )
+    j = judged.with_columns(
+        pl.coalesce("engine_id", "instance").alias("engine"),
+        pl.when(pl.col("verdict").is_in(["explained", "mismatch"]))
+        .then(first_cause)
+        .alias("cause"),
+    )
+    cold = j.filter(pl.col("verdict") == "cold")
+    routing = lost.routing_boundaries(cold, frames.stores(trace), frames.episodes(trace), groups)
+    counted = j.filter(pl.col("verdict") != "deferred").select("engine", "P")
+    return lost.summarize(lost.account(j, routing), counted)
 
 
 # ------------------------------------------------------------------ episodes
@@ -164,10 +187,12 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
             "verdict2": pl.String,
             "decisive": pl.List(pl.String),
             "term_result": pl.String,
+            "bind_gid": pl.Int32,
+            "needed": pl.List(pl.Struct({"gid": pl.Int32, "chunk": pl.Int64})),
         }
     )
     if sf.height == 0:
-        return empty.with_columns(pl.lit(None).alias("needed"))
+        return empty
     keys = sf.select(KEY)
     lk = frames.lookups(trace).join(keys.lazy(), on=KEY, how="semi")
     bind = scans.binding(scans.scan_summaries(lk)).collect()
@@ -181,6 +206,8 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
     needed = needed.join(seen, on=[*KEY, "gid", "chunk"], how="left").with_columns(
         (pl.col("gid") == pl.col("bind_gid")).fill_null(False).alias("binding")
     )
+    needed = _derive_unknown_keys(trace, needed, sf)
+    needed = _settle_unknown_offers(trace, needed, sf)
     with_cause = _with_causes(trace, needed, bind, sf, groups)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     verdicts = shortfall_verdicts(with_cause["needed"], terminals)
@@ -194,6 +221,169 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
         .agg(pl.struct("gid", "chunk", "key", "result", "cause").alias("needed"))
     )
     return out.join(needed_lists, on=KEY, how="left")
+
+
+def _derive_unknown_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:
+    """Keys of needed chunks the episode never looked up (vLLM stopped in another group).
+
+    A key is the block hash of the chunk's last hash block plus the group id, and every
+    chunk that ends at the same token of the same prefix has that block hash, in any
+    group. Sources, in order:
+
+    1. the request's own recorded keys (its lookups in any of its episodes, e.g. before a
+       preemption; its store rows of any event and time) ending at that token;
+    2. keys ending at that token recorded by any request that also recorded one of this
+       request's keys ending *at or after* it: content-addressed chained keys mean that
+       request shares the whole prefix through the chunk.
+
+    A derived key has no lookup result; its cause comes from the store history as usual.
+    """
+    missing = needed.filter(pl.col("key").is_null()).with_columns(
+        ((pl.col("chunk") + 1) * pl.col("tpc")).alias("end")
+    )
+    if missing.height == 0:
+        return needed
+    slots = missing.select(*KEY, "gid", "chunk", "end").lazy()
+    mine = sf.select("inst", "req_id", "s").lazy()
+    every = pl.concat(
+        [
+            frames.lookups(trace).select("inst", "req_id", "end_token", "key"),
+            frames.stores(trace).select("inst", "req_id", "end_token", "key"),
+        ]
+    ).filter(pl.col("end_token").is_not_null() & pl.col("key").is_not_null())
+    own = every.join(mine, on=["inst", "req_id"]).select(*KEY, "end_token", "key")
+    direct = slots.join(own, left_on=[*KEY, "end"], right_on=[*KEY, "end_token"]).select(
+        *KEY, "gid", "chunk", "key"
+    )
+    anchors = (
+        slots.join(own, on=KEY)
+        .filter(pl.col("end_token") >= pl.col("end"))
+        .sort("end_token")
+        .group_by(*KEY, "gid", "chunk", "end")
+        .agg(pl.col("key").first().alias("anchor"))
+    )
+    sharers = anchors.join(
+        every.select("inst", "req_id", "key").unique(), left_on="anchor", right_on="key"
+    ).select(
+        *KEY,
+        "gid",
+        "chunk",
+        "end",
+        pl.col("inst_right").alias("r_inst"),
+        pl.col("req_id").alias("r_req"),
+    )
+    shared = sharers.join(
+        every.select(
+            pl.col("inst").alias("r_inst"), pl.col("req_id").alias("r_req"), "end_token", "key"
+        ),
+        left_on=["r_inst", "r_req", "end"],
+        right_on=["r_inst", "r_req", "end_token"],
+    ).select(*KEY, "gid", "chunk", "key")
+    found = (
+        pl.concat(
+            [
+                direct.with_columns(pl.lit(0).alias("rank")),
+                shared.with_columns(pl.lit(1).alias("rank")),
+            ]
+        )
+        .sort("rank")
+        .group_by(*KEY, "gid", "chunk")
+        .agg(pl.col("key").first())
+        .collect()
+    )
+    derived = [
+        (i, s, gid, chunk, bytes(k)[:-4] + int(gid).to_bytes(4, "big"))
+        for i, s, gid, chunk, k in found.iter_rows()
+    ]
+    if not derived:
+        return needed
+    d = pl.DataFrame(
+        derived,
+        schema={
+            "inst": pl.Int64,
+            "s": pl.Int64,
+            "gid": pl.Int32,
+            "chunk": pl.Int64,
+            "dkey": pl.Binary,
+        },
+        orient="row",
+    )
+    return (
+        needed.join(d, on=[*KEY, "gid", "chunk"], how="left")
+        .with_columns(pl.coalesce("key", "dkey").alias("key"))
+        .drop("dkey")
+    )
+
+
+def _settle_unknown_offers(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:
+    """For a needed chunk whose key stays unknown: was it provably never offered?
+
+    Any request that can have offered *this* chunk shares the request's prefix through its
+    end, so it also shares the request's last known key before the chunk (chained keys).
+    If no request sharing that key offered this group's chunk at this index before the
+    episode (on its engine; elsewhere before its wall clock), nobody did: the cause follows
+    without the key (``never_offered``/``not_keyable``, set in `_with_causes`);
+    ``unoffered`` marks those chunks. If one of them did, the key may be theirs or not, and
+    the chunk stays unknown (a request sharing a *later* key of this request would prove
+    it theirs only for requests at least that long, so that shortcut is not taken).
+    """
+    unknown = needed.filter(pl.col("key").is_null()).with_columns(
+        ((pl.col("chunk") + 1) * pl.col("tpc")).alias("end")
+    )
+    if unknown.height == 0:
+        return needed.with_columns(pl.lit(False).alias("unoffered"))
+    slots = unknown.select(*KEY, "gid", "chunk", "end").lazy()
+    mine = sf.select("inst", "req_id", "s").lazy()
+    every = pl.concat(
+        [
+            frames.lookups(trace).select("inst", "req_id", "end_token", "key"),
+            frames.stores(trace).select("inst", "req_id", "end_token", "key"),
+        ]
+    ).filter(pl.col("end_token").is_not_null() & pl.col("key").is_not_null())
+    own = every.join(mine, on=["inst", "req_id"]).select(*KEY, "end_token", "key")
+    anchors = (
+        slots.join(own, on=KEY)
+        .filter(pl.col("end_token") < pl.col("end"))
+        .sort("end_token")
+        .group_by(*KEY, "gid", "chunk")
+        .agg(pl.col("key").last().alias("anchor"))
+    )
+    sharers = anchors.join(
+        every.select("inst", "req_id", "key").unique(), left_on="anchor", right_on="key"
+    ).select(
+        *KEY, "gid", "chunk", pl.col("inst_right").alias("r_inst"), pl.col("req_id").alias("r_req")
+    )
+    offers = (
+        frames.stores(trace)
+        .filter(pl.col("event").is_in(["prepared", "rejected", "failed", "completed"]))
+        .select(
+            pl.col("inst").alias("r_inst"),
+            pl.col("req_id").alias("r_req"),
+            "gid",
+            "chunk",
+            "seq",
+            "ts",
+        )
+    )
+    offered = (
+        sharers.join(offers, on=["r_inst", "r_req", "gid", "chunk"])
+        .join(sf.select(*KEY, "t").lazy(), on=KEY)
+        .filter(
+            ((pl.col("r_inst") == pl.col("inst")) & (pl.col("seq") < pl.col("s")))
+            | ((pl.col("r_inst") != pl.col("inst")) & (pl.col("ts") < pl.col("t")))
+        )
+        .select(*KEY, "gid", "chunk")
+        .unique()
+    )
+    settled = (
+        anchors.select(*KEY, "gid", "chunk")
+        .join(offered, on=[*KEY, "gid", "chunk"], how="anti")
+        .with_columns(pl.lit(True).alias("unoffered"))
+        .collect()
+    )
+    return needed.join(settled, on=[*KEY, "gid", "chunk"], how="left").with_columns(
+        pl.col("unoffered").fill_null(False)
+    )
 
 
 def _needed(sf: pl.DataFrame, groups: list[Group], tph: int) -> pl.DataFrame:
@@ -239,7 +429,7 @@ def _with_causes(
     tpc = {g.gid: g.tpc for g in groups}
     ep = sf.select(*KEY, "t", pl.col("chain_P").alias("keyable_end"))
     probe_needed = (
-        needed.filter(pl.col("key").is_not_null() & (pl.col("result") != "HIT"))
+        needed.filter(pl.col("key").is_not_null() & (pl.col("result") != "HIT").fill_null(True))
         .join(ep, on=KEY)
         .select(
             *KEY,
@@ -276,13 +466,23 @@ def _with_causes(
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )
-    needed = needed.join(judged, on=[*KEY, "key", "gid"], how="left").with_columns(
-        pl.when(pl.col("result") == "HIT")
-        .then(pl.lit("resident"))
-        .when(pl.col("key").is_null())
-        .then(pl.lit("not_looked_up"))
-        .otherwise(pl.col("cause"))
-        .alias("cause")
+    keyable = (pl.col("chunk") + 1) * pl.col("tpc") <= pl.col("keyable_end").fill_null(0)
+    needed = (
+        needed.join(judged, on=[*KEY, "key", "gid"], how="left")
+        .join(ep.select(*KEY, "keyable_end"), on=KEY, how="left")
+        .with_columns(
+            pl.when(pl.col("result") == "HIT")
+            .then(pl.lit("resident"))
+            .when(pl.col("key").is_null() & pl.col("unoffered") & keyable)
+            .then(pl.lit("never_offered"))
+            .when(pl.col("key").is_null() & pl.col("unoffered"))
+            .then(pl.lit("not_keyable"))
+            .when(pl.col("key").is_null())
+            .then(pl.lit("not_looked_up"))
+            .otherwise(pl.col("cause"))
+            .alias("cause")
+        )
+        .drop("keyable_end")
     )
     terminal = (
         bind.select(*KEY, pl.col("term_key").alias("key"), pl.col("bind_gid").alias("gid"))
@@ -324,6 +524,8 @@ def _build(
             external_tokens=r["X"],
             accepted_tokens=r["A"],
         )
+        base["chain"] = list(r["chain"] or [])
+        base["F"] = r["F"]
         if d is None:
             out.append(EpisodeVerdict(**base, reason=_plain_reason(r)))
             continue

@@ -11,7 +11,7 @@ tokens), ``N`` (num_tokens), ``H`` (block hashes), ``max_new``, ``spb`` (the req
 ``shared_prefix_boundary``; null when the trace does not carry it).
 
 Sequence numbers order the rows of one process; across processes (two engines) only the
-wall clock ``t``/``ts`` orders events, which is what "resident on another engine at that
+wall clock ``t``/``ts`` orders events, which is what "offered on another engine before that
 moment" uses.
 """
 
@@ -57,10 +57,12 @@ def lookups(trace: Trace) -> pl.LazyFrame:
     return trace.frame("lookup").select(
         pl.col("instance_id").alias("inst"),
         pl.col("episode").alias("s"),
+        _str("req_id").alias("req_id"),
         "scan",
         "seq",
         pl.col("group_id").alias("gid"),
         pl.col("chunk_idx").alias("chunk"),
+        "end_token",
         "key",
         _str("result").alias("result"),
     )
@@ -75,5 +77,6 @@ def stores(trace: Trace) -> pl.LazyFrame:
         _str("req_id").alias("req_id"),
         pl.col("group_id").alias("gid"),
         pl.col("chunk_idx").alias("chunk"),
+        "end_token",
         "key",
     )

@@ -10,7 +10,8 @@ episode's chain reached (a chunk ending beyond that was never keyable by them).
 ``resident``      completed on the instance before s, not evicted or reset since
 ``in_flight``     prepared before s and not yet settled (completed or failed) at s
 ``evicted``       completed before s, then evicted (or the tier reset) before s
-``other_engine``  resident on another recorder instance at that moment (wall clock)
+``other_engine``  offered on another recorder instance before that moment (wall clock):
+                  a routing miss, whether it is still resident there or not
 ``store_failed``  offered before s and the allocation or the transfer failed (capacity)
 ``rejected``      offered before s, declined by ``prepare_store`` (e.g. ``store_threshold``)
 ``other_group``   the block hash stored under another group id, this group's never
@@ -90,35 +91,19 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame) -> pl.DataFrame:
         .group_by("pid")
         .agg(pl.col("reset").max())
     )
-    # other instances, before the episode's wall clock
-    elsewhere = (
-        base.join(hist, on="key")
-        .filter((pl.col("inst_right") != pl.col("inst")) & (pl.col("ts") < pl.col("t")))
-        .group_by("pid", "inst_right")
-        .agg(
-            pl.col("t").first(),
-            pl.col("ts").filter(ev == "completed").max().alias("o_completed"),
-            pl.col("ts").filter(ev == "evicted").max().alias("o_evicted"),
-        )
-    )
-    other_resets = (
-        elsewhere.select("pid", "inst_right", "t")
-        .join(
-            resets.select(pl.col("inst").alias("inst_right"), pl.col("ts").alias("o_reset")),
-            on="inst_right",
-        )
-        .filter(pl.col("o_reset") < pl.col("t"))
-        .group_by("pid", "inst_right")
-        .agg(pl.col("o_reset").max())
-    )
+    # other instances, before the episode's wall clock: the store path there decided to
+    # write the key (whether it is still resident there or not, this engine never had it)
     other = (
-        elsewhere.join(other_resets, on=["pid", "inst_right"], how="left")
-        .group_by("pid")
-        .agg(
-            resident(pl.col("o_completed"), pl.max_horizontal("o_evicted", "o_reset"))
-            .any()
-            .alias("other_engine")
+        base.join(hist, on="key")
+        .filter(
+            (pl.col("inst_right") != pl.col("inst"))
+            & (pl.col("ts") < pl.col("t"))
+            & ev.is_in(OFFER_EVENTS)
         )
+        .group_by("pid")
+        .agg(pl.len().alias("n_elsewhere"))
+        .with_columns((pl.col("n_elsewhere") > 0).alias("other_engine"))
+        .drop("n_elsewhere")
     )
     # the hash under another group id, while this group id never reached the store path
     skew = (

@@ -66,29 +66,17 @@ def plan_from_trace(trace: Trace, *, request: str | None = None) -> ReplayPlan:
 
     Raises `TraceError` when the header lacks what replay needs.
     """
+    report = diff(trace, request=request, all_episodes=True)
+    return plan_for(trace, _choose(report.episodes, request))
+
+
+def plan_for(trace: Trace, v: EpisodeVerdict) -> ReplayPlan:
+    """The replay plan of one judged episode: its chain (the differ's own: the earlier
+    requests whose intended boundaries it shares, oldest first) as primes, then itself."""
     try:
         geometry = geometry_from_header(trace.header)
     except ValueError as exc:
         raise TraceError(f"cannot replay: {exc}") from exc
-    report = diff(trace, request=request, all_episodes=True)
-    v = _choose(report.episodes, request)
-
-    lk = trace.frame("lookup").filter(
-        (pl.col("instance_id") == v.instance_id) & (pl.col("episode") == v.episode)
-    )
-    st = trace.frame("store").filter(
-        (pl.col("instance_id") == v.instance_id)
-        & (pl.col("seq") < v.episode)
-        & pl.col("event").cast(pl.String).is_in(["prepared", "rejected", "completed", "failed"])
-    )
-    chain = (
-        st.join(lk.select("key").unique(), on="key", how="semi")
-        .group_by(pl.col("req_id").cast(pl.String))
-        .agg(pl.col("seq").min().alias("first"))
-        .filter(pl.col("req_id") != v.req_id)
-        .sort("first")
-        .collect()
-    )
     eps = trace.frame("episode").filter(pl.col("instance_id") == v.instance_id).collect()
     prompts = dict(
         eps.select(pl.col("req_id").cast(pl.String), "num_prompt_tokens")
@@ -96,7 +84,7 @@ def plan_from_trace(trace: Trace, *, request: str | None = None) -> ReplayPlan:
         .agg(pl.col("num_prompt_tokens").max())
         .iter_rows()
     )
-    primes = [(rid, prompts[rid]) for rid in chain["req_id"].to_list() if rid in prompts]
+    primes = [(rid, prompts[rid]) for rid in v.chain if rid in prompts]
     steps = (
         trace.frame("step")
         .filter((pl.col("instance_id") == v.instance_id) & ~pl.col("finished"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from keytrace.analysis.lost import LostTokens
+
 VERDICTS = ("deferred", "cold", "hit", "explained", "mismatch")
 
 
@@ -58,6 +60,11 @@ class EpisodeVerdict:
     needed: list[NeededChunk] = field(default_factory=list)
     stored_chunks: list[tuple[int, int]] = field(default_factory=list)
     reason: str = ""
+    chain: list[str] = field(default_factory=list)
+    """The earlier requests whose intended boundaries this episode shares, oldest first."""
+    F: int | None = None
+    """How far every full-attention group's chunks were resident from S (None: no
+    full-attention group). E never exceeds it."""
 
     def evidence(self) -> tuple[int | None, int | None, str | None]:
         """(binding group, terminal chunk, cause) for a shortfall; all None otherwise."""
@@ -79,3 +86,5 @@ class DiffReport:
     warnings: list[str]
     header: dict[str, Any]
     all_episodes: bool = False
+    lost: LostTokens | None = None
+    """Where every prompt token of the selected episodes came from (per engine, and all)."""

@@ -4,25 +4,28 @@ Both work on polars frames held in memory (no Parquet), so every branch is unit-
 
 - `base_verdict`: ``deferred`` (vLLM returned None), ``cold`` (no expected boundary E),
   ``hit`` (external tokens reach E), else ``shortfall``;
-- `shortfall_verdicts`: a shortfall is ``explained`` when the binding key was seen as
-  HIT_PENDING or RETRY (the store had not finished), or when every *decisive* absent chunk
-  has a timing/capacity/routing cause; otherwise a ``mismatch``. The decisive chunks are
-  the binding group's absent needed chunks, or every absent needed chunk when the binding
-  group has none. A shortfall with no absent needed chunk at all is a mismatch too: every
+- `shortfall_verdicts`: a shortfall is a ``mismatch`` when any needed chunk, in any group,
+  is absent for a rule cause (with perfect timing, capacity and routing vLLM would still
+  fall short there, even if the scan never got that far); otherwise ``explained`` when the
+  binding key was seen as HIT_PENDING or RETRY (the store had not finished) or some needed
+  chunk is absent for a timing/capacity/routing cause; otherwise a ``mismatch`` too: every
   chunk vLLM's rule needs was resident and lookup still fell short.
+
+  The *decisive* causes shown with a verdict: the rule causes when there are any, else the
+  binding group's absent chunks' causes, else every absent chunk's.
 """
 
 from __future__ import annotations
 
 import polars as pl
 
-from keytrace.analysis.history import EXPLAINED_CAUSES, RULE_CAUSES
+from keytrace.analysis.history import RULE_CAUSES
 
 CAUSE_TEXT = {
     "resident": "resident",
     "in_flight": "store in flight at the lookup (prepared before it, not yet completed)",
     "evicted": "evicted before the episode",
-    "other_engine": "resident only on another engine at that moment",
+    "other_engine": "offered on another engine before the lookup (a routing miss)",
     "store_failed": "offered, but the store's allocation or transfer failed",
     "rejected": "offered but declined by prepare_store",
     "other_group": "same hash stored under another group id",
@@ -55,29 +58,34 @@ def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.Data
     ``needed``: (inst, s, gid, cause, binding) per needed chunk; ``terminals``: (inst, s,
     term_result) for every shortfall episode (term_result null when there was none).
     """
+    is_rule = pl.col("cause").is_in(RULE_CAUSES)
     flags = (
         needed.with_columns(absent().alias("absent"))
         .group_by("inst", "s")
         .agg(
+            pl.col("cause").filter(is_rule).alias("rule"),
             pl.col("cause").filter(pl.col("absent") & pl.col("binding")).alias("binding_absent"),
             pl.col("cause").filter(pl.col("absent")).alias("all_absent"),
         )
     )
+    empty = pl.lit([], dtype=pl.List(pl.String))
     decisive = (
-        pl.when(pl.col("binding_absent").list.len() > 0)
+        pl.when(pl.col("rule").list.len() > 0)
+        .then(pl.col("rule"))
+        .when(pl.col("binding_absent").list.len() > 0)
         .then(pl.col("binding_absent"))
         .otherwise(pl.col("all_absent"))
     )
     return (
         terminals.join(flags, on=["inst", "s"], how="left")
-        .with_columns(decisive.fill_null(pl.lit([], dtype=pl.List(pl.String))).alias("decisive"))
+        .with_columns(pl.col("rule", "binding_absent", "all_absent").fill_null(empty))
+        .with_columns(decisive.alias("decisive"))
         .with_columns(
-            pl.when(pl.col("term_result").is_in(["HIT_PENDING", "RETRY"]))
+            pl.when(pl.col("rule").list.len() > 0)
+            .then(pl.lit("mismatch"))
+            .when(pl.col("term_result").is_in(["HIT_PENDING", "RETRY"]))
             .then(pl.lit("explained"))
-            .when(
-                (pl.col("decisive").list.len() > 0)
-                & pl.col("decisive").list.eval(pl.element().is_in(EXPLAINED_CAUSES)).list.all()
-            )
+            .when(pl.col("all_absent").list.len() > 0)
             .then(pl.lit("explained"))
             .otherwise(pl.lit("mismatch"))
             .alias("verdict")

@@ -42,9 +42,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from keytrace.cli import compact, demo, diff, fixture, header, replay, summary, sweep
+    from keytrace.cli import compact, demo, diff, fixture, header, replay, summary, sweep, workload
 
-    for mod in (demo, diff, summary, header, replay, fixture, sweep, compact):
+    for mod in (demo, diff, summary, header, replay, fixture, sweep, workload, compact):
         cli.add_command(mod.command)
 
 

@@ -148,3 +148,56 @@ def render_diff(report: Any, file: IO[str]) -> None:
     hidden = len(report.episodes) - len(shown)
     if hidden > 0 and not report.all_episodes:
         file.write(f"\n({hidden} more shortfall episode(s) not shown; --all lists every episode)\n")
+    if report.lost is not None:
+        file.write("\n")
+        render_lost(report.lost, file, header=report.header)
+
+
+MAX_ENGINE_COLUMNS = 4
+
+
+def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
+    """Where the prompt tokens came from: one row per category, one column per engine
+    (up to four, then only the total; --json has them all), tokens and share."""
+    from keytrace.analysis.rules import groups_from_header
+
+    labels = {g.gid: g.label for g in groups_from_header(header)}
+    engines = [e for e in lost.prompt_tokens if e != "all"]
+    columns = (engines if len(engines) <= MAX_ENGINE_COLUMNS else []) + ["all"]
+    if len(columns) == 2:  # one engine: its column is the total
+        columns = ["all"]
+    total = lost.prompt_tokens.get("all", 0)
+    file.write(
+        f"where the prompt tokens came from ({lost.episodes.get('all', 0):,} lookups, "
+        f"{total:,} prompt tokens):\n"
+    )
+    from keytrace.analysis.lost import CATEGORIES
+
+    keys = sorted(
+        {(r.category, r.cause, r.group) for r in lost.rows},
+        key=lambda k: (CATEGORIES.index(k[0]), str(k[1]), k[2] if k[2] is not None else -1),
+    )
+    cell: dict[tuple[Any, ...], int] = {
+        (r.engine, r.category, r.cause, r.group): r.tokens for r in lost.rows
+    }
+    names = {}
+    for k in keys:
+        row = next(r for r in lost.rows if (r.category, r.cause, r.group) == k)
+        label = row.label
+        if row.group is not None:
+            label += f" ({labels.get(row.group, '?')})"
+        names[k] = label
+    width = max([len(n) for n in names.values()] + [10])
+    head = "".join(f"{_engine_name(c):>24}" for c in columns)
+    file.write(f"  {'':<{width}}{head}\n")
+    for k in keys:
+        line = ""
+        for c in columns:
+            tok = cell.get((c, *k), 0)
+            share = 100 * tok / lost.prompt_tokens[c] if lost.prompt_tokens.get(c) else 0.0
+            line += f"{tok:>16,} {share:>5.1f}% " if tok else f"{'-':>24}"
+        file.write(f"  {names[k]:<{width}}{line.rstrip()}\n")
+
+
+def _engine_name(engine: str) -> str:
+    return "all engines" if engine == "all" else f"engine {engine[:8]}"

@@ -234,13 +234,15 @@ class AckWorker:
     """Stands in for the GPU worker: acknowledges transfer jobs, moves no bytes.
 
     Timing follows ``OffloadingConnectorWorker``: stores issued at step t are submitted at
-    the start of step t+1 and reported complete in t+1's output; flushed jobs are waited
-    for (complete at once); loads complete in the step they are issued, asynchronous
-    ones also report their request in ``finished_recving``.
+    the start of step t+1 and reported complete in t+1's output (``store_delay`` 1; a
+    larger delay models slow transfers, so later lookups see the keys HIT_PENDING);
+    flushed jobs are waited for (complete at once); loads complete in the step they are
+    issued, asynchronous ones also report their request in ``finished_recving``.
     """
 
-    def __init__(self) -> None:
-        self.deferred_stores: list[int] = []
+    def __init__(self, store_delay: int = 1) -> None:
+        self.store_delay = max(1, store_delay)
+        self.deferred_stores: list[tuple[int, int]] = []  # (job, steps left)
         self.acked: set[int] = set()
         self.stores_issued = 0
         self.loads_issued = 0
@@ -248,15 +250,19 @@ class AckWorker:
     def run(self, meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
         completed: dict[int, int] = {}
         flush = set(meta.jobs_to_flush or ())
-        for job in self.deferred_stores:
-            completed[job] = 1
-        self.deferred_stores = []
+        waiting = []
+        for job, left in self.deferred_stores:
+            if left <= 1 or job in flush:
+                completed[job] = 1
+            else:
+                waiting.append((job, left - 1))
+        self.deferred_stores = waiting
         for job in meta.store_jobs:
             self.stores_issued += 1
             if job in flush:
                 completed[job] = 1
             else:
-                self.deferred_stores.append(job)
+                self.deferred_stores.append((job, self.store_delay))
         recving: set[str] = set()
         for job, entry in meta.load_jobs.items():
             self.loads_issued += 1
@@ -337,6 +343,8 @@ class Harness:
         seed: int = 0,
         dp_rank: int | None = None,
         max_prompt_tokens: int | None = None,
+        store_delay: int = 1,
+        request_prefix: str = "r",
     ) -> None:
         require_vllm()
         from keytrace.vllm.patches import inject_from_env
@@ -375,7 +383,8 @@ class Harness:
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(hash_bs, hash_fn)
-        self.worker = AckWorker()
+        self.worker = AckWorker(store_delay)
+        self.request_prefix = request_prefix
         self.observations: dict[str, EpisodeObservation] = {}
         self.step_count = 0
         self.digests: list[tuple[Any, ...]] = []  # one per step: what the scheduler decided
@@ -451,19 +460,25 @@ class Harness:
 
     def submit(self, num_tokens: int, *, chain: int = 0, max_tokens: int = 1) -> str:
         """Add a request of ``num_tokens`` synthetic prompt tokens; returns its id."""
+        return self.submit_tokens(self.tokens(num_tokens, chain=chain), max_tokens=max_tokens)
+
+    def submit_tokens(
+        self, token_ids: list[int], *, max_tokens: int = 1, req_id: str | None = None
+    ) -> str:
+        """Add a request with these prompt token ids; returns its id."""
         self._req_counter += 1
-        req_id = f"r{self._req_counter}"
+        rid = req_id or f"{self.request_prefix}{self._req_counter}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(
-            request_id=req_id,
-            prompt_token_ids=self.tokens(num_tokens, chain=chain),
+            request_id=rid,
+            prompt_token_ids=list(token_ids),
             sampling_params=params,
             pooling_params=None,
             block_hasher=self._hasher,
         )
-        self.observations[req_id] = EpisodeObservation(req_id, num_tokens)
+        self.observations[rid] = EpisodeObservation(rid, len(token_ids))
         self.scheduler.add_request(req)
-        return req_id
+        return rid
 
     # ------------------------------------------------------------------- steps
     def step(self) -> SchedulerOutput:
@@ -518,6 +533,22 @@ class Harness:
         """Drop the GPU prefix cache only; the CPU tier keeps what it stored."""
         if not self.scheduler.reset_prefix_cache(reset_connector=False):
             raise RuntimeError("GPU prefix cache reset refused (requests still running)")
+
+    def flush_gpu_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_running_requests=True)`` (what the server's
+        reset endpoint does): preempt every running request and drop the GPU prefix cache;
+        the CPU tier keeps what it stored. Skipped (False) while a request waits for, or
+        has just finished, an asynchronous load: vLLM cannot preempt it."""
+        sched = self.scheduler
+        loading = any(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in sched.requests.values())
+        if loading or getattr(sched, "finished_recving_kv_req_ids", None):
+            return False
+        if self._pending_async is not None:
+            self.scheduler.update_from_output(*self._pending_async)
+            self._pending_async = None
+        return bool(
+            self.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+        )
 
     def scenario(self, num_tokens: int, *, chain: int = 0) -> ScenarioResult:
         """Prime ``num_tokens`` (stores acknowledged), reset GPU cache, resend, observe."""

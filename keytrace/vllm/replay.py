@@ -149,3 +149,52 @@ def replay_trace(
         )
     result = replay(plan.geometry, plan.prime_lengths, plan.episode_length, trace_dir=out_dir)
     return TraceReplay(plan, result, result.steps == plan.recorded_steps, notes)
+
+
+def isolated_lookup(
+    geometry: Geometry,
+    token_ids: Sequence[int],
+    resident: Sequence[tuple[bytes, int | None]],
+    *,
+    expect: tuple[bytes, int] | None = None,
+) -> tuple[int, int]:
+    """(local, external) tokens the real scheduler gives ``token_ids`` on a fresh engine
+    whose real CPU manager holds exactly ``resident`` (keys with their end-token positions),
+    stored and settled: no eviction, nothing in flight, one engine, no concurrency.
+
+    The keys go through the manager's own ``prepare_store``/``complete_store``; everything
+    else (hashing, the connector's lookup, the core scheduler) is stock vLLM.
+
+    ``expect``: a recorded (key, end token) of this request; raises `TraceError` unless the
+    request hashes to it here (other token ids, or a different ``PYTHONHASHSEED``, which
+    seeds vLLM's hash chain, would make every key differ and the answer meaningless).
+    """
+    require_vllm()
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from keytrace.vllm.harness import Harness
+
+    h = Harness(geometry, max_prompt_tokens=len(token_ids))
+    if resident:
+        ctx = ReqContext(req_id="keytrace-isolation")
+        for key, end in resident:
+            if end is not None:
+                ctx.set_offload_key_position(key, end)
+        keys = [k for k, _ in resident]
+        out = h.manager.prepare_store(keys, ctx)
+        if out is None:
+            raise RuntimeError("the isolated CPU tier refused the keys: raise its capacity")
+        h.manager.complete_store(out.keys_to_store, ctx)
+    rid = h.submit_tokens(list(token_ids), max_tokens=1)
+    if expect is not None:
+        key, end = expect
+        hashes = h.scheduler.requests[rid].block_hashes
+        mine = bytes(hashes[end // h.hash_block_size - 1]) + key[-4:]
+        if mine != bytes(key):
+            raise TraceError(
+                "the isolated request does not hash to its recorded keys: its token ids or "
+                "PYTHONHASHSEED (which seeds vLLM's hash chain) differ from the recording"
+            )
+    h.run_until_idle()
+    obs = h.observations[rid]
+    return obs.local_tokens, obs.accepted_tokens

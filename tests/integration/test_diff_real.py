@@ -143,3 +143,15 @@ def test_stock_sweep(geo: str, lengths: list[int]) -> None:
         if r.verdict == "mismatch":
             assert (r.binding_group, r.cause, r.external) == (2, "never_offered", 0), r
     assert any(r.verdict == "mismatch" for r in rows) and any(r.verdict == "hit" for r in rows)
+
+
+def test_next_turn_a_little_longer_is_a_mismatch(tmp_path: Path) -> None:
+    # turn 1: 17,975 tokens, boundary E = 17,920; its MTP tail 278, 279 (+ the peek 280,
+    # which it cannot key: 280 ends at 17,984). Turn 2: 18,000 tokens, so it keys 280 and
+    # lookup queries it as the peek: needs 278-280, finds 280 missing. Turn 2 then stores
+    # 280 itself, after its lookup; that store explains nothing.
+    from keytrace.vllm.replay import replay
+
+    r = replay(DSV4, [17_975], 18_000, trace_dir=tmp_path / "t")
+    assert (r.verdict, r.external_tokens, r.expected_E) == ("mismatch", 0, 17_920)
+    assert (r.binding_group, r.terminal_chunk, r.cause) == (2, 280, "not_keyable")

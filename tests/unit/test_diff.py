@@ -158,12 +158,17 @@ def test_resident_prefix_bounds_E(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("result", ["HIT_PENDING", "RETRY"])
 def test_a_pending_or_retried_binding_key_is_explained(tmp_path: Path, result: str) -> None:
-    v, _ = _only(tmp_path, swa1=[5], episode_external=0, swa1_results={5: "HIT", 4: result})
+    def pending(b: TraceBuilder) -> None:
+        b.store("r1", "c", 1, [4], complete=False, job=5)  # prepared, not yet completed
+
+    v, _ = _only(
+        tmp_path, swa1=[5], episode_external=0, swa1_results={5: "HIT", 4: result}, extra=pending
+    )
     assert v.verdict == "explained" and v.terminal.result == result
     assert v.reason == f"lookup saw {result} at the binding key: the store had not finished"
 
 
-def test_other_engine_counts_only_when_resident_there_at_that_moment(tmp_path: Path) -> None:
+def test_other_engine_counts_only_when_offered_there_before_the_lookup(tmp_path: Path) -> None:
     d = tmp_path / "t"
     geo = TINY.with_(groups=TINY.groups[:2])
     a = new_builder(d, geometry=geo, engine_id="A")
@@ -353,8 +358,10 @@ def test_needed_chunks_rule() -> None:
     assert needed_chunks(swa, 0, 18_688, 294) == [290, 291]
 
 
-def test_not_looked_up_when_an_earlier_group_ended_the_lookup(tmp_path: Path) -> None:
-    # group 1 misses first, so vLLM never scans group 2: its needed chunks have unknown keys
+def test_keys_of_groups_the_scan_never_reached_are_derived(tmp_path: Path) -> None:
+    # group 1 misses first, so vLLM never scans group 2. Its needed chunks' keys are the
+    # request's own block hashes at the same end tokens (here group 1's lookups of the same
+    # chunks) with group id 2: chunk 3 was never offered, 4 and 5 are resident.
     d = tmp_path / "t"
     b = new_builder(d)
     b.prime("r1", "c", 100, swa_chunks={1: [5], 2: [4, 5]})
@@ -362,10 +369,36 @@ def test_not_looked_up_when_an_earlier_group_ended_the_lookup(tmp_path: Path) ->
     b.close()
     v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
     assert (v.verdict, v.binding_group, v.terminal.chunk) == ("mismatch", 1, 4)
-    g2 = [(n.chunk, n.cause, n.key) for n in v.needed if n.group_id == 2]
+    g2 = [(n.chunk, n.lookup_result, n.cause, n.key) for n in v.needed if n.group_id == 2]
     # E = 96: the MTP group would need 3, 4, 5 (no peek chunk: 100 tokens key chunks 0..5)
     assert g2 == [
-        (3, "not_looked_up", None),
-        (4, "not_looked_up", None),
-        (5, "not_looked_up", None),
+        (c, None, cause, b.key("c", 2, c).hex())
+        for c, cause in ((3, "never_offered"), (4, "resident"), (5, "resident"))
     ]
+
+
+def test_a_rule_miss_behind_an_eviction_is_a_mismatch(tmp_path: Path) -> None:
+    # group 1's chunk 4 was evicted (the scan fails there: capacity), but group 2, which the
+    # scan never reached, was never offered chunk 3: with nothing evicted vLLM would still
+    # fall short, so this is a rule mismatch, not an explained shortfall
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5], 2: [4, 5]})
+    b.evict("r9", "c", 1, [4])
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.binding_group, v.terminal.cause) == ("mismatch", 1, "evicted")
+    assert [(n.group_id, n.chunk, n.cause) for n in v.needed if n.cause != "resident"] == [
+        (1, 4, "evicted"),
+        (2, 3, "never_offered"),
+    ]
+    # without the missing group-2 chunk, the same eviction is only a capacity shortfall
+    d2 = tmp_path / "t2"
+    b = new_builder(d2)
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5], 2: [3, 4, 5]})
+    b.evict("r9", "c", 1, [4])
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.close()
+    v2 = _r2(diff(open_trace(str(d2)), all_episodes=True).episodes)
+    assert (v2.verdict, v2.terminal.cause) == ("explained", "evicted")

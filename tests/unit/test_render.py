@@ -33,6 +33,12 @@ def test_mismatch_report(tmp_path: Path) -> None:
         "offered by the store path",
         "  group 1 (SWA) needed chunks 4–5 for a hit at 96; store wrote 5 near there",
         "    group 1 chunk 4 [64, 80): lookup MISS; never offered by the store path",
+        "",
+        "where the prompt tokens came from (2 lookups, 200 prompt tokens):",
+        "                                                              all engines",
+        "  short of E (RULE): never_offered, group 1 (SWA)              96  48.0%",
+        "  cold: not stored anywhere                                   100  50.0%",
+        "  recomputed past E (by design)                                 4   2.0%",
     ]
 
 

@@ -1,0 +1,197 @@
+"""Where every prompt token came from, per engine: the operator's answer to "is my offload
+hit rate low because of capacity, or because of a bug?".
+
+Each non-deferred lookup episode accounts for its prompt tokens P exactly once (a deferred
+episode is asked again; a preempted request that resumes is recomputed, so it counts
+again):
+
+- ``gpu_prefix``: S, the local GPU prefix-cache hit;
+- ``offload``: the external tokens the scheduler accepted from the offload tier;
+- ``short:<cause>`` (with the binding group): for a shortfall, E - S - offload, the tokens
+  between what was served and the expected boundary, by the first decisive cause
+  (``in_flight``, ``evicted``, ``other_engine``, ``store_failed`` explain it; the rest are
+  rule disagreements);
+- ``cold_routing``: for a cold episode, the tokens up to a boundary another engine held for
+  this prompt at that moment (the conversation's earlier turn ran there);
+- ``cold_not_stored``: the rest of a cold episode's tokens;
+- ``past_boundary``: everything after E (or after what was served): recomputed by design.
+
+The rows therefore add up to the sum of P over those episodes, exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from keytrace.analysis.rules import Group
+
+CATEGORIES = ("gpu_prefix", "offload", "short", "cold_routing", "cold_not_stored", "past_boundary")
+LABELS = {
+    "gpu_prefix": "GPU prefix cache",
+    "offload": "offload tier (loaded)",
+    "cold_routing": "cold: stored on another engine (routing)",
+    "cold_not_stored": "cold: not stored anywhere",
+    "past_boundary": "recomputed past E (by design)",
+}
+
+
+@dataclass(frozen=True)
+class LostRow:
+    engine: str  # an engine id (or recorder instance), or "all"
+    category: str  # one of CATEGORIES
+    cause: str | None  # for "short": the cause
+    group: int | None  # for "short": the binding group
+    tokens: int
+    episodes: int
+
+    @property
+    def explained(self) -> bool:
+        """A shortfall cause that is timing, capacity or routing rather than a rule bug."""
+        from keytrace.analysis.history import EXPLAINED_CAUSES
+
+        return self.cause in EXPLAINED_CAUSES
+
+    @property
+    def label(self) -> str:
+        if self.category == "short":
+            kind = "timing/capacity" if self.explained else "RULE"
+            where = f", group {self.group}" if self.group is not None else ""
+            return f"short of E ({kind}): {self.cause}{where}"
+        return LABELS[self.category]
+
+
+@dataclass(frozen=True)
+class LostTokens:
+    """Rows per engine and for ``all``; each engine's rows add up to its ``prompt_tokens``."""
+
+    prompt_tokens: dict[str, int]
+    episodes: dict[str, int]
+    rows: list[LostRow] = field(default_factory=list)
+
+
+def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.DataFrame:
+    """One row per (episode, category) with its tokens, from judged episodes.
+
+    ``judged`` holds per episode: inst, s, engine, verdict, S, P, X, A, E, cause, bind_gid;
+    ``routing``: (inst, s, E_other) for cold episodes another engine held a boundary for.
+    """
+    ep = (
+        judged.filter(pl.col("verdict") != "deferred")
+        .join(routing, on=["inst", "s"], how="left")
+        .with_columns(pl.min_horizontal("S", "P").alias("gpu_prefix"))
+        .with_columns(
+            pl.min_horizontal(
+                pl.coalesce("A", "X").fill_null(0), pl.col("P") - pl.col("gpu_prefix")
+            ).alias("offload")
+        )
+        .with_columns((pl.col("gpu_prefix") + pl.col("offload")).alias("served"))
+    )
+    short = pl.when(pl.col("verdict").is_in(["explained", "mismatch"])).then(
+        pl.max_horizontal(pl.col("E") - pl.col("served"), 0)
+    )
+    routed = pl.when(pl.col("verdict") == "cold").then(
+        pl.max_horizontal(pl.col("E_other").fill_null(0) - pl.col("served"), 0)
+    )
+    ep = ep.with_columns(
+        short.fill_null(0).alias("short"), routed.fill_null(0).alias("cold_routing")
+    )
+    cold_rest = pl.col("P") - pl.col("served") - pl.col("cold_routing")
+    ep = ep.with_columns(
+        pl.when(pl.col("verdict") == "cold").then(cold_rest).otherwise(0).alias("cold_not_stored"),
+        pl.when(pl.col("verdict") == "cold")
+        .then(0)
+        .otherwise(pl.col("P") - pl.col("served") - pl.col("short"))
+        .alias("past_boundary"),
+    )
+    long = ep.unpivot(
+        on=list(CATEGORIES),
+        index=["inst", "s", "engine", "cause", "bind_gid"],
+        variable_name="category",
+        value_name="tokens",
+    )
+    return long.with_columns(
+        pl.when(pl.col("category") == "short").then(pl.col("cause")).alias("cause"),
+        pl.when(pl.col("category") == "short").then(pl.col("bind_gid")).alias("group"),
+    ).drop("bind_gid")
+
+
+def summarize(per_episode: pl.DataFrame, prompt: pl.DataFrame) -> LostTokens:
+    """Fold `account`'s rows into per-engine totals and an ``all`` total.
+
+    ``prompt``: (engine, P) per counted episode, for the totals the rows must add up to.
+    """
+    every = pl.lit("all").alias("engine")
+    frame = pl.concat([per_episode, per_episode.with_columns(every)])
+    agg = (
+        frame.filter(pl.col("tokens") > 0)
+        .group_by("engine", "category", "cause", "group")
+        .agg(pl.col("tokens").sum(), pl.len().alias("episodes"))
+    )
+    order = {c: i for i, c in enumerate(CATEGORIES)}
+    rows = [
+        LostRow(str(e), cat, cause, grp, int(tok), int(n))
+        for e, cat, cause, grp, tok, n in sorted(
+            agg.iter_rows(),
+            key=lambda r: (r[0] == "all", str(r[0]), order[r[1]], str(r[2]), r[3] or -1),
+        )
+    ]
+    totals = (
+        pl.concat([prompt, prompt.with_columns(every)])
+        .group_by("engine")
+        .agg(pl.col("P").sum(), pl.len())
+    )
+    return LostTokens(
+        prompt_tokens={str(e): int(p) for e, p, _ in totals.iter_rows()},
+        episodes={str(e): int(n) for e, _, n in totals.iter_rows()},
+        rows=rows,
+    )
+
+
+def routing_boundaries(
+    cold: pl.DataFrame, stores: pl.LazyFrame, episodes: pl.LazyFrame, groups: list[Group]
+) -> pl.DataFrame:
+    """(inst, s, E_other) for cold episodes: the largest boundary ``b`` in (S, L] of a
+    request on *another* instance that offered, before the episode's wall clock, the same
+    full-attention key for the chunk ending at ``b`` as this episode's request offered (its
+    prompt shares that prefix). Keys are content-addressed, so the request's own
+    full-attention store rows name its prefix even though its lookup stopped early."""
+    empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_other": pl.Int64})
+    if cold.height == 0:
+        return empty
+    from keytrace.analysis.boundaries import STORE_OFFERS, anchor, request_boundaries
+
+    a = anchor(groups)
+    if not a.full_attention:
+        return empty
+    bounds = request_boundaries(episodes, groups).with_columns(
+        (pl.col("b") // a.tpc - 1).alias("chunk")
+    )
+    offered = stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
+    elsewhere = (
+        offered.join(bounds, on=["inst", "req_id", "chunk"])
+        .group_by("inst", "key", "b")
+        .agg(pl.col("ts").min().alias("first_ts"))
+        .rename({"inst": "other"})
+    )
+    own = (
+        offered.join(cold.select("inst", "req_id").lazy(), on=["inst", "req_id"])
+        .select("inst", "req_id", "key")
+        .unique()
+    )
+    return (
+        cold.select("inst", "s", "req_id", "t", "S", "L")
+        .lazy()
+        .join(own, on=["inst", "req_id"])
+        .join(elsewhere, on="key")
+        .filter(
+            (pl.col("other") != pl.col("inst"))
+            & (pl.col("first_ts") < pl.col("t"))
+            & (pl.col("b") > pl.col("S"))
+            & (pl.col("b") <= pl.col("L"))
+        )
+        .group_by("inst", "s")
+        .agg(pl.col("b").max().alias("E_other"))
+        .collect()
+    )

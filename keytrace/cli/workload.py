@@ -1,0 +1,200 @@
+"""`keytrace workload`: record realistic traffic through the real vLLM scheduler, then diff it."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+import click
+
+from keytrace.cli._common import subcommand
+from keytrace.cli._progress import progress_printer
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, KeytraceError, UsageError
+from keytrace.vllm.inject import INJECTIONS
+
+
+def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
+    try:
+        lo, hi = (kind(x) for x in text.split(":"))
+    except ValueError:
+        raise UsageError(f"bad range {text!r}: use LOW:HIGH") from None
+    if hi < lo:
+        raise UsageError(f"bad range {text!r}: LOW must not exceed HIGH")
+    return lo, hi
+
+
+@subcommand("workload")
+@click.option("--out", "out_dir", default=None, help="Trace folder [default: a new temporary one].")
+@click.option("--geometry", default="dsv4", show_default=True, type=click.Choice(["dsv4", "small"]))
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--conversations", type=int, default=24, show_default=True)
+@click.option("--turns", default="2:4", show_default=True, help="Turns per conversation, LOW:HIGH.")
+@click.option(
+    "--system-prompts", type=int, default=2, show_default=True, help="Shared across conversations."
+)
+@click.option(
+    "--system-chunks",
+    default="2:8",
+    show_default=True,
+    help="System prompt length, in full-attention chunks.",
+)
+@click.option(
+    "--message-chunks",
+    default="0.3:6",
+    show_default=True,
+    help="New message length per turn, in chunks.",
+)
+@click.option(
+    "--output-tokens", default="1:24", show_default=True, help="Tokens generated per turn."
+)
+@click.option(
+    "--resend-rate",
+    type=float,
+    default=0.2,
+    show_default=True,
+    help="Chance a turn is resent identically.",
+)
+@click.option(
+    "--engines",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Data-parallel engines (one CPU tier each).",
+)
+@click.option(
+    "--reroute-rate",
+    type=float,
+    default=0.25,
+    show_default=True,
+    help="Chance a turn goes to another engine.",
+)
+@click.option(
+    "--cpu-chunks", type=int, default=None, help="CPU tier size [default: small enough to evict]."
+)
+@click.option(
+    "--gpu-prompts",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="GPU pool, in average prompts.",
+)
+@click.option(
+    "--store-delay",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Steps before a store is acknowledged.",
+)
+@click.option(
+    "--gpu-flush-steps",
+    type=int,
+    default=20,
+    show_default=True,
+    help="Every N steps vLLM drops the GPU prefix cache and preempts running requests (0: never).",
+)
+@click.option("--async/--no-async", "async_scheduling", default=True, show_default=True)
+@click.option(
+    "--budget", type=int, default=None, help="max_num_batched_tokens [default: the geometry's]."
+)
+@click.option(
+    "--inject",
+    type=click.Choice(sorted(INJECTIONS)),
+    default=None,
+    help="Reintroduce a historical store-side bug (testing keytrace itself).",
+)
+@click.option(
+    "--oracle",
+    is_flag=True,
+    help="Also look every shortfall episode up again in isolation and check the verdicts.",
+)
+@click.option(
+    "--progress/--no-progress", default=None, help="Progress on stderr [default: on a terminal]."
+)
+def command(
+    out_dir: str | None,
+    geometry: str,
+    seed: int,
+    conversations: int,
+    turns: str,
+    system_prompts: int,
+    system_chunks: str,
+    message_chunks: str,
+    output_tokens: str,
+    arrival_steps: int,
+    think_steps: str,
+    resend_rate: float,
+    engines: int,
+    reroute_rate: float,
+    cpu_chunks: int | None,
+    gpu_prompts: float,
+    store_delay: int,
+    gpu_flush_steps: int,
+    async_scheduling: bool,
+    budget: int | None,
+    inject: str | None,
+    oracle: bool,
+    progress: bool | None,
+) -> int:
+    """Record seeded, realistic traffic through the real vLLM 0.33.0 scheduler and diff it.
+
+    Conversations of several turns (each extends the previous prompt and output), shared
+    system prompts, identical resends, several requests in flight, a CPU tier small enough
+    to evict, GPU prefix-cache drops with preemption, slow store acknowledgements, async
+    scheduling and two engines with rerouting: what a server sees. The trace is then diffed
+    and the prompt tokens accounted for by cause.
+
+    \b
+    Example: keytrace workload --geometry dsv4 --seed 3 --out /tmp/kt --oracle
+    Exit status: 0 no mismatch, 1 mismatch found, 2 trouble (or the oracle disagreed).
+    """
+    from keytrace.analysis.diff import diff
+    from keytrace.format.reader import open_trace
+    from keytrace.report.text import render_diff
+    from keytrace.vllm.workload import WorkloadSpec, run_workload
+
+    spec = WorkloadSpec(
+        geometry=geometry,
+        seed=seed,
+        conversations=conversations,
+        turns=_range(turns, int),
+        system_prompts=system_prompts,
+        system_chunks=_range(system_chunks, float),
+        message_chunks=_range(message_chunks, float),
+        output_tokens=_range(output_tokens, int),
+        arrival_steps=arrival_steps,
+        think_steps=_range(think_steps, int),
+        resend_rate=resend_rate,
+        engines=engines,
+        reroute_rate=reroute_rate,
+        cpu_chunks=cpu_chunks,
+        gpu_prompts=gpu_prompts,
+        store_delay=store_delay,
+        gpu_flush_steps=gpu_flush_steps,
+        async_scheduling=async_scheduling,
+        budget=budget,
+        inject=inject,
+    )
+    show = progress if progress is not None else sys.stderr.isatty()
+    out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")
+    res = run_workload(spec, out, progress=progress_printer() if show else None)
+    click.echo(
+        f"recorded {res.requests} requests ({res.turns} turns, {res.resends} resends, "
+        f"{res.rerouted} rerouted) on {engines} engine(s) in {res.steps} steps, "
+        f"{res.gpu_flushes} GPU cache drops, {res.seconds:.1f}s -> {out}"
+    )
+    report = diff(open_trace(out))
+    render_diff(report, sys.stdout)
+    if oracle:
+        from keytrace.vllm.oracle import check
+
+        cases = check(out, res.prompts, progress=progress_printer() if show else None)
+        bad = [c for c in cases if not c.agree]
+        click.echo(
+            f"\noracle: {len(cases)} shortfall episode(s) looked up again in isolation, "
+            f"{len(bad)} disagreement(s)"
+        )
+        for c in bad:
+            click.echo(f"  DISAGREES: {c.describe()}")
+        if bad:
+            raise KeytraceError(f"the isolated-lookup oracle disagrees on {len(bad)} episode(s)")
+    return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK
