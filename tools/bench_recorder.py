@@ -1,12 +1,13 @@
-"""Recorder overhead on the real scheduler: recording on vs off, interleaved, same run.
+"""Recorder overhead on concurrent traffic through the real scheduler: recording on vs off.
 
-    python tools/bench_recorder.py [--rounds 5] [--max-tokens 100000]
+    python tools/bench_recorder.py [--rounds 5] [--seed 0]
 
-Workload per round (dsv4 geometry, chunked prefill at 8,192 tokens a step): prompts of
-100k, 60k, 30k and 12k tokens on distinct chains, then the GPU prefix cache is reset and
-all four are resent (CPU hits, loads), i.e. every store, lookup and load path is exercised.
-Wall time covers the workload and, when recording, the final flush of every part.
-Prints the ratio on/off (median of rounds), bytes per key row and rows per second.
+The workload (keytrace.vllm.workload, dsv4 geometry, chunked prefill at 8,192 tokens a
+step): conversations whose prompts grow to ~32K tokens, shared system prompts, resends,
+many requests in flight, GPU cache drops with preemption, a small CPU tier (evictions),
+async scheduling, two engines. The same seeded traffic runs with recording on and off,
+interleaved round by round; the wall time of a recorded round includes the final flush of
+every part. Prints the median ratio on/off, bytes per key row and rows per second.
 """
 
 from __future__ import annotations
@@ -19,58 +20,56 @@ import tempfile
 import time
 
 
-def workload(h, lengths: list[int]) -> None:  # type: ignore[no-untyped-def]
-    for chain, n in enumerate(lengths):
-        h.submit(n, chain=chain)
-        h.run_until_idle()
-    h.reset_gpu_prefix_cache()
-    for chain, n in enumerate(lengths):
-        h.submit(n, chain=chain)
-        h.run_until_idle()
+def spec(seed: int):  # type: ignore[no-untyped-def]
+    from keytrace.vllm.workload import WorkloadSpec
+
+    # dsv4: A = 256 tokens. System prompts of 8-40 chunks, 2-4 turns of 2-24 chunks: up to
+    # 40 + 4*24 = 136 chunks = ~35K tokens; ~70 requests over two engines.
+    return WorkloadSpec(
+        geometry="dsv4",
+        seed=seed,
+        conversations=24,
+        turns=(2, 4),
+        system_chunks=(8.0, 40.0),
+        message_chunks=(2.0, 24.0),
+        gpu_flush_steps=40,
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=100_000)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from keytrace.analysis.geometry import DSV4
-    from keytrace.format.reader import open_trace
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import recording
+    from keytrace.cli._common import quiet_host_logs
 
-    top = args.max_tokens
-    lengths = [top, int(top * 0.6), int(top * 0.3), int(top * 0.12)]
-    geo = DSV4.with_(max_model_len=max(131_072, top + 1024))
+    quiet_host_logs()
+    from keytrace.format.reader import open_trace
+    from keytrace.vllm.workload import run_workload
+
+    s = spec(args.seed)
+    warm = run_workload(s, None)  # imports, caches and the model config outside the timing
     times: dict[str, list[float]] = {"off": [], "on": []}
-    key_rows = bytes_on_disk = rows_total = 0
-    Harness(geo, max_prompt_tokens=top)  # warm imports and caches outside the timing
+    key_rows = rows_total = bytes_on_disk = 0
     for r in range(args.rounds):
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            if mode == "off":
-                h = Harness(geo, max_prompt_tokens=top)
-                t = time.perf_counter()
-                workload(h, lengths)
-                times["off"].append(time.perf_counter() - t)
-                continue
-            d = tempfile.mkdtemp(prefix="kt-bench-")
-            with recording(d):
-                h = Harness(geo, max_prompt_tokens=top)
-                t = time.perf_counter()
-                workload(h, lengths)
-                from keytrace.vllm.patches import recorders
-
-                for rec in recorders():
-                    rec.close()  # the final flush is part of the cost
-                times["on"].append(time.perf_counter() - t)
-            trace = open_trace(d)
-            key_rows = sum(trace.rows(k) for k in ("lookup", "store", "load"))
-            rows_total = sum(trace.rows(k) for k in trace.kinds)
-            bytes_on_disk = sum(os.path.getsize(p.path) for p in trace.parts)
-            shutil.rmtree(d, ignore_errors=True)
+            d = tempfile.mkdtemp(prefix="kt-bench-") if mode == "on" else None
+            t = time.perf_counter()
+            run_workload(s, d)  # recording: the final flush happens inside, on exit
+            times[mode].append(time.perf_counter() - t)
+            if d is not None:
+                trace = open_trace(d)
+                key_rows = sum(trace.rows(k) for k in ("lookup", "store", "load"))
+                rows_total = sum(trace.rows(k) for k in trace.kinds)
+                bytes_on_disk = sum(os.path.getsize(p.path) for p in trace.parts)
+                shutil.rmtree(d, ignore_errors=True)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    print(f"rounds {args.rounds}, prompts {lengths} (+ resend after a GPU-only reset)")
+    print(
+        f"workload: {warm.requests} requests ({warm.turns} turns, {warm.resends} resends), "
+        f"longest prompt {warm.longest_prompt:,} tokens, {warm.steps} steps, 2 engines, "
+        f"budget 8,192 tokens/step"
+    )
     print(f"off   median {off:.3f} s  {[f'{x:.3f}' for x in times['off']]}")
     print(f"on    median {on:.3f} s  {[f'{x:.3f}' for x in times['on']]}")
     print(f"ratio {on / off:.3f}   (goal <= 1.05)")

@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 
 from keytrace.analysis import frames, lost, scans
-from keytrace.analysis.boundaries import chain
+from keytrace.analysis.boundaries import anchor, chain
 from keytrace.analysis.history import causes
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.results import DiffReport, EpisodeVerdict, NeededChunk, TerminalKey
@@ -101,7 +101,7 @@ def _lost_tokens(trace: Trace, groups: list[Group], judged: pl.DataFrame) -> Los
     )
     cold = j.filter(pl.col("verdict") == "cold")
     routing = lost.routing_boundaries(cold, frames.stores(trace), frames.episodes(trace), groups)
-    counted = j.filter(pl.col("verdict") != "deferred").select("engine", "P")
+    counted = j.filter(pl.col("verdict") != "deferred").select("engine", "N")
     return lost.summarize(lost.account(j, routing), counted)
 
 
@@ -110,12 +110,13 @@ def _groups(trace: Trace) -> list[Group]:
     groups = groups_from_header(trace.header)
     if not groups:
         raise TraceError("trace header lists no offloaded KV-cache group; cannot diff")
-    if not trace.parts_of("episode"):
-        if trace.parts_of("lookup"):
-            raise TraceError(
-                "trace has lookup rows but no episode rows; cannot tell episodes apart "
-                "(pass the episode.parquet part too)"
-            )
+    if trace.version == 1 and not trace.parts_of("episode") and trace.parts_of("lookup"):
+        raise TraceError(
+            "this schema-1 trace has lookup rows but no episode rows, so episodes cannot be "
+            "told apart: pass its episode.parquet too (keytrace diff store.parquet "
+            "lookup.parquet episode.parquet); traces of schema 2 carry episodes in lookup.parquet"
+        )
+    if not trace.parts_of("lookup"):
         raise TraceError("trace holds no lookup episodes (only store-side rows); nothing to diff")
     return groups
 
@@ -132,9 +133,9 @@ def _episodes(
         sel &= (pl.col("engine_id") == engine) | (pl.col("instance") == engine)
     if rank is not None:
         sel &= pl.col("dp_rank") == rank
-    summaries = scans.scan_summaries(frames.lookups(trace))
+    summaries = frames.scans(trace)
     F = scans.resident_prefix(summaries, eps, groups)
-    B = chain(eps, frames.lookups(trace), frames.stores(trace), groups)
+    B = chain(eps, frames.lookups(trace, gid=anchor(groups).gid), frames.stores(trace), groups)
     top = pl.min_horizontal("L", "F")  # F null: no full-attention constraint
     out = (
         eps.with_columns(lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("max_new")).alias("L"))
@@ -195,17 +196,19 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
         return empty
     keys = sf.select(KEY)
     lk = frames.lookups(trace).join(keys.lazy(), on=KEY, how="semi")
-    bind = scans.binding(scans.scan_summaries(lk)).collect()
+    bind = scans.binding(frames.scans(trace).join(keys.lazy(), on=KEY, how="semi")).collect()
     tph = int(trace.header.get("tokens_per_hash") or 1)
     needed = _needed(sf, groups, tph).join(bind.select(*KEY, "bind_gid"), on=KEY, how="left")
     seen = (
         lk.group_by(*KEY, "gid", "chunk")
-        .agg(pl.col("key", "result").sort_by("seq").last())
+        .agg(pl.col("key", "result", "seq").sort_by("seq").last())
         .collect()
     )
     needed = needed.join(seen, on=[*KEY, "gid", "chunk"], how="left").with_columns(
         (pl.col("gid") == pl.col("bind_gid")).fill_null(False).alias("binding")
     )
+    bind = _terminal_within_needed(bind, needed)
+    needed = _recorded_unqueried(trace, needed, keys)
     needed = _derive_unknown_keys(trace, needed, sf)
     needed = _settle_unknown_offers(trace, needed, sf)
     with_cause = _with_causes(trace, needed, bind, sf, groups)
@@ -221,6 +224,58 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
         .agg(pl.struct("gid", "chunk", "key", "result", "cause").alias("needed"))
     )
     return out.join(needed_lists, on=KEY, how="left")
+
+
+def _terminal_within_needed(bind: pl.DataFrame, needed: pl.DataFrame) -> pl.DataFrame:
+    """The terminal key is the first key *E needed* that the binding scan did not find.
+
+    vLLM starts a window scan at its own candidate end, which can lie right of E's window
+    (e.g. where an evicted later boundary used to be); the scan's first MISS there says
+    nothing about E. So among the binding group's needed chunks the scan looked up and did
+    not HIT, the first MISS or RETRY in call order (else the first non-HIT) is terminal;
+    only when there is none does the scan's own first MISS stand.
+    """
+    res = pl.col("result")
+    inside = (
+        needed.filter(pl.col("binding") & res.is_not_null() & (res != "HIT"))
+        .sort(~res.is_in(["MISS", "RETRY"]), "seq")
+        .group_by(KEY, maintain_order=True)
+        .agg(
+            pl.col("seq").first().alias("n_seq"),
+            pl.col("chunk").first().alias("n_chunk"),
+            pl.col("key").first().alias("n_key"),
+            res.first().alias("n_result"),
+        )
+    )
+    return (
+        bind.join(inside, on=KEY, how="left")
+        .with_columns(
+            pl.coalesce("n_seq", "term_seq").alias("term_seq"),
+            pl.coalesce("n_chunk", "term_chunk").alias("term_chunk"),
+            pl.coalesce("n_key", "term_key").alias("term_key"),
+            pl.coalesce("n_result", "term_result").alias("term_result"),
+        )
+        .drop("n_seq", "n_chunk", "n_key", "n_result")
+    )
+
+
+def _recorded_unqueried(trace: Trace, needed: pl.DataFrame, keys: pl.DataFrame) -> pl.DataFrame:
+    """Needed keys the recorder took from vLLM's own key lists for groups it never scanned
+    (trace format v2): exact, no derivation needed."""
+    got = (
+        frames.unqueried(trace)
+        .join(keys.lazy(), on=KEY, how="semi")
+        .group_by(*KEY, "gid", "chunk")
+        .agg(pl.col("key").first().alias("ukey"))
+        .collect()
+    )
+    if got.height == 0:
+        return needed
+    return (
+        needed.join(got, on=[*KEY, "gid", "chunk"], how="left")
+        .with_columns(pl.coalesce("key", "ukey").alias("key"))
+        .drop("ukey")
+    )
 
 
 def _derive_unknown_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:

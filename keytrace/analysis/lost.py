@@ -1,9 +1,9 @@
-"""Where every prompt token came from, per engine: the operator's answer to "is my offload
-hit rate low because of capacity, or because of a bug?".
+"""Where every token to prefill came from, per engine: the operator's answer to "is my
+offload hit rate low because of capacity, or because of a bug?".
 
-Each non-deferred lookup episode accounts for its prompt tokens P exactly once (a deferred
-episode is asked again; a preempted request that resumes is recomputed, so it counts
-again):
+Each non-deferred lookup episode accounts for the tokens it had to prefill, N (the prompt,
+plus what a preempted request had generated before it resumed), exactly once (a deferred
+episode is asked again; a resumed request is recomputed, so it counts again):
 
 - ``gpu_prefix``: S, the local GPU prefix-cache hit;
 - ``offload``: the external tokens the scheduler accepted from the offload tier;
@@ -16,7 +16,7 @@ again):
 - ``cold_not_stored``: the rest of a cold episode's tokens;
 - ``past_boundary``: everything after E (or after what was served): recomputed by design.
 
-The rows therefore add up to the sum of P over those episodes, exactly.
+The rows therefore add up to the sum of N over those episodes, exactly.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class LostRow:
 
 @dataclass(frozen=True)
 class LostTokens:
-    """Rows per engine and for ``all``; each engine's rows add up to its ``prompt_tokens``."""
+    """Rows per engine and for ``all``; each engine's rows add up to its ``prompt_tokens``
+    (the tokens its lookups had to prefill: prompts, plus outputs of resumed requests)."""
 
     prompt_tokens: dict[str, int]
     episodes: dict[str, int]
@@ -74,16 +75,16 @@ class LostTokens:
 def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.DataFrame:
     """One row per (episode, category) with its tokens, from judged episodes.
 
-    ``judged`` holds per episode: inst, s, engine, verdict, S, P, X, A, E, cause, bind_gid;
+    ``judged`` holds per episode: inst, s, engine, verdict, S, N, X, A, E, cause, bind_gid;
     ``routing``: (inst, s, E_other) for cold episodes another engine held a boundary for.
     """
     ep = (
         judged.filter(pl.col("verdict") != "deferred")
         .join(routing, on=["inst", "s"], how="left")
-        .with_columns(pl.min_horizontal("S", "P").alias("gpu_prefix"))
+        .with_columns(pl.min_horizontal("S", "N").alias("gpu_prefix"))
         .with_columns(
             pl.min_horizontal(
-                pl.coalesce("A", "X").fill_null(0), pl.col("P") - pl.col("gpu_prefix")
+                pl.coalesce("A", "X").fill_null(0), pl.col("N") - pl.col("gpu_prefix")
             ).alias("offload")
         )
         .with_columns((pl.col("gpu_prefix") + pl.col("offload")).alias("served"))
@@ -97,12 +98,12 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.DataFrame:
     ep = ep.with_columns(
         short.fill_null(0).alias("short"), routed.fill_null(0).alias("cold_routing")
     )
-    cold_rest = pl.col("P") - pl.col("served") - pl.col("cold_routing")
+    cold_rest = pl.col("N") - pl.col("served") - pl.col("cold_routing")
     ep = ep.with_columns(
         pl.when(pl.col("verdict") == "cold").then(cold_rest).otherwise(0).alias("cold_not_stored"),
         pl.when(pl.col("verdict") == "cold")
         .then(0)
-        .otherwise(pl.col("P") - pl.col("served") - pl.col("short"))
+        .otherwise(pl.col("N") - pl.col("served") - pl.col("short"))
         .alias("past_boundary"),
     )
     long = ep.unpivot(
@@ -120,7 +121,7 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.DataFrame:
 def summarize(per_episode: pl.DataFrame, prompt: pl.DataFrame) -> LostTokens:
     """Fold `account`'s rows into per-engine totals and an ``all`` total.
 
-    ``prompt``: (engine, P) per counted episode, for the totals the rows must add up to.
+    ``prompt``: (engine, N) per counted episode, for the totals the rows must add up to.
     """
     every = pl.lit("all").alias("engine")
     frame = pl.concat([per_episode, per_episode.with_columns(every)])
@@ -140,7 +141,8 @@ def summarize(per_episode: pl.DataFrame, prompt: pl.DataFrame) -> LostTokens:
     totals = (
         pl.concat([prompt, prompt.with_columns(every)])
         .group_by("engine")
-        .agg(pl.col("P").sum(), pl.len())
+        .agg(pl.col("N").sum(), pl.len())
+        .sort(pl.col("engine") == "all", "engine")  # engines by name, then all: stable output
     )
     return LostTokens(
         prompt_tokens={str(e): int(p) for e, p, _ in totals.iter_rows()},

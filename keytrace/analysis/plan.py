@@ -14,6 +14,7 @@ from typing import Any
 import polars as pl
 
 from keytrace._version import __version__
+from keytrace.analysis import frames
 from keytrace.analysis.diff import EpisodeVerdict, diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.errors import TraceError
@@ -34,7 +35,9 @@ class ReplayPlan:
     terminal_chunk: int | None
     cause: str | None
     request: str
-    recorded_steps: list[list[int]] = field(default_factory=list)  # per replayed request
+    recorded_steps: list[list[int]] | None = field(default_factory=list)
+    """Tokens scheduled per step, per replayed request; None when the trace has no step
+    rows (they are needed only to compare schedules, never for a verdict)."""
     keytrace_version: str = __version__
     schema_version: int = SCHEMA_VERSION
     vllm_version: str = "?"
@@ -77,33 +80,15 @@ def plan_for(trace: Trace, v: EpisodeVerdict) -> ReplayPlan:
         geometry = geometry_from_header(trace.header)
     except ValueError as exc:
         raise TraceError(f"cannot replay: {exc}") from exc
-    eps = trace.frame("episode").filter(pl.col("instance_id") == v.instance_id).collect()
     prompts = dict(
-        eps.select(pl.col("req_id").cast(pl.String), "num_prompt_tokens")
+        frames.episodes(trace)
+        .filter(pl.col("inst") == v.instance_id)
         .group_by("req_id")
-        .agg(pl.col("num_prompt_tokens").max())
+        .agg(pl.col("P").max())
+        .collect()
         .iter_rows()
     )
     primes = [(rid, prompts[rid]) for rid in v.chain if rid in prompts]
-    steps = (
-        trace.frame("step")
-        .filter((pl.col("instance_id") == v.instance_id) & ~pl.col("finished"))
-        .with_columns(pl.col("req_id").cast(pl.String))
-        .sort("seq")
-        .collect()
-    )
-    # Primes: their steps before the episode; the episode's own request: its steps after it.
-    recorded_steps = [
-        steps.filter((pl.col("req_id") == rid) & (pl.col("seq") < v.episode))[
-            "scheduled_tokens"
-        ].to_list()
-        for rid, _ in primes
-    ]
-    recorded_steps.append(
-        steps.filter((pl.col("req_id") == v.req_id) & (pl.col("seq") > v.episode))[
-            "scheduled_tokens"
-        ].to_list()
-    )
     group, chunk, cause = v.evidence()
     return ReplayPlan(
         geometry=geometry.to_dict(),
@@ -117,6 +102,31 @@ def plan_for(trace: Trace, v: EpisodeVerdict) -> ReplayPlan:
         terminal_chunk=chunk,
         cause=cause,
         request=v.req_id,
-        recorded_steps=recorded_steps,
+        recorded_steps=_recorded_steps(trace, v, [rid for rid, _ in primes]),
         vllm_version=str(trace.header.get("vllm_version", "?")),
     )
+
+
+def _recorded_steps(trace: Trace, v: EpisodeVerdict, primes: list[str]) -> list[list[int]] | None:
+    if not trace.parts_of("step"):
+        return None
+    steps = (
+        trace.frame("step")
+        .filter((pl.col("instance_id") == v.instance_id) & ~pl.col("finished"))
+        .with_columns(pl.col("req_id").cast(pl.String))
+        .sort("seq")
+        .collect()
+    )
+    # Primes: their steps before the episode; the episode's own request: its steps after it.
+    recorded = [
+        steps.filter((pl.col("req_id") == rid) & (pl.col("seq") < v.episode))[
+            "scheduled_tokens"
+        ].to_list()
+        for rid in primes
+    ]
+    recorded.append(
+        steps.filter((pl.col("req_id") == v.req_id) & (pl.col("seq") > v.episode))[
+            "scheduled_tokens"
+        ].to_list()
+    )
+    return recorded

@@ -56,6 +56,7 @@ def scan_summaries(lookups: pl.LazyFrame) -> pl.LazyFrame:
             (res == "HIT").cast(pl.Int32).cum_prod().sum().alias("lead_hits"),
             pl.col("seq").filter(term).first().alias("term_seq"),
             pl.col("chunk").filter(term).first().alias("term_chunk"),
+            pl.col("end_token").filter(term).first().alias("term_end_token"),
             pl.col("key").filter(term).first().alias("term_key"),
             res.filter(term).first().alias("term_result"),
         )

@@ -7,6 +7,7 @@ from typing import Any
 
 import polars as pl
 
+from keytrace.analysis import frames
 from keytrace.analysis.rules import group_label
 from keytrace.format.reader import Trace
 
@@ -56,7 +57,12 @@ def summarize(trace: Trace, *, max_episodes: int = 20) -> Summary:
         .agg(pl.len().alias("n"))
         .collect()
     )
-    lk = trace.frame("lookup").group_by("group_id", "result").agg(pl.len().alias("n")).collect()
+    lk = (
+        frames.lookups(trace)
+        .group_by(pl.col("gid").alias("group_id"), "result")
+        .agg(pl.len().alias("n"))
+        .collect()
+    )
 
     def count(df: pl.DataFrame, gid: int, col: str, val: str) -> int:
         sel = df.filter((pl.col("group_id") == gid) & (pl.col(col).cast(pl.String) == val))
@@ -83,23 +89,35 @@ def summarize(trace: Trace, *, max_episodes: int = 20) -> Summary:
                 retries=count(lk, gid, "result", "RETRY"),
             )
         )
-    ep = trace.frame("episode").sort("seq").head(max_episodes).collect()
+    ep = frames.episodes(trace).sort("s").head(max_episodes).collect()
     episodes = [
         EpisodeLine(
             req_id=str(r["req_id"]),
-            local_tokens=r["local_tokens"],
-            external_tokens=r["external_tokens"],
-            accepted_tokens=r["accepted_tokens"],
-            num_prompt_tokens=r["num_prompt_tokens"],
+            local_tokens=r["S"],
+            external_tokens=r["X"],
+            accepted_tokens=r["A"],
+            num_prompt_tokens=r["P"],
         )
         for r in ep.iter_rows(named=True)
     ]
     return Summary(
         header=trace.header,
-        rows={k: trace.rows(k) for k in ("store", "lookup", "episode", "load", "step")},
+        rows=_counts(trace),
         parts=len(trace.parts),
         instances=len({p.source.get("instance") for p in trace.parts}),
         groups=groups,
         episodes=episodes,
         warnings=list(trace.warnings),
     )
+
+
+def _counts(trace: Trace) -> dict[str, int]:
+    """What the trace holds, in logical rows: store events, key lookups, episodes, loads
+    and step rows (the same for every schema version)."""
+    return {
+        "store": trace.rows("store"),
+        "lookup": int(frames.scans(trace).select(pl.col("n").sum()).collect().item() or 0),
+        "episode": frames.episodes(trace).select(pl.len()).collect().item(),
+        "load": trace.rows("load"),
+        "step": trace.rows("step"),
+    }

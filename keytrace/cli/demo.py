@@ -15,6 +15,7 @@ from keytrace.report.text import render_diff
 
 @subcommand("demo")
 @click.option(
+    "-o",
     "--out",
     "out_dir",
     default=None,

@@ -42,7 +42,9 @@ def command(
 
     The file holds literal geometry, prompt lengths and step budget: no hashes, no token
     ids, no pointer to the trace. It is red while the bug is there and green once fixed;
-    its failure message names the binding group, terminal chunk and cause.
+    its failure message names the binding group, terminal chunk and cause. The store and
+    lookup rows are enough (`keytrace fixture store.parquet lookup.parquet`); step rows are
+    not needed.
     """
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)

@@ -20,6 +20,7 @@ from keytrace.report.jsonout import write_json
     help="Replay this request's last episode [default: the first mismatch].",
 )
 @click.option(
+    "-o",
     "--out",
     "out_dir",
     default=None,
@@ -31,7 +32,8 @@ def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as
     vLLM 0.33.0 scheduler: the requests that stored its chain (cold, stores acknowledged),
     a GPU-prefix-cache-only reset, then the episode's request at identical lengths with
     synthetic token ids. The replay is recorded and diffed; its step schedule is compared
-    with the recorded one.
+    with the recorded one when the trace has step rows (`keytrace compact` writes them to
+    step.parquet: pass it with store.parquet and lookup.parquet to compare schedules).
 
     \b
     Exit status: 0 the replay agrees (no mismatch), 1 the mismatch reproduces, 2 trouble
@@ -56,7 +58,9 @@ def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as
         rec = "deferred" if plan.recorded_external is None else f"{plan.recorded_external:,}"
         click.echo(f"recorded: external {rec}, verdict {plan.recorded_verdict}")
         click.echo(f"replayed: {result.explain()}")
-        if out.steps_match:
+        if out.steps_match is None:
+            click.echo("step schedule: not compared (no step rows in the trace)")
+        elif out.steps_match:
             click.echo("step schedule: identical to the recorded one")
         else:
             click.echo(

@@ -24,7 +24,9 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
 
 
 @subcommand("workload")
-@click.option("--out", "out_dir", default=None, help="Trace folder [default: a new temporary one].")
+@click.option(
+    "-o", "--out", "out_dir", default=None, help="Trace folder [default: a new temporary one]."
+)
 @click.option("--geometry", default="dsv4", show_default=True, type=click.Choice(["dsv4", "small"]))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--conversations", type=int, default=24, show_default=True)
@@ -46,6 +48,19 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
 )
 @click.option(
     "--output-tokens", default="1:24", show_default=True, help="Tokens generated per turn."
+)
+@click.option(
+    "--arrival-steps",
+    type=int,
+    default=40,
+    show_default=True,
+    help="Conversations start spread over this many steps.",
+)
+@click.option(
+    "--think-steps",
+    default="5:40",
+    show_default=True,
+    help="Steps between a reply and the next turn, LOW:HIGH.",
 )
 @click.option(
     "--resend-rate",

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import pyarrow.parquet as pq
-
 from keytrace._version import __version__
 from keytrace.errors import TraceError
 from keytrace.format.reader import open_trace
-from keytrace.format.schema import SCHEMAS, part_metadata
+from keytrace.format.schema import SCHEMAS_BY_VERSION, part_metadata
+from keytrace.format.writer import write_parquet
 
 
 @dataclass(frozen=True)
@@ -30,17 +29,16 @@ def compact(paths: list[str], out_dir: str, *, force: bool = False) -> CompactRe
         dest = os.path.join(out_dir, f"{kind}.parquet")
         if os.path.exists(dest) and not force:
             raise TraceError(f"{dest}: already exists; pass --force to overwrite")
-        table = trace.frame(kind).sort("seq").collect().to_arrow().cast(SCHEMAS[kind])
+        schema = SCHEMAS_BY_VERSION[trace.version][kind]
+        table = trace.frame(kind).sort("seq").collect().to_arrow().cast(schema)
         sources = sorted({p.source.get("instance", "?") for p in trace.parts_of(kind)})
-        meta = part_metadata(kind, trace.header, {"compacted_from": sources}, __version__)
+        meta = part_metadata(
+            kind, trace.header, {"compacted_from": sources}, __version__, version=trace.version
+        )
         table = table.replace_schema_metadata(meta)
         tmp = dest + ".tmp"
-        pq.write_table(
-            table,
-            tmp,
-            compression="zstd",
-            use_dictionary=[c for c in table.column_names if c != "key"],  # type: ignore[arg-type]  # pyarrow takes column names; its stubs say bool
-        )
+        with open(tmp, "wb") as fh:
+            write_parquet(table, fh)
         os.replace(tmp, dest)
         files[kind] = dest
         rows[kind] = table.num_rows

@@ -1,8 +1,9 @@
 """Read a trace: any mix of part files, compacted files, directories and globs.
 
-Every part is checked before a row is read: it must be Parquet, carry
-``keytrace.schema_version`` equal to ``SCHEMA_VERSION``, name its kind, hold that kind's
-columns, and share one header (geometry + vLLM version) with every other part.
+Every part is checked before a row is read: it must be Parquet, carry a
+``keytrace.schema_version`` this keytrace reads (``READABLE_VERSIONS``; every part of one
+trace the same), name its kind, hold that kind's columns in that version, and share one
+header (geometry + vLLM version) with every other part.
 
 Unreadable parts (torn by a kill, truncated copies, zero-byte files) are skipped with a
 warning naming them, and the trace is marked ``incomplete``; only when *nothing* readable is
@@ -31,8 +32,9 @@ from keytrace.format.schema import (
     META_KIND,
     META_SOURCE,
     META_VERSION,
+    READABLE_VERSIONS,
     SCHEMA_VERSION,
-    SCHEMAS,
+    SCHEMAS_BY_VERSION,
 )
 
 _GLOB_CHARS = set("*?[")
@@ -47,6 +49,7 @@ class Part:
     rows: int
     header_json: str
     source: dict[str, Any]
+    version: int = SCHEMA_VERSION
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Trace:
 
     parts: list[Part]
     header: dict[str, Any]
+    version: int = SCHEMA_VERSION
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -73,7 +77,9 @@ class Trace:
     def frame(self, kind: str) -> pl.LazyFrame:
         """Lazily scan all parts of ``kind`` with the versioned schema (empty if none)."""
         paths = [p.path for p in self.parts_of(kind)]
-        schema = _polars_schema(kind)
+        if kind not in SCHEMAS_BY_VERSION[self.version]:
+            raise TraceError(f"trace schema version {self.version} has no {kind!r} rows")
+        schema = _polars_schema(kind, self.version)
         if not paths:
             return pl.LazyFrame(schema=schema)
         return pl.scan_parquet(paths, schema=schema, hive_partitioning=False)
@@ -86,8 +92,8 @@ class Trace:
         return [k for k in KINDS if self.parts_of(k)]
 
 
-def _polars_schema(kind: str) -> dict[str, pl.DataType]:
-    empty = pl.from_arrow(SCHEMAS[kind].empty_table())
+def _polars_schema(kind: str, version: int) -> dict[str, pl.DataType]:
+    empty = pl.from_arrow(SCHEMAS_BY_VERSION[version][kind].empty_table())
     assert isinstance(empty, pl.DataFrame)
     return dict(empty.schema)
 
@@ -174,13 +180,25 @@ def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None
         )
     header_json = parts[0].header_json
     for p in parts[1:]:
+        if p.version != parts[0].version:
+            raise TraceError(
+                f"{p.path}: schema version {p.version} mixed with version {parts[0].version} "
+                f"({parts[0].path}); keep one version per trace (re-record or compact separately)"
+            )
         if p.header_json != header_json:
             raise TraceError(_mixed_message(parts[0], p))
     header = json.loads(header_json)
     if kinds is not None:
         keep = set(kinds)
         parts = [p for p in parts if p.kind in keep]
-    trace = Trace(parts=parts, header=header, warnings=warnings, notes=notes, skipped=skipped)
+    trace = Trace(
+        parts=parts,
+        header=header,
+        version=parts[0].version,
+        warnings=warnings,
+        notes=notes,
+        skipped=skipped,
+    )
     _check_values(trace)
     return trace
 
@@ -210,17 +228,21 @@ def _inspect(path: str) -> Part:
         v = int(version.decode())
     except ValueError as exc:
         raise SchemaVersionError(f"{path}: unparseable schema version {version!r}") from exc
-    if v != SCHEMA_VERSION:
+    if v not in READABLE_VERSIONS:
         newer = "newer" if v > SCHEMA_VERSION else "older"
         raise SchemaVersionError(
             f"{path}: trace schema version {v} is {newer} than this keytrace reads "
-            f"(schema version {SCHEMA_VERSION}); "
+            f"(schema versions {', '.join(map(str, READABLE_VERSIONS))}); "
             + ("upgrade keytrace" if v > SCHEMA_VERSION else "re-record with this keytrace")
         )
     kind = meta.get(META_KIND, b"").decode()
-    if kind not in SCHEMAS:
-        raise TraceError(f"{path}: unknown row kind {kind!r} (expected one of {', '.join(KINDS)})")
-    missing = [n for n in SCHEMAS[kind].names if n not in pf.schema_arrow.names]
+    schemas = SCHEMAS_BY_VERSION[v]
+    if kind not in schemas:
+        raise TraceError(
+            f"{path}: unknown row kind {kind!r} for schema version {v} "
+            f"(expected one of {', '.join(schemas)})"
+        )
+    missing = [n for n in schemas[kind].names if n not in pf.schema_arrow.names]
     if missing:
         raise TraceError(f"{path}: {kind} part lacks column(s) {', '.join(missing)}")
     header_json = meta.get(META_HEADER, b"").decode()
@@ -233,7 +255,7 @@ def _inspect(path: str) -> Part:
         source = json.loads(source_raw)
     except ValueError:
         source = {}
-    return Part(path=path, kind=kind, rows=rows, header_json=header_json, source=source)
+    return Part(path=path, kind=kind, rows=rows, header_json=header_json, source=source, version=v)
 
 
 def _mixed_message(a: Part, b: Part) -> str:
@@ -248,29 +270,37 @@ def _mixed_message(a: Part, b: Part) -> str:
 
 
 def _check_values(trace: Trace) -> None:
-    """Reject enum columns holding values this version does not know.
+    """Reject lookup results this version does not know.
 
-    One lazy pass over the dictionary-encoded ``result`` column of every lookup part; on
+    One lazy pass over the lookup results (v1: ``result``; v2: every scan's results); on
     failure the parts are checked one by one so the message names the offending file.
     """
     parts = trace.parts_of("lookup")
     if not parts:
         return
-    values = set(
-        trace.frame("lookup")
-        .select(pl.col("result").cast(pl.String).unique())
-        .collect()["result"]
-        .to_list()
-    )
-    if not (values - set(LOOKUP_RESULTS) - {None}):
-        return
-    for part in parts:
-        col = pq.read_table(part.path, columns=["result"]).column("result")
-        unknown = {
-            v for v in pa.compute.unique(col.cast(pa.string())).to_pylist() if v is not None
-        } - set(LOOKUP_RESULTS)
-        if unknown:
-            raise TraceError(
-                f"{part.path}: unknown lookup result value(s) {', '.join(sorted(unknown))} "
-                f"(expected {', '.join(LOOKUP_RESULTS)})"
+    if _unknown_results(trace.frame("lookup"), trace.version):
+        for part in parts:
+            unknown = _unknown_results(
+                pl.scan_parquet(part.path, schema=_polars_schema("lookup", trace.version)),
+                trace.version,
             )
+            if unknown:
+                raise TraceError(
+                    f"{part.path}: unknown lookup result value(s) {', '.join(sorted(unknown))} "
+                    f"(expected {', '.join(LOOKUP_RESULTS)})"
+                )
+
+
+def _unknown_results(frame: pl.LazyFrame, version: int) -> set[str]:
+    if version == 1:
+        col = frame.select(pl.col("result").cast(pl.String).alias("r"))
+    else:
+        col = frame.select(
+            pl.concat_list(
+                pl.col("head_results").fill_null([]), pl.col("tail_results").fill_null([])
+            )
+            .list.unique()
+            .alias("r")
+        ).explode("r")
+    values = set(col.select(pl.col("r").unique()).collect()["r"].to_list())
+    return values - set(LOOKUP_RESULTS) - {None}

@@ -1,8 +1,7 @@
-"""Trace format v1: row kinds, their Arrow schemas and the Parquet metadata keys.
+"""Trace format: row kinds, their Arrow schemas per version, and the Parquet metadata keys.
 
 A trace is a set of closed Parquet *parts*. Every part holds rows of exactly one *kind*
-(``store``, ``lookup``, ``episode``, ``load``, ``step``) and carries, in its Parquet
-key-value metadata:
+and carries, in its Parquet key-value metadata:
 
 - ``keytrace.schema_version``: the integer below, checked on every read;
 - ``keytrace.kind``: the row kind, so the reader never guesses from file names;
@@ -21,8 +20,13 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
-"""Bump on any incompatible change; keep a tiny trace of each version under tests/data/."""
+SCHEMA_VERSION = 2
+"""What this keytrace writes. Bump on any incompatible change; keep a tiny trace of each
+version under tests/data/. Readable: `READABLE_VERSIONS`."""
+
+READABLE_VERSIONS = (1, 2)
+"""v1: one lookup row per manager.lookup call and a separate ``episode`` kind. v2: one lookup
+row per scan (summary + raw lists), episodes and unqueried needed keys in the lookup kind."""
 
 META_VERSION = b"keytrace.schema_version"
 META_KIND = b"keytrace.kind"
@@ -31,6 +35,7 @@ META_SOURCE = b"keytrace.source"
 META_KEYTRACE_VERSION = b"keytrace.version"
 
 KINDS: tuple[str, ...] = ("store", "lookup", "episode", "load", "step")
+"""Every kind any version uses (v2 has no ``episode`` kind: episodes are lookup rows)."""
 
 LOOKUP_RESULTS: tuple[str, ...] = ("MISS", "HIT", "HIT_PENDING", "RETRY")
 """vLLM's ``LookupResult`` names. Recorded verbatim: a HIT_PENDING is never a MISS."""
@@ -121,15 +126,79 @@ _KIND_FIELDS: dict[str, tuple[pa.Field[Any], ...]] = {
     ),
 }
 
-SCHEMAS: dict[str, pa.Schema] = {
+V1_SCHEMAS: dict[str, pa.Schema] = {
     kind: pa.schema(COMMON_FIELDS + fields) for kind, fields in _KIND_FIELDS.items()
 }
-"""Arrow schema of each row kind (without the Parquet metadata, which is per part)."""
+"""Arrow schema of each row kind in trace format v1 (read, never written)."""
+
+SCAN_EPISODE = -1
+"""``scan`` of the one lookup row per episode that carries the episode's facts."""
+SCAN_UNQUERIED = -2
+"""``scan`` of a row listing keys the episode needed in a group vLLM never scanned."""
+HEAD = 64
+"""Raw entries of a scan kept in its ``head_*`` lists; the rest go to ``tail_*``. vLLM
+starts every scan where a hit would end, so what a verdict needs is at the head."""
 
 
-def columns(kind: str) -> tuple[str, ...]:
-    """The column names of ``kind``, in schema order."""
-    return tuple(SCHEMAS[kind].names)
+def _raw(prefix: str) -> tuple[pa.Field[Any], ...]:
+    return (
+        pa.field(f"{prefix}_seqs", pa.list_(pa.int64())),
+        pa.field(f"{prefix}_end_tokens", pa.list_(pa.int64())),
+        pa.field(f"{prefix}_chunks", pa.list_(pa.int64())),
+        pa.field(f"{prefix}_keys", pa.list_(pa.binary())),
+        pa.field(f"{prefix}_results", pa.list_(pa.string())),
+    )
+
+
+_LOOKUP_V2: tuple[pa.Field[Any], ...] = (
+    pa.field("episode", pa.int64(), nullable=False),
+    pa.field("scan", pa.int32(), nullable=False),
+    pa.field("req_id", _STR),
+    pa.field("group_id", pa.int32()),
+    pa.field("secondary", pa.bool_()),
+    # the episode (scan == -1): a get_num_new_matched_tokens call
+    pa.field("local_tokens", pa.int64()),
+    pa.field("external_tokens", pa.int64()),  # null: deferred (vLLM returned None)
+    pa.field("load_async", pa.bool_()),
+    pa.field("accepted_tokens", pa.int64()),  # null: update_state_after_alloc not seen
+    pa.field("num_prompt_tokens", pa.int64()),
+    pa.field("num_tokens", pa.int64()),
+    pa.field("num_hashes", pa.int64()),
+    pa.field("max_new_tokens", pa.int64()),
+    pa.field("shared_prefix_boundary", pa.int64()),
+    # a scan (scan >= 0): one call of a per-group lookup helper, in call order
+    pa.field("n_keys", pa.int32()),
+    pa.field("n_hit", pa.int32()),
+    pa.field("n_pending", pa.int32()),
+    pa.field("n_retry", pa.int32()),
+    pa.field("n_miss", pa.int32()),
+    pa.field("lead_hits", pa.int32()),
+    pa.field("term_pos", pa.int32()),
+    pa.field("term_seq", pa.int64()),
+    pa.field("term_end_token", pa.int64()),
+    pa.field("term_chunk", pa.int64()),
+    pa.field("term_key", pa.binary()),
+    pa.field("term_result", _STR),
+    *_raw("head"),
+    *_raw("tail"),
+)
+
+SCHEMAS_BY_VERSION: dict[int, dict[str, pa.Schema]] = {
+    1: V1_SCHEMAS,
+    2: {
+        "store": V1_SCHEMAS["store"],
+        "lookup": pa.schema(COMMON_FIELDS + _LOOKUP_V2),
+        "load": V1_SCHEMAS["load"],
+        "step": V1_SCHEMAS["step"],
+    },
+}
+SCHEMAS: dict[str, pa.Schema] = SCHEMAS_BY_VERSION[SCHEMA_VERSION]
+"""Arrow schema of each row kind this keytrace writes (without the per-part metadata)."""
+
+
+def columns(kind: str, version: int = SCHEMA_VERSION) -> tuple[str, ...]:
+    """The column names of ``kind`` in ``version``, in schema order."""
+    return tuple(SCHEMAS_BY_VERSION[version][kind].names)
 
 
 def canonical_json(obj: Any) -> str:
@@ -138,11 +207,16 @@ def canonical_json(obj: Any) -> str:
 
 
 def part_metadata(
-    kind: str, header: Mapping[str, Any], source: Mapping[str, Any], keytrace_version: str
+    kind: str,
+    header: Mapping[str, Any],
+    source: Mapping[str, Any],
+    keytrace_version: str,
+    *,
+    version: int = SCHEMA_VERSION,
 ) -> dict[bytes, bytes]:
-    """The key-value metadata written into every part of ``kind``."""
+    """The key-value metadata written into every part of ``kind`` (schema ``version``)."""
     return {
-        META_VERSION: str(SCHEMA_VERSION).encode(),
+        META_VERSION: str(version).encode(),
         META_KIND: kind.encode(),
         META_HEADER: canonical_json(header).encode(),
         META_SOURCE: canonical_json(source).encode(),

@@ -83,14 +83,13 @@ _KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "store": ("key", "end_token"),
     "load": ("key", "end_token"),
     "lookup": (),
-    "episode": (),
     "step": (),
 }
 _DERIVED: dict[str, tuple[str, ...]] = {
     "store": ("group_id", "chunk_idx"),
     "load": ("group_id", "chunk_idx"),
-    "lookup": ("group_id", "chunk_idx"),
-    "episode": (),
+    # v2 lookup rows: chunk indices follow from end tokens and the group's chunk size
+    "lookup": ("term_chunk", "head_chunks", "tail_chunks"),
     "step": (),
 }
 
@@ -267,13 +266,7 @@ class TraceWriter:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 with os.fdopen(fd, "wb") as fh:
-                    pq.write_table(
-                        table,
-                        fh,
-                        compression="zstd",
-                        use_dictionary=[c for c in table.column_names if c != "key"],  # type: ignore[arg-type]  # pyarrow takes column names; its stubs say bool
-                        row_group_size=max(len(table), 1),
-                    )
+                    write_parquet(table, fh)
                 os.replace(tmp, final)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -306,6 +299,16 @@ class TraceWriter:
             arrays["group_id"] = _group_ids(arrays["key"])
         if "chunk_idx" in _DERIVED[kind]:
             arrays["chunk_idx"] = self._chunk_idx(arrays["group_id"], arrays["end_token"])
+        if "term_chunk" in _DERIVED[kind]:
+            gid = arrays["group_id"]
+            arrays["term_chunk"] = self._chunk_idx(gid, arrays["term_end_token"])
+            for prefix in ("head", "tail"):
+                ends = arrays[f"{prefix}_end_tokens"]
+                per_row = pa.array(np.repeat(gid.to_numpy(zero_copy_only=False), _lengths(ends)))
+                flat = self._chunk_idx(per_row, pa.compute.list_flatten(ends))
+                arrays[f"{prefix}_chunks"] = pa.ListArray.from_arrays(
+                    _offsets(ends), flat, mask=ends.is_null()
+                )
         return pa.Table.from_arrays([arrays[n] for n in schema.names], schema=schema)
 
     def _chunk_idx(self, group_ids: pa.Array[Any], end_tokens: pa.Array[Any]) -> pa.Array[Any]:
@@ -414,3 +417,38 @@ def _register_for_shutdown(writer: TraceWriter) -> None:
         with contextlib.suppress(ValueError, OSError):
             _PREV_SIGTERM = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+_PLAIN = {"key", "term_key", "head_keys", "tail_keys", "head_seqs", "tail_seqs"}
+"""Columns never dictionary-encoded: hashes and sequence numbers do not repeat."""
+
+
+def write_parquet(table: pa.Table, fh: Any) -> None:
+    """One closed Parquet file. Lookup parts (v2) get one row group per group id, sorted, so
+    a reader asking for one group (the differ's full-attention keys) skips the others by
+    their statistics."""
+    opts: dict[str, Any] = {
+        "compression": "zstd",
+        "use_dictionary": [c for c in table.column_names if c not in _PLAIN],
+    }
+    if "scan" not in table.column_names or len(table) == 0:
+        pq.write_table(table, fh, row_group_size=max(len(table), 1), **opts)
+        return
+    table = table.sort_by([("group_id", "ascending")])
+    gid = table.column("group_id").to_numpy(zero_copy_only=False)
+    gid = np.where(np.isnan(gid.astype(np.float64)), -1, gid).astype(np.int64)
+    bounds = np.flatnonzero(np.diff(gid)) + 1
+    with pq.ParquetWriter(fh, table.schema, **opts) as w:
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(table)], strict=True):
+            w.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+
+
+def _lengths(lists: pa.Array[Any]) -> np.ndarray[Any, Any]:
+    """Entries per list (0 for a null list)."""
+    return np.asarray(pa.compute.list_value_length(lists).fill_null(0), dtype=np.int64)
+
+
+def _offsets(lists: pa.Array[Any]) -> pa.Int32Array:
+    """Offsets rebuilding lists of the same shape around a flat array."""
+    ends = np.concatenate([[0], np.cumsum(_lengths(lists))]).astype(np.int32)
+    return pa.array(ends, type=pa.int32())

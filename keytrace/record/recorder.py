@@ -20,9 +20,11 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from keytrace.format.writer import TraceWriter
+from keytrace.format.schema import HEAD, SCAN_EPISODE, SCAN_UNQUERIED
+from keytrace.format.writer import TraceWriter, call_columns
 
 log = logging.getLogger("keytrace")
 
@@ -67,8 +69,14 @@ class Recorder:
         self.episode = -1
         self.scan = -1
         self.exact_scans = False
-        self._last_lookup_gid: bytes | None = None
-        self._pending_episode: dict[str, list[Any]] = {}
+        self._scan: _Scan | None = None
+        self._pending_episode: dict[str, _Episode] = {}
+        self.seen: dict[int, set[int]] = {}
+        """Per group: the end tokens the current episode looked up (read by the hook)."""
+        self.lead_hits: dict[int, int] = {}
+        """Per group: leading HITs of the current episode's first scan of it."""
+        self.groups: list[Any] = []
+        """The header's offloaded groups, parsed once by the hook that needs them."""
         self.failures = 0
 
     # ------------------------------------------------------------------ errors
@@ -94,84 +102,168 @@ class Recorder:
         num_prompt_tokens: int,
         num_tokens: int,
         num_hashes: int,
+        shared_prefix_boundary: int | None = None,
     ) -> None:
+        """A ``get_num_new_matched_tokens`` call begins: a new episode (and no scan yet)."""
+        self.end_scan()
         self.close_episode(req_id)
         self.episode = next(_SEQ)
         self.scan = -1
-        self._last_lookup_gid = None
-        self._pending_episode[req_id] = [
-            self.episode,
-            time.time_ns(),
-            self.step,
-            req_id,
-            local_tokens,
-            None,  # external
-            None,  # load_async
-            None,  # accepted
-            num_prompt_tokens,
-            num_tokens,
-            num_hashes,
-            max_new_tokens,
-        ]
+        self.seen = {}
+        self.lead_hits = {}
+        self._pending_episode[req_id] = _Episode(
+            seq=self.episode,
+            ts=time.time_ns(),
+            step=self.step,
+            req_id=req_id,
+            local=local_tokens,
+            prompt=num_prompt_tokens,
+            tokens=num_tokens,
+            hashes=num_hashes,
+            max_new=max_new_tokens,
+            spb=shared_prefix_boundary,
+        )
 
     def episode_end(self, req_id: str, external: int | None, load_async: bool | None) -> None:
-        row = self._pending_episode.get(req_id)
-        if row is not None:
-            row[5] = external
-            row[6] = load_async
+        self.end_scan()
+        ep = self._pending_episode.get(req_id)
+        if ep is not None:
+            ep.external = external
+            ep.load_async = load_async
             if not external:
-                # Nothing will be allocated from the tier; the row is final now, except
-                # that a 0 result can still be followed by an allocation of 0.
-                row[7] = 0 if external == 0 else None
+                # Nothing will be allocated from the tier; the row is final now.
+                ep.accepted = 0 if external == 0 else None
                 self.close_episode(req_id)
         self.scan = -1
 
     def accepted(self, req_id: str, num_external_tokens: int) -> None:
-        row = self._pending_episode.get(req_id)
-        if row is not None and row[7] is None:
-            row[7] = num_external_tokens
+        ep = self._pending_episode.get(req_id)
+        if ep is not None and ep.accepted is None:
+            ep.accepted = num_external_tokens
             self.close_episode(req_id)
 
     def close_episode(self, req_id: str) -> None:
-        row = self._pending_episode.pop(req_id, None)
-        if row is None:
+        ep = self._pending_episode.pop(req_id, None)
+        if ep is None:
             return
-        episode, ts, step = row[0], row[1], row[2]
-        self.writer.append("episode", 1, (episode, ts, *self._common_tail, step, episode, *row[3:]))
+        self._lookup_row(
+            ep.seq,
+            ep.ts,
+            ep.step,
+            ep.seq,
+            SCAN_EPISODE,
+            req_id,
+            local_tokens=ep.local,
+            external_tokens=ep.external,
+            load_async=ep.load_async,
+            accepted_tokens=ep.accepted,
+            num_prompt_tokens=ep.prompt,
+            num_tokens=ep.tokens,
+            num_hashes=ep.hashes,
+            max_new_tokens=ep.max_new,
+            shared_prefix_boundary=ep.spb,
+        )
 
     def close_all_episodes(self) -> None:
+        self.end_scan()
         for req_id in list(self._pending_episode):
             self.close_episode(req_id)
 
+    def unqueried(
+        self, req_id: str, group_id: int, ends: Sequence[int], keys: Sequence[bytes]
+    ) -> None:
+        """Keys the current episode needed in a group vLLM never scanned (the hook reads them
+        from vLLM's own per-group key list), so the differ knows them exactly."""
+        if not keys:
+            return
+        self._lookup_row(
+            next(_SEQ),
+            time.time_ns(),
+            self.step,
+            self.episode,
+            SCAN_UNQUERIED,
+            req_id,
+            group_id=group_id,
+            head_seqs=[None] * len(keys),
+            head_end_tokens=list(ends),
+            head_keys=list(keys),
+            head_results=[None] * len(keys),
+        )
+
     # ----------------------------------------------------------------- lookups
     def begin_scan(self) -> None:
+        """A per-group lookup helper was called: the next lookups form a new scan."""
+        self.end_scan()
         self.scan += 1
 
     def lookup(
         self, key: bytes, req_id: str, end_token: int | None, result: str, secondary: bool
     ) -> None:
-        if not self.exact_scans:
-            gid = key[-4:]
-            if gid != self._last_lookup_gid:
-                self._last_lookup_gid = gid
+        """One ``manager.lookup`` call: the hot path, a few list appends."""
+        sc = self._scan
+        if (
+            sc is None
+            or sc.req_id != req_id
+            or sc.secondary != secondary
+            or (not self.exact_scans and key[-4:] != sc.gid_bytes)
+        ):
+            if sc is not None:
+                self.end_scan()
+            if not self.exact_scans:  # without the helper hooks a new group is a new scan
                 self.scan += 1
-        self.writer.append(
-            "lookup",
-            1,
-            (
-                next(_SEQ),
-                time.time_ns(),
-                *self._common_tail,
-                self.step,
-                self.episode,
-                max(self.scan, 0),
-                req_id,
-                end_token,
-                key,
-                result,
-                secondary,
-            ),
+            sc = self._scan = _Scan(
+                self.episode, max(self.scan, 0), req_id, key[-4:], secondary, self.step
+            )
+        sc.add(next(_SEQ), end_token, key, result)
+
+    def end_scan(self) -> None:
+        """Write the scan in progress as one lookup row: its summary and its raw lists."""
+        sc = self._scan
+        if sc is None:
+            return
+        self._scan = None
+        gid = int.from_bytes(sc.gid_bytes, "big")
+        self.seen.setdefault(gid, set()).update(e for e in sc.ends if e is not None)
+        self.lead_hits.setdefault(gid, sc.lead)
+        term = sc.term if sc.term is not None else sc.first_nonhit
+        counts = sc.counts
+        head, tail = slice(0, HEAD), slice(HEAD, None)
+        self._lookup_row(
+            sc.seqs[0],
+            sc.ts,
+            sc.step,
+            sc.episode,
+            sc.scan,
+            sc.req_id,
+            group_id=gid,
+            secondary=sc.secondary,
+            n_keys=len(sc.seqs),
+            n_hit=counts["HIT"],
+            n_pending=counts["HIT_PENDING"],
+            n_retry=counts["RETRY"],
+            n_miss=counts["MISS"],
+            lead_hits=sc.lead,
+            term_pos=term,
+            term_seq=None if term is None else sc.seqs[term],
+            term_end_token=None if term is None else sc.ends[term],
+            term_key=None if term is None else sc.keys[term],
+            term_result=None if term is None else sc.results[term],
+            head_seqs=sc.seqs[head],
+            head_end_tokens=sc.ends[head],
+            head_keys=sc.keys[head],
+            head_results=sc.results[head],
+            tail_seqs=sc.seqs[tail] or None,
+            tail_end_tokens=sc.ends[tail] or None,
+            tail_keys=sc.keys[tail] or None,
+            tail_results=sc.results[tail] or None,
         )
+
+    def _lookup_row(
+        self, seq: int, ts: int, step: int, episode: int, scan: int, req_id: str, **values: Any
+    ) -> None:
+        row = [seq, ts, *self._common_tail, step, episode, scan, req_id]
+        row += [values.get(name) for name in _LOOKUP_VALUES]
+        self.writer.append("lookup", 1, tuple(row))
 
     # ------------------------------------------------------------------ stores
     def _keyed(
@@ -267,6 +359,82 @@ class Recorder:
     def close(self) -> None:
         self.close_all_episodes()
         self.writer.close()
+
+
+_LOOKUP_VALUES = call_columns("lookup")[11:]
+"""The v2 lookup columns after (common, episode, scan, req_id), in the writer's order."""
+
+
+@dataclass(slots=True)
+class _Episode:
+    """An episode whose row waits for the accepted token count."""
+
+    seq: int
+    ts: int
+    step: int
+    req_id: str
+    local: int
+    prompt: int
+    tokens: int
+    hashes: int
+    max_new: int | None
+    spb: int | None
+    external: int | None = None
+    load_async: bool | None = None
+    accepted: int | None = None
+
+
+class _Scan:
+    """One scan in progress: raw lists in call order and the running summary."""
+
+    __slots__ = (
+        "counts",
+        "ends",
+        "episode",
+        "first_nonhit",
+        "gid_bytes",
+        "keys",
+        "lead",
+        "req_id",
+        "results",
+        "scan",
+        "secondary",
+        "seqs",
+        "step",
+        "term",
+        "ts",
+    )
+
+    def __init__(
+        self, episode: int, scan: int, req_id: str, gid_bytes: bytes, secondary: bool, step: int
+    ) -> None:
+        self.episode, self.scan, self.req_id = episode, scan, req_id
+        self.gid_bytes, self.secondary, self.step = gid_bytes, secondary, step
+        self.ts = time.time_ns()
+        self.seqs: list[int] = []
+        self.ends: list[int | None] = []
+        self.keys: list[bytes] = []
+        self.results: list[str] = []
+        self.counts = {"HIT": 0, "HIT_PENDING": 0, "RETRY": 0, "MISS": 0}
+        self.lead = 0  # HITs before the first non-HIT
+        self.term: int | None = None  # first MISS or RETRY
+        self.first_nonhit: int | None = None
+
+    def add(self, seq: int, end: int | None, key: bytes, result: str) -> None:
+        i = len(self.seqs)
+        self.seqs.append(seq)
+        self.ends.append(end)
+        self.keys.append(key)
+        self.results.append(result)
+        self.counts[result] = self.counts.get(result, 0) + 1
+        if result == "HIT":
+            if self.first_nonhit is None:
+                self.lead += 1
+            return
+        if self.first_nonhit is None:
+            self.first_nonhit = i
+        if self.term is None and result != "HIT_PENDING":
+            self.term = i
 
 
 def env_int(name: str) -> int | None:

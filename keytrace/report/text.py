@@ -168,8 +168,8 @@ def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
         columns = ["all"]
     total = lost.prompt_tokens.get("all", 0)
     file.write(
-        f"where the prompt tokens came from ({lost.episodes.get('all', 0):,} lookups, "
-        f"{total:,} prompt tokens):\n"
+        f"where the tokens to prefill came from ({lost.episodes.get('all', 0):,} lookups, "
+        f"{total:,} tokens):\n"
     )
     from keytrace.analysis.lost import CATEGORIES
 

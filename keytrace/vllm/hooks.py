@@ -85,6 +85,7 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
     """``get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens)``."""
     request = arg(args, kw, 0, "request")
     max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
+    spb = getattr(request, "shared_prefix_boundary", None)
     rec.episode_begin(
         request.request_id,
         int(arg(args, kw, 1, "num_computed_tokens")),
@@ -92,13 +93,61 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
         int(request.num_prompt_tokens),
         int(request.num_tokens),
         len(request.block_hashes),
+        int(spb) if spb else None,
     )
 
 
 def episode_end(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
-    rec.episode_end(arg(args, kw, 0, "request").request_id, result[0], result[1])
+    request = arg(args, kw, 0, "request")
+    rec.end_scan()
+    try:
+        record_unqueried(rec, sched, request, args, kw)
+    finally:
+        rec.episode_end(request.request_id, result[0], result[1])
+
+
+def record_unqueried(
+    rec: Recorder, sched: Any, request: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """Keys the episode needs for a hit at min(L, F) in groups vLLM did not look them up in.
+
+    vLLM stops at the first group that returns 0, so later groups' needed keys are never
+    looked up; the differ then cannot tell whether they were stored. They are in vLLM's own
+    per-request key lists, so the recorder copies the few it needs (read only, no manager
+    call). F: how far every full-attention group hit from S in this episode; the window is
+    `keytrace.analysis.rules.needed_range` at min(L, F), where the expected boundary lies
+    unless an earlier boundary is the largest intended one.
+    """
+    from keytrace.analysis.rules import groups_from_header, lookup_cap, needed_range
+
+    groups = rec.groups or groups_from_header(rec.writer.header)
+    rec.groups = groups
+    local = int(arg(args, kw, 1, "num_computed_tokens"))
+    max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
+    top = lookup_cap(groups, int(request.num_tokens), local, max_new)
+    for g in groups:
+        if g.full_attention:
+            top = min(top, (local // g.tpc + rec.lead_hits.get(g.gid, 0)) * g.tpc)
+    if top <= local:
+        return
+    status = sched._req_status.get(request.request_id)
+    if status is None:
+        return
+    configs = {c.group_idx: i for i, c in enumerate(sched.config.kv_group_configs)}
+    tph = int(rec.writer.header.get("tokens_per_hash") or 1)
+    keyed = len(request.block_hashes) * tph
+    for g in groups:
+        if g.full_attention or g.gid not in configs:
+            continue
+        lo, hi = needed_range(g, local, top, keyed // g.tpc)
+        seen = rec.seen.get(g.gid, set())
+        keys = status.group_states[configs[g.gid]].offload_keys
+        missing = [c for c in range(lo, hi) if (c + 1) * g.tpc not in seen and c < len(keys)]
+        if missing:
+            ends = [(c + 1) * g.tpc for c in missing]
+            rec.unqueried(request.request_id, g.gid, ends, [bytes(keys[c]) for c in missing])
 
 
 def accepted(

@@ -137,9 +137,9 @@ def _episode_times(trace: Trace) -> dict[tuple[int, int], tuple[int, int]]:
 def _recorded_keys(trace: Trace) -> dict[str, tuple[bytes, int]]:
     """One recorded (key, end token) per request, to check the isolation hashes alike."""
     rows = (
-        trace.frame("lookup")
+        frames.lookups(trace, heads_only=True)
         .filter(pl.col("end_token").is_not_null())
-        .group_by(pl.col("req_id").cast(pl.String))
+        .group_by("req_id")
         .agg(pl.col("key", "end_token").first())
         .collect()
     )

@@ -23,6 +23,7 @@ the same traffic. Imports vLLM (through the harness).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -136,9 +137,11 @@ def workload_geometry(spec: WorkloadSpec) -> Geometry:
 
 
 def run_workload(
-    spec: WorkloadSpec, trace_dir: str, *, progress: ProgressFn | None = None
+    spec: WorkloadSpec, trace_dir: str | None, *, progress: ProgressFn | None = None
 ) -> WorkloadResult:
-    """Record ``spec``'s traffic into ``trace_dir`` (see the module docstring)."""
+    """Record ``spec``'s traffic into ``trace_dir`` (see the module docstring); with
+    ``trace_dir=None`` run the same traffic unrecorded (the recorder benchmark's baseline).
+    The final flush of every part is part of the run."""
     require_vllm()
     from keytrace.vllm.harness import Harness
     from keytrace.vllm.patches import injected, recording
@@ -160,10 +163,11 @@ def run_workload(
         for c in range(spec.conversations)
     ]
     resends: list[tuple[int, int, list[int], int]] = []  # (due step, engine, prompt, outputs)
-    res = WorkloadResult(trace_dir=trace_dir, spec=spec)
+    res = WorkloadResult(trace_dir=trace_dir or "", spec=spec)
     t0 = time.monotonic()
     total_turns = sum(c.turns_left for c in convs)
-    with injected(spec.inject), recording(trace_dir):
+    record = recording(trace_dir) if trace_dir is not None else contextlib.nullcontext()
+    with injected(spec.inject), record:
         engines = [
             Harness(geo, dp_rank=i, store_delay=spec.store_delay, request_prefix=f"e{i}-r")
             for i in range(spec.engines)

@@ -36,16 +36,16 @@ GEOS = {"dsv4": DSV4, "small": SMALL}
 #   pre48911 keeps c % 4 >= 2: 290, 291 yes, 292 (292 % 4 = 0) no -> first MISS is 292.
 #   no_eagle_plus1 keeps [292 - 2, 292) = 290, 291 (no shift, no +1) -> first MISS is 292.
 # small, 1,024 tokens: L = round_down(1,023, 64) = 960 = E; 64 keyed chunks of 16 tokens.
-#   The FA prefix (16 chunks) all hit, so lookup's boundary stays at 1,023 and group 1
-#   (stock store keeps its tail [58, 60) for boundary 960, or under pre48911 every
-#   c % 4 >= 2 chunk, so 62, 63 too) sets it. pre48911: group 1 hits 63, 62 -> boundary
-#   stays 1,023; group 2 (MTP) scans from 63 for 3 hits: 63, 62 hit, 61 (61 % 4 = 1) MISS
-#   -> terminal 61. no_eagle_plus1: group 2 kept [58, 60); group 1 (stock) moved the
-#   boundary to 960, so group 2 scans from its peek 60: MISS first -> terminal 60.
+#   For a hit at E = 960 the MTP group 2 needs 58, 59 and the peek 60 (64 keyed chunks).
+#   pre48911 keeps every c % 4 >= 2 chunk: 58, 59, 62, 63, not 60. vLLM's own scan starts
+#   further right (group 1's hits at 62, 63 keep its candidate at 1,023): 63, 62 hit, 61
+#   MISS (not needed for E), 60 MISS -> the first needed chunk it missed is 60.
+#   no_eagle_plus1: group 2 kept [58, 60) without the EAGLE shift; group 1 (stock) moved
+#   the boundary to 960, so group 2 scans from its peek 60: MISS first -> terminal 60.
 INJECTED = [
     ("dsv4", 18_877, "pre48911", 2, 292),
     ("dsv4", 18_877, "no_eagle_plus1", 2, 292),
-    ("small", 1_024, "pre48911", 2, 61),
+    ("small", 1_024, "pre48911", 2, 60),
     ("small", 1_024, "no_eagle_plus1", 2, 60),
 ]
 

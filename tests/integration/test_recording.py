@@ -16,7 +16,9 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
+from keytrace.analysis import frames  # noqa: E402
 from keytrace.analysis.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
+from keytrace.analysis.scans import scan_summaries  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.vllm.harness import Harness, ScenarioResult  # noqa: E402
 from keytrace.vllm.patches import recording  # noqa: E402
@@ -80,16 +82,32 @@ def test_faithful(geometry: Geometry, n: int, tmp_path: Path) -> None:
     assert spy is not None
     trace = open_trace(str(tmp_path / "t"))
     # THEN the lookup rows are the manager's lookup calls, one to one, in order
-    lk = trace.collect("lookup").sort("seq")
+    lk = frames.lookups(trace).collect().sort("seq")
     rows = list(
-        zip(
-            lk["key"].to_list(),
-            lk["req_id"].cast(pl.String).to_list(),
-            lk["result"].cast(pl.String).to_list(),
-            strict=True,
-        )
+        zip(lk["key"].to_list(), lk["req_id"].to_list(), lk["result"].to_list(), strict=True)
     )
     assert rows == spy.lookups and len(rows) > 0
+    # AND the per-scan summaries the recorder wrote are what the raw rows say
+    cols = [
+        "inst",
+        "s",
+        "scan",
+        "gid",
+        "n",
+        "n_hit",
+        "n_pending",
+        "n_retry",
+        "n_miss",
+        "lead_hits",
+        "term_seq",
+        "term_chunk",
+        "term_end_token",
+        "term_key",
+        "term_result",
+    ]
+    recorded = frames.scans(trace).collect().select(cols).sort("inst", "s", "scan")
+    derived = scan_summaries(frames.lookups(trace)).collect().select(cols).sort("inst", "s", "scan")
+    assert recorded.equals(derived) and recorded.height > 0
     # AND the completed store keys are exactly what the real CPU manager holds
     st = trace.collect("store")
     completed = set(st.filter(pl.col("event").cast(pl.String) == "completed")["key"].to_list())
@@ -97,28 +115,28 @@ def test_faithful(geometry: Geometry, n: int, tmp_path: Path) -> None:
     assert completed == set(held) and all(held.values())
     # AND every row's group and chunk agree with the key and the geometry
     for gid, tpc in enumerate(geometry.tokens_per_chunk(g) for g in range(len(geometry.groups))):
-        sel = lk.filter(pl.col("group_id") == gid)
-        assert (sel["end_token"] == (sel["chunk_idx"] + 1) * tpc).all()
-    assert set(lk["group_id"].unique().to_list()) <= set(range(len(geometry.groups)))
+        sel = lk.filter(pl.col("gid") == gid)
+        assert (sel["end_token"] == (sel["chunk"] + 1) * tpc).all()
+    assert set(lk["gid"].unique().to_list()) <= set(range(len(geometry.groups)))
     # AND episodes say what the scheduler saw and accepted
-    ep = trace.collect("episode").sort("seq")
-    assert ep["external_tokens"].to_list() == [res.prime.external_tokens, res.external_tokens]
-    assert ep["accepted_tokens"].to_list()[-1] == res.accepted_tokens
+    ep = frames.episodes(trace).collect().sort("s")
+    assert ep["X"].to_list() == [res.prime.external_tokens, res.external_tokens]
+    assert ep["A"].to_list()[-1] == res.accepted_tokens
 
 
 @pytest.mark.parametrize(("geometry", "n"), CASES)
 def test_episode_and_step_identities(geometry: Geometry, n: int, tmp_path: Path) -> None:
     h, _res, _spy = _run(geometry, n, tmp_path / "t")
     trace = open_trace(str(tmp_path / "t"))
-    ep = trace.collect("episode").with_columns(pl.col("req_id").cast(pl.String))
+    ep = frames.episodes(trace).collect()
     steps = trace.collect("step").with_columns(pl.col("req_id").cast(pl.String))
     for e in ep.iter_rows(named=True):
         sched = steps.filter((pl.col("req_id") == e["req_id"]) & ~pl.col("finished"))[
             "scheduled_tokens"
         ].sum()
         # prefill tokens the scheduler computed = prompt - local - accepted external
-        assert sched == e["num_prompt_tokens"] - e["local_tokens"] - (e["accepted_tokens"] or 0)
-        assert e["accepted_tokens"] == e["external_tokens"]
+        assert sched == e["P"] - e["S"] - (e["A"] or 0)
+        assert e["A"] == e["X"]
     # the step numbering is the scheduler's own: step k's rows are exactly what vLLM
     # scheduled in the harness's k-th step (idle steps, only acknowledging stores, have none)
     recorded = {

@@ -125,6 +125,23 @@ def test_replay_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(tmp_path / "h")]) == 0
 
 
+def test_replay_and_fixture_from_the_two_compacted_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_one(SMALL, 1030, keep_dir=str(tmp_path / "t"))
+    assert main(["compact", str(tmp_path / "t"), "-o", str(tmp_path / "c")]) == 0
+    two = [str(tmp_path / "c" / "store.parquet"), str(tmp_path / "c" / "lookup.parquet")]
+    capsys.readouterr()
+    assert main(["replay", *two]) == 1
+    captured = capsys.readouterr()
+    assert "step schedule: not compared (no step rows in the trace)" in captured.out
+    assert "pass its step.parquet too" in captured.err
+    assert main(["replay", *two, str(tmp_path / "c" / "step.parquet")]) == 1
+    assert "step schedule: identical to the recorded one" in capsys.readouterr().out
+    assert main(["fixture", *two, "-o", str(tmp_path / "f") + "/"]) == 0
+    assert len(list((tmp_path / "f").glob("test_keytrace_*.py"))) == 1
+
+
 def test_replay_refuses_other_vllm_version(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

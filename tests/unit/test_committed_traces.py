@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,37 +10,59 @@ import pytest
 from keytrace.analysis.diff import diff
 from keytrace.cli import main
 from keytrace.format.reader import open_trace
+from tests.downgrade import downgrade
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
+# Both traces were recorded by tools/regen_test_data.py from the real scheduler: small
+# geometry, 1,030 tokens, the resend of one prompt. E = round_down(1,029, 64) = 1,024; the
+# MTP group's peek chunk 64 would end at 1,040 > 1,030, so lookup needs its chunks 61-63 and
+# the store kept only 62, 63 (+ the unkeyable 64): terminal = group 2 chunk 61.
+EXPECTED = (1024, 0, 2, 61, "never_offered")
+
+
+def _first(path: Path) -> tuple[int, int | None, int | None, int, str]:
+    v = diff(open_trace(str(path))).first_mismatch
+    assert v is not None and v.terminal is not None
+    return (v.E, v.external_tokens, v.binding_group, v.terminal.chunk, v.terminal.cause)
+
 
 def test_v1_trace_reads_and_diffs(capsys: pytest.CaptureFixture[str]) -> None:
-    # Recorded by tools/regen_test_data.py from the real scheduler: small geometry, 1,030
-    # tokens. E = round_down(1,029, 64) = 1,024; the MTP group's peek chunk 64 would end at
-    # 1,040 > 1,030, so lookup needs 61-63 and the store kept 62, 63 (+ the unkeyable 64).
     trace = open_trace(str(DATA / "v1"))
+    assert trace.version == 1
     assert trace.header["vllm_version"] == "0.33.0"
     # no load rows: the resend loaded nothing
     assert sorted(trace.kinds) == ["episode", "lookup", "step", "store"]
-    report = diff(trace)
-    v = report.first_mismatch
-    assert v is not None
-    assert (v.E, v.external_tokens, v.binding_group, v.terminal.chunk, v.terminal.cause) == (
-        1024,
-        0,
-        2,
-        61,
-        "never_offered",
-    )
-    assert (
-        main(
-            [
-                "diff",
-                str(DATA / "v1" / "store.parquet"),
-                str(DATA / "v1" / "lookup.parquet"),
-                str(DATA / "v1" / "episode.parquet"),
-            ]
-        )
-        == 1
-    )
+    assert _first(DATA / "v1") == EXPECTED
+    files = [str(DATA / "v1" / f"{k}.parquet") for k in ("store", "lookup", "episode")]
+    assert main(["diff", *files]) == 1
     assert "store wrote 62–63 near there" in capsys.readouterr().out
+
+
+def test_v1_without_its_episode_rows_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    files = [str(DATA / "v1" / f"{k}.parquet") for k in ("store", "lookup")]
+    assert main(["diff", *files]) == 2
+    err = capsys.readouterr().err
+    assert "episode" in err and err.count("\n") == 1
+
+
+def test_v2_trace_reads_and_diffs(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = open_trace(str(DATA / "v2"))
+    assert trace.version == 2
+    assert sorted(trace.kinds) == ["lookup", "step", "store"]
+    assert _first(DATA / "v2") == EXPECTED
+    files = [str(DATA / "v2" / f"{k}.parquet") for k in ("store", "lookup")]
+    assert main(["diff", *files]) == 1
+    assert "store wrote 62–63 near there" in capsys.readouterr().out
+
+
+def test_v2_and_its_v1_form_give_identical_verdicts(tmp_path: Path) -> None:
+    # the same recording in both layouts: the format change must not move a verdict
+    downgrade(str(DATA / "v2"), str(tmp_path))
+    old, new = diff(open_trace(str(tmp_path))), diff(open_trace(str(DATA / "v2")))
+    assert open_trace(str(tmp_path)).version == 1
+    assert old.verdict == new.verdict == "mismatch"
+    assert [dataclasses.asdict(v) for v in old.episodes] == [
+        dataclasses.asdict(v) for v in new.episodes
+    ]
+    assert old.lost == new.lost

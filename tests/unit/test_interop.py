@@ -31,29 +31,53 @@ def trace_dir(tmp_path: Path) -> Path:
     return tmp_path / "t"
 
 
+README_QUERY = """
+SELECT group_id, result, count(*) AS n FROM (
+  SELECT group_id, unnest(list_concat(head_results, coalesce(tail_results, []))) AS result
+  FROM read_parquet('{trace}/kind=lookup/*.parquet') WHERE scan >= 0
+) GROUP BY ALL ORDER BY group_id, result
+"""
+
+
 def test_duckdb_reads_the_directory(trace_dir: Path) -> None:
     duckdb = pytest.importorskip("duckdb")
-    # the README's one-liner
-    rows = duckdb.sql(
-        f"SELECT kind, group_id, result, count(*) AS n FROM read_parquet('{trace_dir}/kind=lookup/*.parquet', "
-        "hive_partitioning=true) GROUP BY ALL ORDER BY group_id, result"
-    ).fetchall()
-    assert ("lookup", 0, "HIT", 6) in rows and ("lookup", 0, "MISS", 2) in rows
+    # the README's query: lookup results per group, from the raw lists of every scan
+    rows = duckdb.sql(README_QUERY.format(trace=trace_dir)).fetchall()
+    assert (0, "HIT", 6) in rows and (0, "MISS", 2) in rows
+    s = summarize(open_trace(str(trace_dir)))
+    assert sum(n for _, _, n in rows) == sum(g.looked_up for g in s.groups)
     total = duckdb.sql(
         f"SELECT count(*) FROM read_parquet('{trace_dir}/kind=store/*.parquet')"
     ).fetchall()
     assert total == [(open_trace(str(trace_dir)).rows("store"),)]
 
 
+TERMINAL_QUERY = """
+SELECT req_id, group_id, term_chunk, term_result, n_keys
+FROM read_parquet('{trace}/kind=lookup/*.parquet') WHERE scan >= 0 AND term_pos IS NOT NULL
+"""
+
+
+def test_duckdb_terminal_query_from_the_format_doc(trace_dir: Path) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trace-format.md").read_text()
+    assert TERMINAL_QUERY.strip().replace("{trace}", "TRACE") in doc
+    # r1's cold scan misses chunk 0 at once; r2's prime and r3's resend hit all the way
+    rows = duckdb.sql(TERMINAL_QUERY.format(trace=trace_dir)).fetchall()
+    assert sorted(rows) == [("r1", 0, 0, "MISS", 1), ("r2", 0, 0, "MISS", 1)]
+
+
 def test_pyarrow_dataset_reads_a_kind_with_its_partition(trace_dir: Path) -> None:
     lookup = ds.dataset(str(trace_dir / "kind=lookup"), format="parquet")
-    table = lookup.to_table(columns=["group_id", "result", "engine_id"])
+    table = lookup.to_table(columns=["scan", "n_keys", "engine_id"])
     s = summarize(open_trace(str(trace_dir)))
-    assert table.num_rows == sum(g.looked_up for g in s.groups)
+    assert sum(n or 0 for n in table.column("n_keys").to_pylist()) == sum(
+        g.looked_up for g in s.groups
+    )
     assert set(table.column("engine_id").to_pylist()) == {"A", "B"}
     # with hive partitioning the folder name becomes a "kind" column
-    episodes = ds.dataset(str(trace_dir / "kind=episode"), format="parquet", partitioning="hive")
-    assert episodes.count_rows() == open_trace(str(trace_dir)).rows("episode")
+    parts = ds.dataset(str(trace_dir / "kind=lookup"), format="parquet", partitioning="hive")
+    assert parts.count_rows() == open_trace(str(trace_dir)).rows("lookup")
 
 
 def test_progress_only_when_asked(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -91,3 +91,7 @@ def test_a_routing_miss_is_not_plain_cold(tmp_path: Path) -> None:
     a.close()
     bb.close()
     assert _rows(d2, "A") == {"cold: not stored anywhere": 120}
+    # engines by name, then the total: the table's columns never shuffle between runs
+    for _ in range(5):
+        lost = diff(open_trace(str(d2))).lost
+        assert lost is not None and list(lost.prompt_tokens) == ["A", "B", "all"]

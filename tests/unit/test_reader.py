@@ -43,11 +43,14 @@ def _rewrite(
         md.update(meta)
     if drop:
         t = t.drop_columns([drop])
-    if result:
+    if result:  # every scan's raw results (v2: lists)
+        col = t.column("head_results").to_pylist()
         t = t.set_column(
-            t.schema.get_field_index("result"),
-            "result",
-            pa.array([result] * len(t)).dictionary_encode(),
+            t.schema.get_field_index("head_results"),
+            "head_results",
+            pa.array(
+                [None if r is None else [result] * len(r) for r in col], pa.list_(pa.string())
+            ),
         )
     pq.write_table(t.replace_schema_metadata(md), dst)
 
@@ -101,18 +104,18 @@ def test_schema_version_messages_pinned(
     trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     future = tmp_path / "future.parquet"
-    _rewrite(_one_part(trace_dir, "store"), future, meta={b"keytrace.schema_version": b"2"})
+    _rewrite(_one_part(trace_dir, "store"), future, meta={b"keytrace.schema_version": b"3"})
     with pytest.raises(SchemaVersionError) as e:
         open_trace(str(future))
     assert str(e.value) == (
-        f"{future}: trace schema version 2 is newer than this keytrace reads (schema version 1); upgrade keytrace"
+        f"{future}: trace schema version 3 is newer than this keytrace reads (schema versions 1, 2); upgrade keytrace"
     )
     old = tmp_path / "old.parquet"
     _rewrite(_one_part(trace_dir, "store"), old, meta={b"keytrace.schema_version": b"0"})
     with pytest.raises(SchemaVersionError) as e:
         open_trace(str(old))
     assert str(e.value) == (
-        f"{old}: trace schema version 0 is older than this keytrace reads (schema version 1); "
+        f"{old}: trace schema version 0 is older than this keytrace reads (schema versions 1, 2); "
         "re-record with this keytrace"
     )
     assert "newer" in _cli_error(capsys, str(future))
@@ -122,8 +125,8 @@ def test_missing_columns_and_unknown_results(
     trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nocol = tmp_path / "nocol.parquet"
-    _rewrite(_one_part(trace_dir, "lookup"), nocol, drop="result")
-    assert "lacks column(s) result" in _cli_error(capsys, str(nocol))
+    _rewrite(_one_part(trace_dir, "lookup"), nocol, drop="head_results")
+    assert "lacks column(s) head_results" in _cli_error(capsys, str(nocol))
     weird = tmp_path / "weird.parquet"
     _rewrite(_one_part(trace_dir, "lookup"), weird, result="MAYBE")
     assert "unknown lookup result value(s) MAYBE" in _cli_error(capsys, str(weird))
@@ -167,3 +170,11 @@ def test_only_store_rows_cannot_decide(trace_dir: Path, capsys: pytest.CaptureFi
 def test_header_roundtrip(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["header", str(trace_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == synthetic_header(TINY)
+
+
+def test_one_schema_version_per_trace(
+    trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    v1 = Path(__file__).resolve().parents[1] / "data" / "v1" / "store.parquet"
+    err = _cli_error(capsys, str(_one_part(trace_dir, "store")), str(v1))
+    assert "schema version 1 mixed with version 2" in err or "mixed with version 1" in err

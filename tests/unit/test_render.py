@@ -34,7 +34,7 @@ def test_mismatch_report(tmp_path: Path) -> None:
         "  group 1 (SWA) needed chunks 4–5 for a hit at 96; store wrote 5 near there",
         "    group 1 chunk 4 [64, 80): lookup MISS; never offered by the store path",
         "",
-        "where the prompt tokens came from (2 lookups, 200 prompt tokens):",
+        "where the tokens to prefill came from (2 lookups, 200 tokens):",
         "                                                              all engines",
         "  short of E (RULE): never_offered, group 1 (SWA)              96  48.0%",
         "  cold: not stored anywhere                                   100  50.0%",
@@ -66,7 +66,7 @@ def test_explained_and_agree_reports(tmp_path: Path) -> None:
 def test_summary(tmp_path: Path) -> None:
     trace = open_trace(str(_build(tmp_path, swa1=[5], episode_external=0)))
     assert _text(render_summary, summarize(trace)) == [
-        "trace: 3 part(s) from 1 recorder instance(s); vLLM 0.33.0, model None, blocks_per_chunk 1",
+        "trace: 2 part(s) from 1 recorder instance(s); vLLM 0.33.0, model None, blocks_per_chunk 1",
         "rows: store 14, lookup 13, episode 2, load 0, step 0",
         "",
         "group  kind        tpc    stored prepared rejected evicted   lookups      HIT     MISS "

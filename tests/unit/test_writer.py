@@ -11,11 +11,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
+from keytrace.analysis import frames
 from keytrace.format.reader import open_trace
-from keytrace.format.schema import KINDS, SCHEMA_VERSION
+from keytrace.format.schema import HEAD, SCHEMA_VERSION, SCHEMAS
 from keytrace.format.writer import TraceWriter, call_columns
 from tests.factories import TINY, new_builder
 
@@ -35,7 +37,7 @@ def test_round_trip_every_kind(tmp_path: Path) -> None:
     # GIVEN a recorder that writes one call of every row kind
     b = new_builder(tmp_path)
     k = b.key("c", 1, 3)
-    b.rec.episode_begin("r1", 16, 64, 100, 100, 6)
+    b.rec.episode_begin("r1", 16, 64, 100, 100, 6, 80)
     b.rec.begin_scan()
     b.rec.lookup(k, "r1", 64, "HIT_PENDING", True)
     b.rec.episode_end("r1", 48, True)
@@ -49,23 +51,25 @@ def test_round_trip_every_kind(tmp_path: Path) -> None:
     # WHEN it is read back
     trace = open_trace(str(tmp_path))
     # THEN every kind is there with the values written
-    assert trace.kinds == list(KINDS)
-    lk = trace.collect("lookup").row(0, named=True)
-    assert (
-        lk["group_id"],
-        lk["chunk_idx"],
-        lk["end_token"],
-        str(lk["result"]),
-        lk["secondary"],
-    ) == (1, 3, 64, "HIT_PENDING", True)
-    assert lk["key"] == k and str(lk["req_id"]) == "r1"
-    ep = trace.collect("episode").row(0, named=True)
-    assert (
-        ep["local_tokens"],
-        ep["external_tokens"],
-        ep["accepted_tokens"],
-        ep["max_new_tokens"],
-    ) == (16, 48, 48, 64)
+    assert trace.version == SCHEMA_VERSION == 2
+    assert trace.kinds == ["store", "lookup", "load", "step"]
+    [lk] = frames.lookups(trace).collect().iter_rows(named=True)
+    assert (lk["gid"], lk["chunk"], lk["end_token"], lk["result"], lk["key"]) == (
+        1,
+        3,
+        64,
+        "HIT_PENDING",
+        k,
+    )
+    [ep] = frames.episodes(trace).collect().iter_rows(named=True)
+    assert (ep["S"], ep["X"], ep["A"], ep["max_new"], ep["spb"], ep["req_id"]) == (
+        16,
+        48,
+        48,
+        64,
+        80,
+        "r1",
+    )
     st = trace.collect("store").sort("seq")
     assert [str(e) for e in st["event"]] == ["prepared", "completed", "reset"]
     assert st["job_id"].to_list() == [7, 7, None]
@@ -75,11 +79,42 @@ def test_round_trip_every_kind(tmp_path: Path) -> None:
     assert (step["computed_tokens"], step["scheduled_tokens"], step["resumed"]) == (16, 84, True)
     # seq is one process-wide order shared by all kinds: one number per recorded call, in
     # call order (the episode takes its number at episode_begin)
-    seq = {kind: trace.collect(kind).sort("seq")["seq"].to_list() for kind in KINDS}
-    first = seq["episode"][0]
-    assert seq["lookup"] == [first + 1]
-    assert seq["store"] == [first + 2, first + 3, first + 4]
-    assert seq["load"] == [first + 5] and seq["step"] == [first + 6]
+    first = ep["s"]
+    assert lk["seq"] == first + 1
+    assert trace.collect("store").sort("seq")["seq"].to_list() == [first + 2, first + 3, first + 4]
+    assert trace.collect("load")["seq"].to_list() == [first + 5]
+    assert trace.collect("step")["seq"].to_list() == [first + 6]
+
+
+def test_a_scan_row_summarises_its_lookups(tmp_path: Path) -> None:
+    # one right-to-left window scan of 70 keys: HIT, HIT, HIT_PENDING, MISS, then HITs
+    b = new_builder(tmp_path)
+    results = ["HIT", "HIT", "HIT_PENDING", "MISS", *["HIT"] * 66]
+    chunks = list(range(69, -1, -1))
+    b.rec.episode_begin("r", 0, None, 2000, 2000, 125)
+    b.rec.begin_scan()
+    for c, r in zip(chunks, results, strict=True):
+        b.rec.lookup(b.key("c", 1, c), "r", (c + 1) * 16, r, False)
+    b.rec.episode_end("r", 0, False)
+    b.close()
+    trace = open_trace(str(tmp_path))
+    [scan] = frames.scans(trace).collect().iter_rows(named=True)
+    assert (scan["gid"], scan["n"], scan["n_hit"], scan["n_pending"], scan["n_miss"]) == (
+        1,
+        70,
+        68,
+        1,
+        1,
+    )
+    # leading HITs stop at the first non-HIT; the terminal is the first MISS (chunk 66)
+    assert (scan["lead_hits"], scan["term_chunk"], scan["term_result"]) == (2, 66, "MISS")
+    assert scan["term_key"] == b.key("c", 1, 66) and scan["term_end_token"] == 67 * 16
+    raw = trace.collect("lookup").filter(pl.col("scan") == 0).row(0, named=True)
+    assert len(raw["head_keys"]) == HEAD and len(raw["tail_keys"]) == 70 - HEAD
+    # the raw rows come back in call order, head then tail
+    flat = frames.lookups(trace).collect().sort("seq")
+    assert flat["chunk"].to_list() == chunks and flat["result"].to_list() == results
+    assert frames.lookups(trace, heads_only=True).collect().height == HEAD
 
 
 def test_partial_key_has_null_chunk(tmp_path: Path) -> None:
@@ -289,15 +324,11 @@ def test_full_disk_warns_once_and_counts(
 def test_call_columns_cover_schema() -> None:
     # the hot path supplies exactly these; derived and per-row columns are added at flush
     common = ("seq", "ts_ns", "instance", "instance_id", "engine_id", "dp_rank", "pid", "step")
-    assert call_columns("lookup") == (
-        *common,
-        "episode",
-        "scan",
-        "req_id",
-        "end_token",
-        "key",
-        "result",
-        "secondary",
+    lookup = call_columns("lookup")
+    assert lookup[:11] == (*common, "episode", "scan", "req_id")
+    assert {"term_chunk", "head_chunks", "tail_chunks"}.isdisjoint(lookup)  # derived at flush
+    assert set(lookup) | {"term_chunk", "head_chunks", "tail_chunks"} == set(
+        SCHEMAS["lookup"].names
     )
     assert call_columns("store") == (*common, "event", "req_id", "job_id")
 
