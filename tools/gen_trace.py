@@ -1,11 +1,10 @@
-"""Write a large synthetic trace in the real schema v1 through keytrace's own recorder.
+"""Write a large synthetic trace in the current schema through keytrace's own recorder.
 
     python tools/gen_trace.py OUT_DIR --rows 10_000_000 [--engines 4] [--planted 5] [--seed 0]
 
 The geometry is the real `dsv4` header (five groups, their chunk sizes and windows). Each
-request stores what vLLM 0.33.0 stores for its own end boundary (every full-attention chunk,
-each sliding-window group's needed tail, computed with the differ's own `needed_chunks`),
-then is resent with one of these outcomes:
+request stores what vLLM 0.33.0 stores for its own end boundary E (every full-attention
+chunk, each sliding-window group's tail), then is resent with one of these outcomes:
 
 - hit (most): prefix scan over the full-attention group, right-to-left window scans that
   find their tails at once;
@@ -19,6 +18,11 @@ then is resent with one of these outcomes:
   never offered, so its window scan fails all the way left and the episode returns 0.
 
 Planted episodes are listed in OUT_DIR.planted.json as [engine_id, req_id] pairs.
+
+The planted truth does not come from the differ: the tails are `window_tail` below, vLLM
+0.33.0's rule written out for this geometry from its source (`vllm-offload-notes.md`), not
+`keytrace.analysis.rules`. If the two ever disagree the benchmark reports planted episodes
+missed or hits called mismatches.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import time
 
 from keytrace.analysis.geometry import DSV4, synthetic_header
 from keytrace.analysis.rules import groups_from_header as _groups
-from keytrace.analysis.rules import needed_chunks
 from keytrace.record.recorder import Recorder
 
 TPH = DSV4.tokens_per_hash  # 4 tokens per hash block
@@ -42,6 +45,15 @@ def key(chain: int, end_token: int, gid: int) -> bytes:
     """Content-addressed like vLLM: the hash of the chunk's last hash block + group id."""
     j = end_token // TPH - 1
     return ((chain << 40) | j).to_bytes(32, "big") + gid.to_bytes(4, "big")
+
+
+def window_tail(tpc: int, sliding_window: int, eagle: bool, E: int) -> list[int]:
+    """The chunks vLLM 0.33.0's right-to-left scan of a sliding-window group must find for a
+    hit ending at E (a multiple of every chunk size here): the last cdiv(sw, tpc) chunks
+    before E; an MTP draft group also its peek chunk starting at E (the generator only makes
+    prompts long enough to key it: P - E >= tpc)."""
+    w = -(-sliding_window // tpc)
+    return list(range(E // tpc - w, E // tpc + (1 if eagle else 0)))
 
 
 def main() -> int:
@@ -87,6 +99,8 @@ def main() -> int:
     while rows < args.rows or len(planted) < args.planted:
         rec = recs[req_no % len(recs)]
         P = rng.randrange(8_000, args.max_tokens)
+        if (P - 1) % fa.tpc < 64:  # keep the MTP peek chunk keyable (see window_tail)
+            P += 64
         chain += 1
         rid = f"req-{req_no}"
         rid2 = f"req-{req_no}-resend"
@@ -111,7 +125,11 @@ def main() -> int:
         rec.begin_scan()
         rec.lookup(key(chain, fa.tpc, 0), rid, fa.tpc, "MISS", False)
         rec.episode_end(rid, 0, False)
-        need = {g.gid: needed_chunks(g, 0, E, P // g.tpc) for g in groups}
+        need = {
+            g.gid: window_tail(g.tpc, g.sliding_window, g.eagle, E)
+            for g in groups
+            if g.sliding_window is not None
+        }
         stored = {
             g.gid: list(range(P // g.tpc)) if g.window is None else list(need[g.gid])
             for g in groups
@@ -147,7 +165,7 @@ def main() -> int:
             rows += 1
         if outcome == "retry":
             external = None
-        for gid in order[1:]:
+        for n, gid in enumerate(order[1:], start=1):
             g = by_gid[gid]
             rec.begin_scan()
             present = set(stored[gid])
@@ -167,6 +185,13 @@ def main() -> int:
                     break
             if run < hits_needed:
                 external = 0
+                # as the recorder's episode-end hook does: the groups vLLM never scanned
+                # get their needed keys from vLLM's own per-request key lists
+                rec.end_scan()
+                for later in order[n + 1 :]:
+                    t = tpcs[later]
+                    ends = [(c + 1) * t for c in need[later]]
+                    rec.unqueried(rid2, later, ends, [key(chain, e, later) for e in ends])
                 break
             if outcome == "pending" and gid == 1:
                 external = None

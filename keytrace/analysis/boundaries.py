@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from keytrace.analysis import frames
 from keytrace.analysis.rules import Group, align_down, store_boundary
 
 STORE_OFFERS = ("prepared", "rejected", "failed", "completed")
@@ -44,15 +45,19 @@ def chain(
     """Per episode: its intended ``boundaries``, the ``chain`` requests and ``chain_P`` (the
     longest prompt among them: how far they could key chunks)."""
     a = anchor(groups)
-    bounds = request_boundaries(episodes, groups).with_columns(
-        (pl.col("b") // a.tpc - 1).alias("chunk")
-    )
-    bkeys = (
+    # Small sides are collected before they meet a whole kind: joined lazily, the streaming
+    # engine holds the big side while the small one is still being computed.
+    bounds = frames.collect(
+        request_boundaries(episodes, groups).with_columns((pl.col("b") // a.tpc - 1).alias("chunk"))
+    ).lazy()
+    # collected first: one key per (request, boundary), joined against the lookups as a
+    # small literal table (a lazy join would hold the store pages for the whole query)
+    bkeys = frames.collect(
         stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
         .join(bounds, on=["inst", "req_id", "chunk"])
         .group_by("inst", "key", "b", "req_id")
         .agg(pl.col("P").first(), pl.col("seq").min().alias("first_seq"))
-    )
+    ).lazy()
     return (
         lookups.filter(pl.col("gid") == a.gid)
         .select("inst", "s", "key")

@@ -17,7 +17,7 @@ from typing import Any
 
 import polars as pl
 
-from keytrace.analysis import frames, lost, scans
+from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, chain
 from keytrace.analysis.history import causes
 from keytrace.analysis.lost import LostTokens
@@ -135,7 +135,7 @@ def _episodes(
         sel &= pl.col("dp_rank") == rank
     summaries = frames.scans(trace)
     F = scans.resident_prefix(summaries, eps, groups)
-    B = chain(eps, frames.lookups(trace, gid=anchor(groups).gid), frames.stores(trace), groups)
+    B = chain(eps, frames.lookups(trace, gids=[anchor(groups).gid]), frames.stores(trace), groups)
     top = pl.min_horizontal("L", "F")  # F null: no full-attention constraint
     out = (
         eps.with_columns(lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("max_new")).alias("L"))
@@ -144,7 +144,7 @@ def _episodes(
         .with_columns(top.alias("top"))
     )
     out = out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left")
-    df = out.with_columns(base_verdict().alias("verdict")).sort("s").collect()
+    df = out.with_columns(base_verdict().alias("verdict")).sort("s").pipe(frames.collect)
     selected = df.filter(sel)
     if selected.height == 0:
         raise TraceError("no episode matches the given --request/--engine/--rank")
@@ -195,22 +195,27 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
     if sf.height == 0:
         return empty
     keys = sf.select(KEY)
-    lk = frames.lookups(trace).join(keys.lazy(), on=KEY, how="semi")
-    bind = scans.binding(frames.scans(trace).join(keys.lazy(), on=KEY, how="semi")).collect()
+    bind = scans.binding(frames.scans(trace).join(keys.lazy(), on=KEY, how="semi")).pipe(
+        frames.collect
+    )
     tph = int(trace.header.get("tokens_per_hash") or 1)
     needed = _needed(sf, groups, tph).join(bind.select(*KEY, "bind_gid"), on=KEY, how="left")
+    ranges = needed.group_by(*KEY, "gid").agg(
+        pl.col("chunk").min().alias("lo"), (pl.col("chunk").max() + 1).alias("hi")
+    )
     seen = (
-        lk.group_by(*KEY, "gid", "chunk")
+        frames.lookups_in(trace, ranges.lazy())
+        .group_by(*KEY, "gid", "chunk")
         .agg(pl.col("key", "result", "seq").sort_by("seq").last())
-        .collect()
+        .pipe(frames.collect)
     )
     needed = needed.join(seen, on=[*KEY, "gid", "chunk"], how="left").with_columns(
         (pl.col("gid") == pl.col("bind_gid")).fill_null(False).alias("binding")
     )
     bind = _terminal_within_needed(bind, needed)
     needed = _recorded_unqueried(trace, needed, keys)
-    needed = _derive_unknown_keys(trace, needed, sf)
-    needed = _settle_unknown_offers(trace, needed, sf)
+    needed = unknown.derive_keys(trace, needed, sf)
+    needed = unknown.settle_offers(trace, needed, sf)
     with_cause = _with_causes(trace, needed, bind, sf, groups)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     verdicts = shortfall_verdicts(with_cause["needed"], terminals)
@@ -267,7 +272,7 @@ def _recorded_unqueried(trace: Trace, needed: pl.DataFrame, keys: pl.DataFrame) 
         .join(keys.lazy(), on=KEY, how="semi")
         .group_by(*KEY, "gid", "chunk")
         .agg(pl.col("key").first().alias("ukey"))
-        .collect()
+        .pipe(frames.collect)
     )
     if got.height == 0:
         return needed
@@ -275,169 +280,6 @@ def _recorded_unqueried(trace: Trace, needed: pl.DataFrame, keys: pl.DataFrame) 
         needed.join(got, on=[*KEY, "gid", "chunk"], how="left")
         .with_columns(pl.coalesce("key", "ukey").alias("key"))
         .drop("ukey")
-    )
-
-
-def _derive_unknown_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:
-    """Keys of needed chunks the episode never looked up (vLLM stopped in another group).
-
-    A key is the block hash of the chunk's last hash block plus the group id, and every
-    chunk that ends at the same token of the same prefix has that block hash, in any
-    group. Sources, in order:
-
-    1. the request's own recorded keys (its lookups in any of its episodes, e.g. before a
-       preemption; its store rows of any event and time) ending at that token;
-    2. keys ending at that token recorded by any request that also recorded one of this
-       request's keys ending *at or after* it: content-addressed chained keys mean that
-       request shares the whole prefix through the chunk.
-
-    A derived key has no lookup result; its cause comes from the store history as usual.
-    """
-    missing = needed.filter(pl.col("key").is_null()).with_columns(
-        ((pl.col("chunk") + 1) * pl.col("tpc")).alias("end")
-    )
-    if missing.height == 0:
-        return needed
-    slots = missing.select(*KEY, "gid", "chunk", "end").lazy()
-    mine = sf.select("inst", "req_id", "s").lazy()
-    every = pl.concat(
-        [
-            frames.lookups(trace).select("inst", "req_id", "end_token", "key"),
-            frames.stores(trace).select("inst", "req_id", "end_token", "key"),
-        ]
-    ).filter(pl.col("end_token").is_not_null() & pl.col("key").is_not_null())
-    own = every.join(mine, on=["inst", "req_id"]).select(*KEY, "end_token", "key")
-    direct = slots.join(own, left_on=[*KEY, "end"], right_on=[*KEY, "end_token"]).select(
-        *KEY, "gid", "chunk", "key"
-    )
-    anchors = (
-        slots.join(own, on=KEY)
-        .filter(pl.col("end_token") >= pl.col("end"))
-        .sort("end_token")
-        .group_by(*KEY, "gid", "chunk", "end")
-        .agg(pl.col("key").first().alias("anchor"))
-    )
-    sharers = anchors.join(
-        every.select("inst", "req_id", "key").unique(), left_on="anchor", right_on="key"
-    ).select(
-        *KEY,
-        "gid",
-        "chunk",
-        "end",
-        pl.col("inst_right").alias("r_inst"),
-        pl.col("req_id").alias("r_req"),
-    )
-    shared = sharers.join(
-        every.select(
-            pl.col("inst").alias("r_inst"), pl.col("req_id").alias("r_req"), "end_token", "key"
-        ),
-        left_on=["r_inst", "r_req", "end"],
-        right_on=["r_inst", "r_req", "end_token"],
-    ).select(*KEY, "gid", "chunk", "key")
-    found = (
-        pl.concat(
-            [
-                direct.with_columns(pl.lit(0).alias("rank")),
-                shared.with_columns(pl.lit(1).alias("rank")),
-            ]
-        )
-        .sort("rank")
-        .group_by(*KEY, "gid", "chunk")
-        .agg(pl.col("key").first())
-        .collect()
-    )
-    derived = [
-        (i, s, gid, chunk, bytes(k)[:-4] + int(gid).to_bytes(4, "big"))
-        for i, s, gid, chunk, k in found.iter_rows()
-    ]
-    if not derived:
-        return needed
-    d = pl.DataFrame(
-        derived,
-        schema={
-            "inst": pl.Int64,
-            "s": pl.Int64,
-            "gid": pl.Int32,
-            "chunk": pl.Int64,
-            "dkey": pl.Binary,
-        },
-        orient="row",
-    )
-    return (
-        needed.join(d, on=[*KEY, "gid", "chunk"], how="left")
-        .with_columns(pl.coalesce("key", "dkey").alias("key"))
-        .drop("dkey")
-    )
-
-
-def _settle_unknown_offers(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:
-    """For a needed chunk whose key stays unknown: was it provably never offered?
-
-    Any request that can have offered *this* chunk shares the request's prefix through its
-    end, so it also shares the request's last known key before the chunk (chained keys).
-    If no request sharing that key offered this group's chunk at this index before the
-    episode (on its engine; elsewhere before its wall clock), nobody did: the cause follows
-    without the key (``never_offered``/``not_keyable``, set in `_with_causes`);
-    ``unoffered`` marks those chunks. If one of them did, the key may be theirs or not, and
-    the chunk stays unknown (a request sharing a *later* key of this request would prove
-    it theirs only for requests at least that long, so that shortcut is not taken).
-    """
-    unknown = needed.filter(pl.col("key").is_null()).with_columns(
-        ((pl.col("chunk") + 1) * pl.col("tpc")).alias("end")
-    )
-    if unknown.height == 0:
-        return needed.with_columns(pl.lit(False).alias("unoffered"))
-    slots = unknown.select(*KEY, "gid", "chunk", "end").lazy()
-    mine = sf.select("inst", "req_id", "s").lazy()
-    every = pl.concat(
-        [
-            frames.lookups(trace).select("inst", "req_id", "end_token", "key"),
-            frames.stores(trace).select("inst", "req_id", "end_token", "key"),
-        ]
-    ).filter(pl.col("end_token").is_not_null() & pl.col("key").is_not_null())
-    own = every.join(mine, on=["inst", "req_id"]).select(*KEY, "end_token", "key")
-    anchors = (
-        slots.join(own, on=KEY)
-        .filter(pl.col("end_token") < pl.col("end"))
-        .sort("end_token")
-        .group_by(*KEY, "gid", "chunk")
-        .agg(pl.col("key").last().alias("anchor"))
-    )
-    sharers = anchors.join(
-        every.select("inst", "req_id", "key").unique(), left_on="anchor", right_on="key"
-    ).select(
-        *KEY, "gid", "chunk", pl.col("inst_right").alias("r_inst"), pl.col("req_id").alias("r_req")
-    )
-    offers = (
-        frames.stores(trace)
-        .filter(pl.col("event").is_in(["prepared", "rejected", "failed", "completed"]))
-        .select(
-            pl.col("inst").alias("r_inst"),
-            pl.col("req_id").alias("r_req"),
-            "gid",
-            "chunk",
-            "seq",
-            "ts",
-        )
-    )
-    offered = (
-        sharers.join(offers, on=["r_inst", "r_req", "gid", "chunk"])
-        .join(sf.select(*KEY, "t").lazy(), on=KEY)
-        .filter(
-            ((pl.col("r_inst") == pl.col("inst")) & (pl.col("seq") < pl.col("s")))
-            | ((pl.col("r_inst") != pl.col("inst")) & (pl.col("ts") < pl.col("t")))
-        )
-        .select(*KEY, "gid", "chunk")
-        .unique()
-    )
-    settled = (
-        anchors.select(*KEY, "gid", "chunk")
-        .join(offered, on=[*KEY, "gid", "chunk"], how="anti")
-        .with_columns(pl.lit(True).alias("unoffered"))
-        .collect()
-    )
-    return needed.join(settled, on=[*KEY, "gid", "chunk"], how="left").with_columns(
-        pl.col("unoffered").fill_null(False)
     )
 
 
@@ -517,7 +359,7 @@ def _with_causes(
         .with_columns(pl.col("pid").cast(pl.Int64))
     )
     judged = (
-        causes(probes, frames.stores(trace))
+        causes(probes, frames.stores(trace), [g["group_id"] for g in trace.header["groups"]])
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )
@@ -657,27 +499,33 @@ def _stored_near(
     )
     if wanted.height == 0:
         return {}
-    spans = []
-    for inst, s, chain_reqs, gid, needed in wanted.iter_rows():
-        g = by_gid[gid]
-        mine = [n["chunk"] for n in needed or [] if n["gid"] == gid] or [0]
-        margin = 4 * (g.window or 1) + 2
-        for rid in chain_reqs or []:
-            spans.append((inst, s, gid, rid, min(mine) - margin, max(mine) + margin))
-    if not spans:
-        return {}
-    span_df = pl.DataFrame(
-        spans,
-        schema={
-            "inst": pl.Int64,
-            "s": pl.Int64,
-            "gid": pl.Int32,
-            "req_id": pl.String,
-            "lo": pl.Int64,
-            "hi": pl.Int64,
-        },
-        orient="row",
+    # around the binding group's needed chunks (or chunk 0), a margin of a few windows,
+    # for each request on the episode's chain
+    margin = {g.gid: 4 * (g.window or 1) + 2 for g in by_gid.values()}
+    mine = (
+        wanted.select(*KEY, "bind_gid", "needed")
+        .explode("needed")
+        .unnest("needed")
+        .filter(pl.col("gid") == pl.col("bind_gid"))
+        .group_by(KEY)
+        .agg(pl.col("chunk").min().alias("c_lo"), pl.col("chunk").max().alias("c_hi"))
     )
+    m = pl.col("gid").replace_strict(margin, return_dtype=pl.Int64)
+    span_df = (
+        wanted.select(*KEY, pl.col("bind_gid").alias("gid"), pl.col("chain").alias("req_id"))
+        .join(mine, on=KEY, how="left")
+        .explode("req_id")
+        .drop_nulls("req_id")
+        .select(
+            *KEY,
+            "gid",
+            "req_id",
+            (pl.col("c_lo").fill_null(0) - m).alias("lo"),
+            (pl.col("c_hi").fill_null(0) + m).alias("hi"),
+        )
+    )
+    if span_df.height == 0:
+        return {}
     got = (
         frames.stores(trace)
         .filter(pl.col("event") == "completed")
@@ -685,7 +533,7 @@ def _stored_near(
         .filter(pl.col("chunk").is_between("lo", "hi") & (pl.col("seq") < pl.col("s")))
         .group_by(KEY)
         .agg(pl.col("chunk").unique().sort())
-        .collect()
+        .pipe(frames.collect)
     )
     return {(i, s): _ranges(chunks) for i, s, chunks in got.iter_rows()}
 

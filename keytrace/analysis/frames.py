@@ -17,10 +17,50 @@ moment" uses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import polars as pl
+import pyarrow as pa
 
 from keytrace.format.reader import Trace
 from keytrace.format.schema import SCAN_EPISODE, SCAN_UNQUERIED
+
+
+def collect(lf: pl.LazyFrame) -> pl.DataFrame:
+    """Run a query on polars' streaming engine; its result owns its binary columns (see
+    `owned`). Every query the differ runs goes through here."""
+    return owned(_copy_binary(lf).collect(engine="streaming"))
+
+
+def collect_all(lfs: Sequence[pl.LazyFrame]) -> list[pl.DataFrame]:
+    """`collect` for several queries, one after the other: run together (``pl.collect_all``)
+    they hold their whole inputs at once (measured: 5x the peak memory at 50M rows)."""
+    return [collect(lf) for lf in lfs]
+
+
+def _copy_binary(lf: pl.LazyFrame) -> pl.LazyFrame:
+    # A slice is a copy: as the last step of the plan it runs on each output batch, so the
+    # batch lets go of the pages its keys were decoded into as it flows (see `owned`).
+    cols = [c for c, t in lf.collect_schema().items() if t == pl.Binary]
+    return lf.with_columns(pl.col(c).bin.slice(0) for c in cols) if cols else lf
+
+
+def owned(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with its binary columns copied into buffers of their own.
+
+    Polars keeps long binary values as views into the buffers they were decoded into, so a
+    few thousand keys selected from a 50M-row scan keep every page they came from alive,
+    during the query and after it: memory then grows with the trace, not with the result.
+    Copying the (small) result lets those pages go, which keeps the differ's peak memory
+    flat in trace size. (`collect` also copies inside the plan, for the peak during it.)
+    """
+    cols = [c for c, t in df.schema.items() if t == pl.Binary]
+    if not cols or df.height == 0:
+        return df
+    table = df.select(cols).to_arrow()
+    return df.with_columns(
+        pl.Series(c, table.column(c).cast(pa.binary()), dtype=pl.Binary) for c in cols
+    )
 
 
 def _str(col: str) -> pl.Expr:
@@ -89,6 +129,10 @@ def scans(trace: Trace) -> pl.LazyFrame:
             "term_end_token",
             "term_key",
             _str("term_result").alias("term_result"),
+            "last_hit_seq",
+            "last_hit_chunk",
+            "min_chunk",
+            "max_chunk",
         )
     )
 
@@ -103,15 +147,29 @@ _FLAT = {
 }
 
 
-def lookups(trace: Trace, *, gid: int | None = None, heads_only: bool = False) -> pl.LazyFrame:
+def lookups(
+    trace: Trace,
+    *,
+    gids: Sequence[int] | None = None,
+    heads_only: bool = False,
+    requests: pl.LazyFrame | None = None,
+    having: pl.Series | None = None,
+) -> pl.LazyFrame:
     """One row per ``manager.lookup`` call: inst, s, req_id, scan, seq, gid, chunk,
-    end_token, key, result. ``gid`` keeps one group (v2 skips other groups' row groups
-    before anything is exploded); ``heads_only`` reads only where each scan started."""
+    end_token, key, result.
+
+    Each restriction is applied before a v2 scan's lists are exploded: ``gids`` keeps those
+    groups (their row groups only are read), ``heads_only`` reads only where each scan
+    started, ``requests`` (inst, req_id) keeps those requests' scans, and ``having`` keeps
+    the scans that looked up at least one of those keys (the caller filters the calls).
+    """
     if trace.version == 1:
         lk = trace.frame("lookup")
-        if gid is not None:
-            lk = lk.filter(pl.col("group_id") == gid)
-        return lk.select(
+        if gids is not None:
+            lk = lk.filter(pl.col("group_id").is_in(list(gids)))
+        if having is not None:
+            lk = lk.filter(pl.col("key").is_in(having.implode()))
+        flat = lk.select(
             pl.col("instance_id").alias("inst"),
             pl.col("episode").alias("s"),
             _str("req_id").alias("req_id"),
@@ -123,11 +181,54 @@ def lookups(trace: Trace, *, gid: int | None = None, heads_only: bool = False) -
             "key",
             _str("result").alias("result"),
         )
+        if requests is not None:
+            flat = flat.join(requests, on=["inst", "req_id"], how="semi")
+        return flat
     rows = trace.frame("lookup").filter(pl.col("scan") >= 0)
-    if gid is not None:
-        rows = rows.filter(pl.col("group_id") == gid)
+    if gids is not None:
+        rows = rows.filter(pl.col("group_id").is_in(list(gids)))
     parts = ["head"] if heads_only else ["head", "tail"]
-    return pl.concat([_explode(rows, prefix) for prefix in parts])
+    exploded = []
+    for prefix in parts:
+        these = rows
+        if having is not None:
+            hit = pl.col(f"{prefix}_keys").list.set_intersection(having.implode()).list.len() > 0
+            these = these.filter(hit.fill_null(False))
+        exploded.append(_explode(these, prefix, semi=requests))
+    return pl.concat(exploded)
+
+
+def lookups_in(trace: Trace, ranges: pl.LazyFrame) -> pl.LazyFrame:
+    """The lookups of chunks ``[lo, hi)`` of group ``gid`` in episode ``(inst, s)``, one
+    range per row of ``ranges``: the rows `lookups` gives, restricted before anything is
+    exploded. A scan's tail lists are exploded only when their chunk span meets the range
+    (vLLM starts scans where a hit would end, so the chunks a verdict needs are nearly
+    always in the head, and a failing window scan's long run to chunk 0 is never read)."""
+    inside = (pl.col("chunk") >= pl.col("lo")) & (pl.col("chunk") < pl.col("hi"))
+    want = ranges.select("inst", "s", "gid", "lo", "hi")
+    if trace.version == 1:
+        return lookups(trace).join(want, on=["inst", "s", "gid"]).filter(inside).drop("lo", "hi")
+
+    # An is_in filter, unlike a join, reaches the Parquet reader: the list columns of other
+    # scans are never decoded. The join then makes it exact (seqs are per process).
+    def scans_of(sel: pl.LazyFrame, on: list[str]) -> pl.LazyFrame:
+        episodes = collect(sel.select(pl.col("s").unique())).to_series()
+        return (
+            trace.frame("lookup")
+            .filter((pl.col("scan") >= 0) & pl.col("episode").is_in(episodes.implode()))
+            .rename({"instance_id": "inst", "episode": "s", "group_id": "gid"})
+            .join(sel, on=on)
+        )
+
+    rows = scans_of(want, ["inst", "s", "gid"])
+    parts = [_explode(rows, "head", keep=["lo", "hi"])]
+    # tails only of the scans whose tail span (two int columns) meets the range
+    meets = (pl.col("tail_min_chunk") < pl.col("hi")) & (pl.col("tail_max_chunk") >= pl.col("lo"))
+    tails = collect(rows.filter(meets).select("inst", "s", "gid", "scan", "lo", "hi"))
+    if tails.height:
+        tail_rows = scans_of(tails.lazy(), ["inst", "s", "gid", "scan"])
+        parts.append(_explode(tail_rows, "tail", keep=["lo", "hi"]))
+    return pl.concat(parts).filter(inside).drop("lo", "hi")
 
 
 def unqueried(trace: Trace) -> pl.LazyFrame:
@@ -149,21 +250,41 @@ def unqueried(trace: Trace) -> pl.LazyFrame:
     return _explode(rows, "head").select("inst", "s", "req_id", "gid", "chunk", "end_token", "key")
 
 
-def _explode(rows: pl.LazyFrame, prefix: str) -> pl.LazyFrame:
+def _explode(
+    rows: pl.LazyFrame,
+    prefix: str,
+    keep: list[str] | None = None,
+    semi: pl.LazyFrame | None = None,
+) -> pl.LazyFrame:
+    """Scan rows (raw or already renamed to inst/s/gid) to one row per call; ``semi``
+    (columns among inst, s, req_id, gid) keeps the matching scans before exploding."""
     cols = [f"{prefix}_{c}" for c in _RAW]
+    names = rows.collect_schema().names()
+    ident = [
+        pl.col(raw if raw in names else short).alias(short)
+        for raw, short in (("instance_id", "inst"), ("episode", "s"), ("group_id", "gid"))
+    ]
+    extra = keep or []
+    picked = rows.select(*ident, _str("req_id").alias("req_id"), "scan", *cols, *extra)
+    if semi is not None:
+        picked = picked.join(semi, on=semi.collect_schema().names(), how="semi")
     return (
-        rows.select(
-            pl.col("instance_id").alias("inst"),
-            pl.col("episode").alias("s"),
-            _str("req_id").alias("req_id"),
-            "scan",
-            pl.col("group_id").alias("gid"),
-            *cols,
-        )
-        .filter(pl.col(cols[0]).is_not_null())
+        picked.filter(pl.col(cols[0]).is_not_null())
         .explode(cols)
         .rename({f"{prefix}_{c}": _FLAT[c] for c in _RAW})
-        .select("inst", "s", "req_id", "scan", "seq", "gid", "chunk", "end_token", "key", "result")
+        .select(
+            "inst",
+            "s",
+            "req_id",
+            "scan",
+            "seq",
+            "gid",
+            "chunk",
+            "end_token",
+            "key",
+            "result",
+            *extra,
+        )
     )
 
 

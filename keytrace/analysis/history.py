@@ -24,7 +24,11 @@ explains nothing: only what was in flight or resident at s counts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import polars as pl
+
+from keytrace.analysis.frames import collect_all
 
 EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
 """Timing, capacity or routing: a shortfall with only these causes is not a rule bug."""
@@ -43,29 +47,35 @@ def _hash(key: pl.Expr) -> pl.Expr:
     return key.bin.slice(0, key.bin.size() - 4)
 
 
-def causes(probes: pl.DataFrame, stores: pl.LazyFrame) -> pl.DataFrame:
-    """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys."""
+def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int]) -> pl.DataFrame:
+    """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys.
+
+    One pass over the store rows keeps what any probe can need: rows of its key, of its
+    block hash under another of ``group_ids`` (a key is hash + 4-byte group id, so those
+    keys are spelled out rather than hashed row by row), and resets.
+    """
     if probes.height == 0:
         return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
     keys = probes.select("key").unique()
-    hashes = keys.select(_hash(pl.col("key")).alias("h")).unique()
-    hist_q = stores.join(keys.lazy(), on="key", how="semi").select(
-        "inst", "seq", "ts", "event", "key"
+    hashes = keys.select(_hash(pl.col("key")).alias("h")).unique()["h"].to_list()
+    siblings = pl.Series(
+        [bytes(h) + int(g).to_bytes(4, "big") for h in hashes for g in group_ids],
+        dtype=pl.Binary,
     )
-    resets_q = stores.filter(pl.col("event") == "reset").select("inst", "seq", "ts")
+    ev = pl.col("event")
+    rows_q = stores.filter(
+        pl.col("key").is_in(pl.concat([keys["key"], siblings]).unique().implode()) | (ev == "reset")
+    ).select("inst", "seq", "ts", "event", "key", "gid")
     first_prep_q = (
-        stores.filter(pl.col("event") == "prepared")
+        stores.filter(ev == "prepared")
         .group_by("inst", "gid")
         .agg(pl.col("seq").min().alias("first_prep"))
     )
-    other_gid_q = (
-        stores.filter(pl.col("event") == "completed")
-        .with_columns(_hash(pl.col("key")).alias("h"))
-        .join(hashes.lazy(), on="h", how="semi")
-        .select("inst", "seq", pl.col("gid").alias("other_gid"), "h")
-    )
-    hist, resets, first_prep, other_gid = pl.collect_all(
-        [hist_q, resets_q, first_prep_q, other_gid_q]
+    rows, first_prep = collect_all([rows_q, first_prep_q])
+    hist = rows.join(keys, on="key", how="semi").select("inst", "seq", "ts", "event", "key")
+    resets = rows.filter(ev == "reset").select("inst", "seq", "ts")
+    other_gid = rows.filter(ev == "completed").select(
+        "inst", "seq", pl.col("gid").alias("other_gid"), _hash(pl.col("key")).alias("h")
     )
     base = probes.select("pid", "inst", "s", "t", "key", "gid")
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from keytrace.analysis import frames
 from keytrace.analysis.rules import Group
 
 CATEGORIES = ("gpu_prefix", "offload", "short", "cold_routing", "cold_not_stored", "past_boundary")
@@ -167,21 +168,25 @@ def routing_boundaries(
     a = anchor(groups)
     if not a.full_attention:
         return empty
-    bounds = request_boundaries(episodes, groups).with_columns(
-        (pl.col("b") // a.tpc - 1).alias("chunk")
-    )
+    bounds = frames.collect(  # collected first: see boundaries.chain
+        request_boundaries(episodes, groups).with_columns((pl.col("b") // a.tpc - 1).alias("chunk"))
+    ).lazy()
     offered = stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
-    elsewhere = (
+    # each side collected on its own: one key per boundary, the cold requests' own keys
+    elsewhere = frames.collect(
         offered.join(bounds, on=["inst", "req_id", "chunk"])
         .group_by("inst", "key", "b")
         .agg(pl.col("ts").min().alias("first_ts"))
         .rename({"inst": "other"})
-    )
-    own = (
-        offered.join(cold.select("inst", "req_id").lazy(), on=["inst", "req_id"])
+    ).lazy()
+    # the cold requests' own offers of those boundary keys only (not all their keys)
+    boundary_keys = elsewhere.select(pl.col("key").unique()).collect()["key"]
+    own = frames.collect(
+        offered.filter(pl.col("key").is_in(boundary_keys.implode()))
+        .join(cold.select("inst", "req_id").lazy(), on=["inst", "req_id"])
         .select("inst", "req_id", "key")
         .unique()
-    )
+    ).lazy()
     return (
         cold.select("inst", "s", "req_id", "t", "S", "L")
         .lazy()
@@ -195,5 +200,5 @@ def routing_boundaries(
         )
         .group_by("inst", "s")
         .agg(pl.col("b").max().alias("E_other"))
-        .collect()
+        .pipe(frames.collect)
     )

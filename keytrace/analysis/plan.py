@@ -85,7 +85,7 @@ def plan_for(trace: Trace, v: EpisodeVerdict) -> ReplayPlan:
         .filter(pl.col("inst") == v.instance_id)
         .group_by("req_id")
         .agg(pl.col("P").max())
-        .collect()
+        .pipe(frames.collect)
         .iter_rows()
     )
     primes = [(rid, prompts[rid]) for rid in v.chain if rid in prompts]
@@ -115,7 +115,7 @@ def _recorded_steps(trace: Trace, v: EpisodeVerdict, primes: list[str]) -> list[
         .filter((pl.col("instance_id") == v.instance_id) & ~pl.col("finished"))
         .with_columns(pl.col("req_id").cast(pl.String))
         .sort("seq")
-        .collect()
+        .pipe(frames.collect)
     )
     # Primes: their steps before the episode; the episode's own request: its steps after it.
     recorded = [

@@ -7,7 +7,8 @@ for a windowed group, right to left). Per scan, in call order:
 - ``lead_hits``: HITs before the first non-HIT (a full-attention scan's resident prefix,
   by the manager's own word);
 - the *terminal* row: the first MISS or RETRY, else the first non-HIT (``term_*``);
-- the counts per result.
+- the last HIT in call order (``last_hit_*``: a window scan's leftmost hit);
+- the chunk range scanned (``min_chunk``, ``max_chunk``) and the counts per result.
 
 These are the per-scan summary rows the recorder writes in trace format v2; for a v1 trace
 `scan_summaries` derives them from the raw lookup rows.
@@ -34,6 +35,10 @@ SCAN_COLUMNS = (
     "term_chunk",
     "term_key",
     "term_result",
+    "last_hit_seq",
+    "last_hit_chunk",
+    "min_chunk",
+    "max_chunk",
 )
 
 
@@ -59,6 +64,10 @@ def scan_summaries(lookups: pl.LazyFrame) -> pl.LazyFrame:
             pl.col("end_token").filter(term).first().alias("term_end_token"),
             pl.col("key").filter(term).first().alias("term_key"),
             res.filter(term).first().alias("term_result"),
+            pl.col("seq").filter(res == "HIT").last().alias("last_hit_seq"),
+            pl.col("chunk").filter(res == "HIT").last().alias("last_hit_chunk"),
+            pl.col("chunk").min().alias("min_chunk"),
+            pl.col("chunk").max().alias("max_chunk"),
         )
         .with_columns(
             pl.col("n", "n_hit", "n_pending", "n_retry", "n_miss", "lead_hits").cast(pl.Int32)

@@ -55,13 +55,13 @@ def summarize(trace: Trace, *, max_episodes: int = 20) -> Summary:
         .filter(pl.col("group_id").is_not_null())
         .group_by("group_id", "event")
         .agg(pl.len().alias("n"))
-        .collect()
+        .pipe(frames.collect)
     )
     lk = (
         frames.lookups(trace)
         .group_by(pl.col("gid").alias("group_id"), "result")
         .agg(pl.len().alias("n"))
-        .collect()
+        .pipe(frames.collect)
     )
 
     def count(df: pl.DataFrame, gid: int, col: str, val: str) -> int:
@@ -89,7 +89,7 @@ def summarize(trace: Trace, *, max_episodes: int = 20) -> Summary:
                 retries=count(lk, gid, "result", "RETRY"),
             )
         )
-    ep = frames.episodes(trace).sort("s").head(max_episodes).collect()
+    ep = frames.episodes(trace).sort("s").head(max_episodes).pipe(frames.collect)
     episodes = [
         EpisodeLine(
             req_id=str(r["req_id"]),
@@ -116,8 +116,10 @@ def _counts(trace: Trace) -> dict[str, int]:
     and step rows (the same for every schema version)."""
     return {
         "store": trace.rows("store"),
-        "lookup": int(frames.scans(trace).select(pl.col("n").sum()).collect().item() or 0),
-        "episode": frames.episodes(trace).select(pl.len()).collect().item(),
+        "lookup": int(
+            frames.scans(trace).select(pl.col("n").sum()).pipe(frames.collect).item() or 0
+        ),
+        "episode": frames.episodes(trace).select(pl.len()).pipe(frames.collect).item(),
         "load": trace.rows("load"),
         "step": trace.rows("step"),
     }

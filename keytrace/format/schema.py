@@ -179,6 +179,13 @@ _LOOKUP_V2: tuple[pa.Field[Any], ...] = (
     pa.field("term_chunk", pa.int64()),
     pa.field("term_key", pa.binary()),
     pa.field("term_result", _STR),
+    pa.field("last_hit_seq", pa.int64()),
+    pa.field("last_hit_end_token", pa.int64()),
+    pa.field("last_hit_chunk", pa.int64()),
+    pa.field("min_chunk", pa.int64()),
+    pa.field("max_chunk", pa.int64()),
+    pa.field("tail_min_chunk", pa.int64()),
+    pa.field("tail_max_chunk", pa.int64()),
     *_raw("head"),
     *_raw("tail"),
 )

@@ -89,7 +89,16 @@ _DERIVED: dict[str, tuple[str, ...]] = {
     "store": ("group_id", "chunk_idx"),
     "load": ("group_id", "chunk_idx"),
     # v2 lookup rows: chunk indices follow from end tokens and the group's chunk size
-    "lookup": ("term_chunk", "head_chunks", "tail_chunks"),
+    "lookup": (
+        "term_chunk",
+        "last_hit_chunk",
+        "head_chunks",
+        "tail_chunks",
+        "min_chunk",
+        "max_chunk",
+        "tail_min_chunk",
+        "tail_max_chunk",
+    ),
     "step": (),
 }
 
@@ -302,6 +311,7 @@ class TraceWriter:
         if "term_chunk" in _DERIVED[kind]:
             gid = arrays["group_id"]
             arrays["term_chunk"] = self._chunk_idx(gid, arrays["term_end_token"])
+            arrays["last_hit_chunk"] = self._chunk_idx(gid, arrays["last_hit_end_token"])
             for prefix in ("head", "tail"):
                 ends = arrays[f"{prefix}_end_tokens"]
                 per_row = pa.array(np.repeat(gid.to_numpy(zero_copy_only=False), _lengths(ends)))
@@ -309,6 +319,13 @@ class TraceWriter:
                 arrays[f"{prefix}_chunks"] = pa.ListArray.from_arrays(
                     _offsets(ends), flat, mask=ends.is_null()
                 )
+            # the chunk span a scan covered, whole and in its tail: a reader decides from
+            # these whether it needs a scan's lists at all
+            head_lo, head_hi = _span(arrays["head_chunks"])
+            tail_lo, tail_hi = _span(arrays["tail_chunks"])
+            arrays["min_chunk"] = pa.compute.min_element_wise(head_lo, tail_lo)
+            arrays["max_chunk"] = pa.compute.max_element_wise(head_hi, tail_hi)
+            arrays["tail_min_chunk"], arrays["tail_max_chunk"] = tail_lo, tail_hi
         return pa.Table.from_arrays([arrays[n] for n in schema.names], schema=schema)
 
     def _chunk_idx(self, group_ids: pa.Array[Any], end_tokens: pa.Array[Any]) -> pa.Array[Any]:
@@ -446,6 +463,23 @@ def write_parquet(table: pa.Table, fh: Any) -> None:
 def _lengths(lists: pa.Array[Any]) -> np.ndarray[Any, Any]:
     """Entries per list (0 for a null list)."""
     return np.asarray(pa.compute.list_value_length(lists).fill_null(0), dtype=np.int64)
+
+
+def _span(lists: pa.Array[Any]) -> tuple[pa.Array[Any], pa.Array[Any]]:
+    """Per list: the smallest and largest non-null entry (null when it has none)."""
+    lengths = _lengths(lists)
+    flat = pa.compute.list_flatten(lists)
+    valid = ~np.asarray(flat.is_null(), dtype=bool)
+    values = np.asarray(flat.fill_null(0), dtype=np.int64)
+    big = np.iinfo(np.int64).max
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    nonempty = lengths > 0
+    lo = np.full(len(lengths), big, dtype=np.int64)
+    hi = np.full(len(lengths), -big, dtype=np.int64)
+    if nonempty.any():
+        lo[nonempty] = np.minimum.reduceat(np.where(valid, values, big), starts[nonempty])
+        hi[nonempty] = np.maximum.reduceat(np.where(valid, values, -big), starts[nonempty])
+    return pa.array(lo, mask=lo == big), pa.array(hi, mask=hi == -big)
 
 
 def _offsets(lists: pa.Array[Any]) -> pa.Int32Array:

@@ -248,6 +248,8 @@ class Recorder:
             term_end_token=None if term is None else sc.ends[term],
             term_key=None if term is None else sc.keys[term],
             term_result=None if term is None else sc.results[term],
+            last_hit_seq=None if sc.last_hit is None else sc.seqs[sc.last_hit],
+            last_hit_end_token=None if sc.last_hit is None else sc.ends[sc.last_hit],
             head_seqs=sc.seqs[head],
             head_end_tokens=sc.ends[head],
             head_keys=sc.keys[head],
@@ -394,6 +396,7 @@ class _Scan:
         "first_nonhit",
         "gid_bytes",
         "keys",
+        "last_hit",
         "lead",
         "req_id",
         "results",
@@ -417,6 +420,7 @@ class _Scan:
         self.results: list[str] = []
         self.counts = {"HIT": 0, "HIT_PENDING": 0, "RETRY": 0, "MISS": 0}
         self.lead = 0  # HITs before the first non-HIT
+        self.last_hit: int | None = None
         self.term: int | None = None  # first MISS or RETRY
         self.first_nonhit: int | None = None
 
@@ -428,6 +432,7 @@ class _Scan:
         self.results.append(result)
         self.counts[result] = self.counts.get(result, 0) + 1
         if result == "HIT":
+            self.last_hit = i
             if self.first_nonhit is None:
                 self.lead += 1
             return

@@ -104,6 +104,10 @@ def test_faithful(geometry: Geometry, n: int, tmp_path: Path) -> None:
         "term_end_token",
         "term_key",
         "term_result",
+        "last_hit_seq",
+        "last_hit_chunk",
+        "min_chunk",
+        "max_chunk",
     ]
     recorded = frames.scans(trace).collect().select(cols).sort("inst", "s", "scan")
     derived = scan_summaries(frames.lookups(trace)).collect().select(cols).sort("inst", "s", "scan")

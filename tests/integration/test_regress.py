@@ -39,6 +39,9 @@ def _pytest(folder: Path, inject: str | None) -> subprocess.CompletedProcess[str
     env = {k: v for k, v in os.environ.items() if k != "KEYTRACE_INJECT"}
     if inject:
         env["KEYTRACE_INJECT"] = inject
+    # the keytrace under test, whatever else is installed
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [
             sys.executable,

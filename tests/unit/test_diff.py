@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from keytrace.analysis.diff import EpisodeVerdict, diff
+from keytrace.analysis.geometry import GroupGeom
 from keytrace.analysis.rules import Group, needed_chunks
 from keytrace.cli import main
 from keytrace.format.reader import open_trace
@@ -402,3 +403,29 @@ def test_a_rule_miss_behind_an_eviction_is_a_mismatch(tmp_path: Path) -> None:
     b.close()
     v2 = _r2(diff(open_trace(str(d2)), all_episodes=True).episodes)
     assert (v2.verdict, v2.terminal.cause) == ("explained", "evicted")
+
+
+def test_a_request_that_only_evicted_a_key_does_not_share_its_prefix(tmp_path: Path) -> None:
+    # group 2 has 4-token chunks, so its chunk 22 (tokens 88-92) ends where r2 recorded no
+    # key of its own: the key is derived from requests sharing r2's key ending at 96. r9
+    # (another prefix, "x") holds that key only as an eviction row, and stored its own chunk
+    # 22: taking r9's key would call the chunk resident. Nobody on r2's prefix offered it.
+    geo = TINY.with_(
+        groups=(
+            TINY.groups[0],
+            TINY.groups[1],
+            GroupGeom("sliding_window", 4, sliding_window=8, name="fine"),
+        )
+    )
+    d = tmp_path / "t"
+    b = new_builder(d, geometry=geo)
+    b.prime("r1", "c", 100, swa_chunks={1: [5], 2: [23]})
+    b.store("r9", "x", 2, [22])
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.evict("r9", "c", 0, [5])
+    b.evict("r9", "c", 1, [5])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.binding_group, v.terminal.chunk) == ("mismatch", 1, 4)
+    fine = [(n.chunk, n.key, n.cause) for n in v.needed if n.group_id == 2]
+    assert fine == [(22, None, "never_offered"), (23, b.key("c", 2, 23).hex(), "resident")]

@@ -109,8 +109,14 @@ def test_a_scan_row_summarises_its_lookups(tmp_path: Path) -> None:
     # leading HITs stop at the first non-HIT; the terminal is the first MISS (chunk 66)
     assert (scan["lead_hits"], scan["term_chunk"], scan["term_result"]) == (2, 66, "MISS")
     assert scan["term_key"] == b.key("c", 1, 66) and scan["term_end_token"] == 67 * 16
+    # the last HIT in call order is the leftmost chunk, 0; the scan covered chunks 0-69
+    assert (scan["last_hit_chunk"], scan["min_chunk"], scan["max_chunk"]) == (0, 0, 69)
+    flat_seqs = frames.lookups(trace).collect().sort("seq")["seq"].to_list()
+    assert scan["last_hit_seq"] == flat_seqs[-1]
     raw = trace.collect("lookup").filter(pl.col("scan") == 0).row(0, named=True)
     assert len(raw["head_keys"]) == HEAD and len(raw["tail_keys"]) == 70 - HEAD
+    # the tail holds calls 65-70: chunks 5 down to 0
+    assert (raw["tail_min_chunk"], raw["tail_max_chunk"]) == (0, 69 - HEAD)
     # the raw rows come back in call order, head then tail
     flat = frames.lookups(trace).collect().sort("seq")
     assert flat["chunk"].to_list() == chunks and flat["result"].to_list() == results
@@ -326,10 +332,10 @@ def test_call_columns_cover_schema() -> None:
     common = ("seq", "ts_ns", "instance", "instance_id", "engine_id", "dp_rank", "pid", "step")
     lookup = call_columns("lookup")
     assert lookup[:11] == (*common, "episode", "scan", "req_id")
-    assert {"term_chunk", "head_chunks", "tail_chunks"}.isdisjoint(lookup)  # derived at flush
-    assert set(lookup) | {"term_chunk", "head_chunks", "tail_chunks"} == set(
-        SCHEMAS["lookup"].names
-    )
+    derived = {"term_chunk", "last_hit_chunk", "head_chunks", "tail_chunks"}
+    derived |= {"min_chunk", "max_chunk", "tail_min_chunk", "tail_max_chunk"}
+    assert derived.isdisjoint(lookup)  # derived at flush
+    assert set(lookup) | derived == set(SCHEMAS["lookup"].names)
     assert call_columns("store") == (*common, "event", "req_id", "job_id")
 
 
