@@ -34,3 +34,35 @@ def require_vllm() -> None:
         if REQUIRE_VLLM:
             pytest.fail(f"vLLM is required (KEYTRACE_REQUIRE_VLLM=1) but not importable: {exc}")
         pytest.skip(f"vLLM not importable: {exc}")
+
+
+REQUIRE_BROWSER = os.environ.get("KEYTRACE_REQUIRE_BROWSER") == "1"
+
+
+def chromium_path() -> str:
+    """The system Chromium binary for browser tests (Debian's ``chromium`` package), driven by
+    Playwright; skip without it, unless KEYTRACE_REQUIRE_BROWSER=1 makes that a failure."""
+    import shutil
+
+    problem = None
+    try:
+        import playwright.sync_api  # noqa: F401
+    except Exception as exc:
+        problem = f"playwright not importable: {exc}"
+    # Debian's /usr/bin/chromium is a shell wrapper; the binary itself is under /usr/lib
+    found = os.environ.get("KEYTRACE_CHROMIUM") or next(
+        (
+            p
+            for p in ("/usr/lib/chromium/chromium", shutil.which("chromium") or "")
+            if p and os.path.exists(p)
+        ),
+        None,
+    )
+    if found is None:
+        problem = problem or "no chromium binary (apt-get install chromium)"
+    if problem:
+        if REQUIRE_BROWSER:
+            pytest.fail(f"a browser is required (KEYTRACE_REQUIRE_BROWSER=1): {problem}")
+        pytest.skip(problem)
+    assert found is not None
+    return found

@@ -60,6 +60,8 @@ def command(out_dir: str | None) -> int:
     click.echo(
         f"  regression  {os.path.relpath(res.fixture or '', out)}   (run it: python -m pytest {res.fixture})"
     )
+    if res.html:
+        click.echo(f"  chunk map   {os.path.relpath(res.html, out)}   (open it in a browser)")
     click.echo(f"  sweep       {os.path.relpath(res.sweep_table or '', out)}")
     for p in res.plots:
         click.echo(f"  plot        {os.path.relpath(p, out)}")

@@ -6,11 +6,13 @@ import sys
 
 import click
 
+from keytrace.analysis.chunkmap import DEFAULT_LIMIT, chunk_maps
 from keytrace.analysis.diff import diff
 from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
+from keytrace.report.html import write_page
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff
 
@@ -28,6 +30,21 @@ from keytrace.report.text import render_diff
 )
 @json_option
 @click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Also write a self-contained HTML page: the verdict, the lost-token table and a "
+    "chunk map of each shortfall episode (per group: stored, needed, looked up, terminal key).",
+)
+@click.option(
+    "--html-limit",
+    type=click.IntRange(min=1),
+    default=DEFAULT_LIMIT,
+    show_default=True,
+    help="Episodes drawn in the HTML page at most (mismatches first).",
+)
+@click.option(
     "--progress/--no-progress",
     default=None,
     help="Progress on stderr [default: on for a terminal, off with --json].",
@@ -39,6 +56,8 @@ def command(
     rank: int | None,
     all_episodes: bool,
     as_json: bool,
+    html_path: str | None,
+    html_limit: int,
     progress: bool | None,
 ) -> int:
     """Find where lookup needed a key the store path never wrote.
@@ -71,4 +90,8 @@ def command(
         write_json(report, sys.stdout)
     else:
         render_diff(report, sys.stdout)
+    if html_path is not None:
+        write_page(html_path, report, chunk_maps(trace, report, limit=html_limit))
+        if not as_json:
+            click.echo(f"chunk map: {html_path}")
     return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK

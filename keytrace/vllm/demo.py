@@ -41,6 +41,7 @@ class DemoResult:
     out_dir: str
     runs: list[DemoRun] = field(default_factory=list)
     fixture: str | None = None
+    html: str | None = None
     sweep: list[SweepRow] = field(default_factory=list)
     sweep_table: str | None = None
     plots: list[str] = field(default_factory=list)
@@ -66,6 +67,14 @@ def run_demo(
         log(f"recording dsv4, {n:,} tokens, {label} ...")
         external = replay(builtin("dsv4"), [n], n, trace_dir=d, inject=inject).external_tokens
         res.runs.append(DemoRun(label, d, n, inject, external, diff(open_trace(d))))
+
+    # the picture of the stock miss: 17,975 tokens, group 2's chunk 277 never offered
+    from keytrace.analysis.chunkmap import chunk_maps
+    from keytrace.report.html import write_page
+
+    last = res.runs[-1]
+    res.html = os.path.join(out_dir, f"chunkmap-dsv4-{last.num_tokens}-stock.html")
+    write_page(res.html, last.report, chunk_maps(open_trace(last.trace_dir), last.report))
 
     from keytrace.analysis.plan import plan_from_trace
     from keytrace.report.fixture import file_name, render_fixture

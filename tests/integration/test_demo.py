@@ -46,7 +46,10 @@ def test_demo_whole_loop(tmp_path: Path) -> None:
         and "terminal chunk 277" in blocks[3]
     )
     files = set(os.listdir(out))
-    assert {"sweep.csv", "sweep.png", "sweep.svg"} <= files
+    assert {"sweep.csv", "sweep.png", "sweep.svg", "chunkmap-dsv4-17975-stock.html"} <= files
+    assert "chunk map   chunkmap-dsv4-17975-stock.html" in text
+    page = (out / "chunkmap-dsv4-17975-stock.html").read_text()
+    assert '"terminal":{"group":2,"chunk":277' in page
     fixture = [f for f in files if f.startswith("test_keytrace_") and f.endswith(".py")]
     assert len(fixture) == 1
     compile((out / fixture[0]).read_text(), fixture[0], "exec")

@@ -1,0 +1,126 @@
+"""`keytrace diff --html`: one self-contained page (inline CSS, SVG drawn by inline JS, data
+as embedded JSON) with the verdict, the lost-token table and a chunk map per episode.
+
+The page is a Jinja2 template (``templates/chunkmap.html.j2``); this module only turns the
+analysis results into the JSON the page reads. No network: it opens from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO, Any
+
+import jinja2
+
+from keytrace.analysis.chunkmap import EpisodeMap
+from keytrace.analysis.lost import LostTokens
+from keytrace.analysis.results import DiffReport
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("keytrace.report", "templates"),
+    autoescape=jinja2.select_autoescape(["html", "j2"]),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+)
+
+
+def write_page(path: str, report: DiffReport, maps: list[EpisodeMap]) -> None:
+    """`render_html` into ``path``, through a temporary name and an atomic rename."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        render_html(report, maps, fh)
+    os.replace(tmp, path)
+
+
+def render_html(report: DiffReport, maps: list[EpisodeMap], file: IO[str]) -> None:
+    """Write the page for ``report`` with the chunk maps of ``maps`` (drawn in that order;
+    the first mismatch, if any, is selected when the page opens)."""
+    data = {
+        "verdict": report.verdict,
+        "counts": report.counts,
+        "header": {
+            k: report.header.get(k) for k in ("vllm_version", "model", "geometry", "injected")
+        },
+        "lost": _lost(report.lost),
+        "episodes": [_episode(m) for m in maps],
+        "total_shortfalls": report.counts.get("mismatch", 0) + report.counts.get("explained", 0),
+    }
+    page = _ENV.get_template("chunkmap.html.j2").render(
+        title=f"keytrace diff: {report.verdict}",
+        data_json=_script_json(data),
+    )
+    file.write(page)
+
+
+def _script_json(data: Any) -> str:
+    # inside <script>, "</" would end the element and "<!--" start a comment: escape them
+    text = json.dumps(data, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _lost(lost: LostTokens | None) -> dict[str, Any] | None:
+    if lost is None:
+        return None
+    total = lost.prompt_tokens.get("all", 0)
+    rows: list[dict[str, Any]] = [
+        {
+            "label": r.label,
+            "tokens": r.tokens,
+            "episodes": r.episodes,
+            "rule": r.category == "short" and not r.explained,
+        }
+        for r in lost.rows
+        if r.engine == "all"
+    ]
+    rows.sort(key=lambda r: -r["tokens"])
+    return {"prompt_tokens": total, "lookups": lost.episodes.get("all", 0), "rows": rows}
+
+
+def _episode(m: EpisodeMap) -> dict[str, Any]:
+    v = m.episode
+    t = v.terminal
+    return {
+        "verdict": v.verdict,
+        "req_id": v.req_id,
+        "episode": v.episode,
+        "engine": v.engine_id or v.instance,
+        "rank": v.dp_rank,
+        "P": v.num_prompt_tokens,
+        "S": v.S,
+        "L": v.L,
+        "E": v.E,
+        "external": v.external_tokens,
+        "binding_group": v.binding_group,
+        "binding_label": v.binding_label,
+        "terminal": None
+        if t is None
+        else {
+            "group": t.group_id,
+            "chunk": t.chunk,
+            "key": t.key,
+            "result": t.result,
+            "cause": t.cause,
+        },
+        "reason": v.reason,
+        "lo": m.token_lo,
+        "hi": m.token_hi,
+        "lanes": [
+            {
+                "group": lane.group_id,
+                "label": lane.label,
+                "tpc": lane.tokens_per_chunk,
+                "window": lane.sliding_window,
+                "eagle": lane.eagle,
+                # only chunks with something to show; the rest are drawn empty
+                "chunks": [
+                    [c.chunk, c.stored, c.lookup, c.needed, c.cause, c.key, c.terminal]
+                    for c in lane.chunks
+                    if c.stored or c.lookup or c.needed
+                ],
+                "first": lane.chunks[0].chunk if lane.chunks else 0,
+                "count": len(lane.chunks),
+            }
+            for lane in m.lanes
+        ],
+    }
