@@ -12,6 +12,7 @@ per *reported* episode only, to build the result objects.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,7 +22,14 @@ from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, chain
 from keytrace.analysis.history import causes
 from keytrace.analysis.lost import LostTokens
-from keytrace.analysis.results import DiffReport, EpisodeVerdict, NeededChunk, TerminalKey
+from keytrace.analysis.results import (
+    DiffReport,
+    EpisodeList,
+    EpisodeVerdict,
+    NeededChunk,
+    TerminalKey,
+    verdict_from_row,
+)
 from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range, unit
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, reason, shortfall_verdicts
 from keytrace.errors import TraceError
@@ -393,61 +401,65 @@ def _with_causes(
 # ------------------------------------------------------------------ results
 def _build(
     trace: Trace, groups: list[Group], reported: pl.DataFrame, explained: pl.DataFrame
-) -> list[EpisodeVerdict]:
-    """Result objects for the reported episodes (the only per-episode Python)."""
+) -> EpisodeList:
+    """The reported episodes: columns for all, objects only for the shortfalls (the only
+    per-episode Python)."""
     by_gid = {g.gid: g for g in groups}
-    detail = (
-        {(r["inst"], r["s"]): r for r in explained.iter_rows(named=True)}
-        if explained.height
-        else {}
+    rows = reported.select(
+        "verdict",
+        "instance",
+        pl.col("inst").alias("instance_id"),
+        "engine_id",
+        "dp_rank",
+        "req_id",
+        pl.col("s").alias("episode"),
+        "step",
+        pl.col("P").alias("num_prompt_tokens"),
+        "S",
+        "L",
+        "E",
+        pl.col("X").alias("external_tokens"),
+        pl.col("A").alias("accepted_tokens"),
+        _plain_reason(reported).alias("reason"),
+        pl.col("chain").fill_null([]).cast(pl.List(pl.String)),
+        "F",
     )
+    if explained.height == 0:
+        return EpisodeList(rows, {})
     stored = _stored_near(trace, reported, explained, by_gid)
-    out = []
-    for r in reported.iter_rows(named=True):
-        d = detail.get((r["inst"], r["s"]))
-        base = dict(
-            verdict=r["verdict"],
-            instance=r["instance"],
-            instance_id=r["inst"],
-            engine_id=r["engine_id"],
-            dp_rank=r["dp_rank"],
-            req_id=r["req_id"],
-            episode=r["s"],
-            step=r["step"],
-            num_prompt_tokens=r["P"],
-            S=r["S"],
-            L=r["L"],
-            E=r["E"],
-            external_tokens=r["X"],
-            accepted_tokens=r["A"],
-        )
-        base["chain"] = list(r["chain"] or [])
-        base["F"] = r["F"]
-        if d is None:
-            out.append(EpisodeVerdict(**base, reason=_plain_reason(r)))
-            continue
+    detail = {(r["inst"], r["s"]): r for r in explained.iter_rows(named=True)}
+    detailed: dict[int, EpisodeVerdict] = {}
+    keys = reported.select(KEY).with_row_index("i").join(explained.select(KEY), on=KEY)
+    for i, inst, s in keys.iter_rows():
+        d = detail[(inst, s)]
+        base = verdict_from_row(rows.row(i, named=True))
         g = by_gid[d["bind_gid"]] if d["bind_gid"] is not None else None
-        out.append(
-            EpisodeVerdict(
-                **base,
-                binding_group=d["bind_gid"],
-                binding_label=g.label if g else None,
-                terminal=_terminal(d, g),
-                needed=_needed_chunks(d["needed"] or [], by_gid),
-                stored_chunks=stored.get((r["inst"], r["s"]), []),
-                reason=reason(r["verdict"], d["decisive"] or [], d["term_result"]),
-            )
+        detailed[i] = dataclasses.replace(
+            base,
+            binding_group=d["bind_gid"],
+            binding_label=g.label if g else None,
+            terminal=_terminal(d, g),
+            needed=_needed_chunks(d["needed"] or [], by_gid),
+            stored_chunks=stored.get((inst, s), []),
+            reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
         )
-    return out
+    return EpisodeList(rows, detailed)
 
 
-def _plain_reason(r: dict[str, Any]) -> str:
-    v = r["verdict"]
-    if v == "deferred":
-        return "vLLM deferred the lookup (returned None)"
-    if v == "cold":
-        return "no intended boundary is resident: a cold lookup"
-    return f"external tokens reach E={r['E']:,}"
+def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
+    """The reason of an episode with no shortfall detail, as an expression over ``reported``."""
+    e_text = {e: f"{e:,}" for e in reported["E"].drop_nulls().unique().to_list()}
+    v = pl.col("verdict")
+    return (
+        pl.when(v == "deferred")
+        .then(pl.lit("vLLM deferred the lookup (returned None)"))
+        .when(v == "cold")
+        .then(pl.lit("no intended boundary is resident: a cold lookup"))
+        .otherwise(
+            pl.lit("external tokens reach E=")
+            + pl.col("E").replace_strict(e_text, default=None, return_dtype=pl.String)
+        )
+    )
 
 
 def _hex(k: bytes | None) -> str | None:

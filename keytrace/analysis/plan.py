@@ -8,6 +8,7 @@ the header, the recorded step schedule, and what the differ said about the episo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ class ReplayPlan:
         return asdict(self)
 
 
-def _choose(report_all: list[EpisodeVerdict], request: str | None) -> EpisodeVerdict:
+def _choose(report_all: Sequence[EpisodeVerdict], request: str | None) -> EpisodeVerdict:
     eps = [v for v in report_all if v.verdict != "deferred"]
     if request is not None:
         mine = [v for v in eps if v.req_id == request]

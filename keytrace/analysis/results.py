@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
+
+import polars as pl
 
 from keytrace.analysis.lost import LostTokens
 
@@ -80,7 +83,7 @@ class DiffReport:
 
     verdict: str  # "agree" | "mismatch"
     first_mismatch: EpisodeVerdict | None
-    episodes: list[EpisodeVerdict]
+    episodes: Sequence[EpisodeVerdict]
     counts: dict[str, int]
     evidence_incomplete: bool
     warnings: list[str]
@@ -88,3 +91,78 @@ class DiffReport:
     all_episodes: bool = False
     lost: LostTokens | None = None
     """Where every prompt token of the selected episodes came from (per engine, and all)."""
+
+
+PLAIN_FIELDS = (
+    "verdict",
+    "instance",
+    "instance_id",
+    "engine_id",
+    "dp_rank",
+    "req_id",
+    "episode",
+    "step",
+    "num_prompt_tokens",
+    "S",
+    "L",
+    "E",
+    "external_tokens",
+    "accepted_tokens",
+    "reason",
+    "chain",
+    "F",
+)
+"""The `EpisodeVerdict` fields every episode has; the rest describe a shortfall."""
+
+
+class EpisodeList(Sequence[EpisodeVerdict]):
+    """Reported episodes in sequence order, kept as columns.
+
+    ``rows`` holds `PLAIN_FIELDS` for every episode; ``detailed`` maps a position to the
+    full verdict of a shortfall episode. Any other position becomes an `EpisodeVerdict`
+    only when read. With ``--all`` a fleet trace reports every episode (150k at 150M rows):
+    as objects they were most of the differ's memory and a third of its time; as columns
+    they stay small, and `keytrace.report.jsonout` encodes them without building them.
+    """
+
+    def __init__(self, rows: pl.DataFrame, detailed: dict[int, EpisodeVerdict]) -> None:
+        self.rows = rows
+        self.detailed = detailed
+
+    def __len__(self) -> int:
+        return self.rows.height
+
+    @overload
+    def __getitem__(self, i: int) -> EpisodeVerdict: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[EpisodeVerdict]: ...
+    def __getitem__(self, i: int | slice) -> EpisodeVerdict | list[EpisodeVerdict]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        found = self.detailed.get(i)
+        return found if found is not None else verdict_from_row(self.rows.row(i, named=True))
+
+    def __iter__(self) -> Iterator[EpisodeVerdict]:
+        for i, r in enumerate(self.rows.iter_rows(named=True)):
+            found = self.detailed.get(i)
+            yield found if found is not None else verdict_from_row(r)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"EpisodeList({len(self)} episodes, {len(self.detailed)} detailed)"
+
+
+def verdict_from_row(row: dict[str, Any]) -> EpisodeVerdict:
+    """An `EpisodeVerdict` from a row of `PLAIN_FIELDS` (its list columns as lists)."""
+    row["chain"] = list(row["chain"] or [])
+    return EpisodeVerdict(**row)

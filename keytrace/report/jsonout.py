@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import IO, Any
+
+import polars as pl
+
+from keytrace.analysis.results import EpisodeList, EpisodeVerdict
 
 _SCALARS = (int, str, float, bool, type(None))
 
@@ -19,7 +24,7 @@ def to_jsonable(obj: Any) -> Any:
         return {k: to_jsonable(v) for k, v in d.items()}
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, EpisodeList)):
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, bytes):
         return obj.hex()
@@ -28,14 +33,49 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def write_json(obj: Any, file: IO[str]) -> None:
-    """Indented for small documents; compact (one line) for large ones, where indentation
-    triples the bytes and the time for no reader's benefit."""
-    data = to_jsonable(obj)
-    episodes = data.get("episodes") if isinstance(data, dict) else None
-    # dumps + one write: json.dump streams thousands of tiny writes (20x slower here)
-    if isinstance(episodes, list) and len(episodes) > 1000:
-        file.write(json.dumps(data, separators=(",", ":")))
+COMPACT_ABOVE = 1000
+"""Episodes above which a report is written compact (one line): indentation triples the
+bytes and the time for no reader's benefit."""
+
+
+def write_json(obj: Any, file: IO[str], *, compact: bool | None = None) -> None:
+    """Indented for small documents, compact for large ones (``compact`` forces either)."""
+    episodes = getattr(obj, "episodes", None)
+    if compact is None:
+        compact = isinstance(episodes, Sequence) and len(episodes) > COMPACT_ABOVE
+    if compact and isinstance(episodes, EpisodeList):
+        # dumps + one write: json.dump streams thousands of tiny writes (20x slower here)
+        file.write(_compact_with_episode_list(obj, episodes))
+    elif compact:
+        file.write(json.dumps(to_jsonable(obj), separators=(",", ":")))
     else:
-        file.write(json.dumps(data, indent=2))
+        file.write(json.dumps(to_jsonable(obj), indent=2))
     file.write("\n")
+
+
+def _compact_with_episode_list(obj: Any, episodes: EpisodeList) -> str:
+    """The compact document, the plain episodes encoded by polars from their columns in one
+    call (no object per episode), the detailed ones as usual. Parses to what
+    ``json.dumps(to_jsonable(obj))`` gives (polars writes non-ASCII text unescaped)."""
+    names = [f.name for f in dataclasses.fields(EpisodeVerdict)]
+    absent = {
+        "binding_group": pl.lit(None, pl.Int64),
+        "binding_label": pl.lit(None, pl.String),
+        "terminal": pl.lit(None, pl.String),
+        "needed": pl.lit([], pl.List(pl.Int64)),
+        "stored_chunks": pl.lit([], pl.List(pl.Int64)),
+    }
+    cols = [pl.col(n) if n in episodes.rows.columns else absent[n].alias(n) for n in names]
+    plain = episodes.rows.select(pl.struct(cols).struct.json_encode().alias("j"))["j"].to_list()
+    for i, v in episodes.detailed.items():
+        plain[i] = json.dumps(to_jsonable(v), separators=(",", ":"))
+    top = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        text = (
+            "[" + ",".join(plain) + "]"
+            if value is episodes
+            else json.dumps(to_jsonable(value), separators=(",", ":"))
+        )
+        top.append(json.dumps(f.name) + ":" + text)
+    return "{" + ",".join(top) + "}"
