@@ -42,9 +42,20 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from keytrace.cli import compact, demo, diff, fixture, header, replay, summary, sweep, workload
+    from keytrace.cli import (
+        compact,
+        demo,
+        diff,
+        fixture,
+        fuzz,
+        header,
+        replay,
+        summary,
+        sweep,
+        workload,
+    )
 
-    for mod in (demo, diff, summary, header, replay, fixture, sweep, workload, compact):
+    for mod in (demo, diff, summary, header, replay, fixture, sweep, fuzz, workload, compact):
         cli.add_command(mod.command)
 
 

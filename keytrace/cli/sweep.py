@@ -12,6 +12,7 @@ from keytrace.cli._common import subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.report.table import write_rows
+from keytrace.vllm.fixes import FIXES
 from keytrace.vllm.inject import INJECTIONS
 
 
@@ -55,6 +56,13 @@ def _table(rows: list[SweepRow]) -> None:
     default=None,
     help="Reintroduce a historical store-side bug (testing keytrace itself).",
 )
+@click.option(
+    "--fix",
+    type=click.Choice(sorted(FIXES)),
+    default=None,
+    help="Apply a candidate fix to vLLM's store path first (does it close every failing "
+    "length without a new mismatch?).",
+)
 @click.option("--csv", "csv_path", default=None, help="Also write the table as CSV.")
 @click.option("--parquet", "parquet_path", default=None, help="Also write the table as Parquet.")
 @click.option(
@@ -77,6 +85,7 @@ def command(
     retention_interval: int | None,
     blocks_per_chunk: int | None,
     inject: str | None,
+    fix: str | None,
     csv_path: str | None,
     parquet_path: str | None,
     plot_prefix: str | None,
@@ -120,7 +129,9 @@ def command(
     show = progress if progress is not None else sys.stderr.isatty()
     from keytrace.vllm.sweep import run_sweep
 
-    rows = run_sweep(geo, todo, inject=inject, progress=progress_printer() if show else None)
+    rows = run_sweep(
+        geo, todo, inject=inject, fix=fix, progress=progress_printer() if show else None
+    )
     if not quiet:
         _table(rows)
     write_rows(rows, csv_path=csv_path, parquet_path=parquet_path)
@@ -130,7 +141,8 @@ def command(
         bad = sum(r.verdict == "mismatch" for r in rows)
         title = (
             f"{geo.name}: budget {geo.max_num_batched_tokens:,}, blocks_per_chunk {geo.blocks_per_chunk}"
-            f"{', inject ' + inject if inject else ''}: {bad} of {len(rows)} lengths mismatch"
+            f"{', inject ' + inject if inject else ''}{', fix ' + fix if fix else ''}: "
+            f"{bad} of {len(rows)} lengths mismatch"
         )
         for p in plot_sweep(rows, [plot_prefix + ".png", plot_prefix + ".svg"], title=title):
             click.echo(f"plot: {p}", err=True)

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import wrapt
 
 from keytrace.record.recorder import Recorder
-from keytrace.vllm import hooks, inject
+from keytrace.vllm import fixes, hooks, inject
 
 log = logging.getLogger("keytrace")
 
@@ -48,6 +48,7 @@ Binding = Any  # None for class rows; what the instance rows need, e.g. (recorde
 Observer = Callable[..., Any]
 
 ENV_INJECT = "KEYTRACE_INJECT"
+ENV_FIX = "KEYTRACE_FIX"
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,18 @@ def _injection_rows() -> tuple[Patch, ...]:
     )
 
 
+def _fix_rows() -> tuple[Patch, ...]:
+    fns = {
+        "mtp_left_chunk": fixes.mtp_left_chunk,
+        "unkeyable_peek_fallback": fixes.unkeyable_peek_fallback,
+    }
+    assert set(fns) == set(fixes.FIXES)
+    return tuple(
+        Patch(f"fix:{name}", "scheduler", "_reachable_store_block_mask", _replace(fn))
+        for name, fn in fns.items()
+    )
+
+
 TABLE: tuple[Patch, ...] = (
     # recording: scheduler class (episode, allocation, step, finish, reset context)
     Patch("record", "scheduler", "__init__", _record_init),
@@ -314,6 +327,7 @@ TABLE: tuple[Patch, ...] = (
     Patch("record", "manager", "reset_cache", observe("manager.reset_cache", after=hooks.reset)),
     # historical store-side bugs (testing only)
     *_injection_rows(),
+    *_fix_rows(),
     # the CPU harness's own observers on the connector instance it builds
     Patch("harness", "connector", "get_num_new_matched_tokens", _notify("on_lookup")),
     Patch("harness", "connector", "update_state_after_alloc", _notify("on_alloc")),
@@ -482,6 +496,14 @@ def enable(feature: str) -> bool:
                 name,
                 inject.INJECTIONS[name],
             )
+        if feature.startswith("fix:"):
+            name = feature.split(":", 1)[1]
+            log.warning(
+                "keytrace: applied candidate fix %r to vLLM's store path (%s); every trace "
+                "recorded now says so in its header",
+                name,
+                fixes.FIXES[name],
+            )
         return True
 
 
@@ -498,9 +520,10 @@ def active(feature: str) -> bool:
 
 
 def modifications() -> list[str]:
-    """Active features that change vLLM's behaviour (injections), for the trace header."""
+    """Active features that change vLLM's behaviour (injections, fixes), for the trace
+    header."""
     with _STATE.lock:
-        return sorted(f for f in _STATE.applied if f.startswith("inject:"))
+        return sorted(f for f in _STATE.applied if f.startswith(("inject:", "fix:")))
 
 
 # ------------------------------------------------------------------ public API
@@ -569,7 +592,7 @@ def apply_injection(name: str) -> None:
     from keytrace.errors import UsageError, VllmUnavailableError
 
     feature = f"inject:{check_injection(name)}"
-    others = [f for f in modifications() if f != feature]
+    others = [f for f in modifications() if f != feature and f.startswith("inject:")]
     if others:
         raise UsageError(f"{others[0]} is already active; one injection at a time")
     if not enable(feature):
@@ -577,8 +600,50 @@ def apply_injection(name: str) -> None:
 
 
 def remove_injections() -> None:
+    """Undo every injection and fix."""
     for feature in modifications():
         disable(feature)
+
+
+def check_fix(name: str) -> str:
+    """``name`` if it is a known candidate fix, else `UsageError` listing the known ones."""
+    from keytrace.errors import UsageError
+
+    if name not in fixes.FIXES:
+        raise UsageError(f"unknown fix {name!r}; known: {', '.join(fixes.FIXES)}")
+    return name
+
+
+def apply_fix(name: str) -> None:
+    """Switch candidate fix ``name`` on for the rest of the process.
+
+    A fix and an injection may both be active: the injection (a store bug) then wraps the
+    fixed store path, as a bug reintroduced on top of a fix would."""
+    from keytrace.errors import VllmUnavailableError
+
+    if not enable(f"fix:{check_fix(name)}"):
+        raise VllmUnavailableError(f"cannot apply fix {name}: this vLLM lacks the hook point")
+
+
+@contextlib.contextmanager
+def fixed(name: str | None) -> Iterator[None]:
+    """Apply candidate fix ``name`` inside the block (no-op for None)."""
+    if not name:
+        yield
+        return
+    apply_fix(name)
+    try:
+        yield
+    finally:
+        disable(f"fix:{name}")
+
+
+def fix_from_env() -> str | None:
+    """Apply ``KEYTRACE_FIX`` if set (a generated regression's green run with the fix)."""
+    name = os.environ.get(ENV_FIX)
+    if name:
+        apply_fix(name)
+    return name or None
 
 
 @contextlib.contextmanager

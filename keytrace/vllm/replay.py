@@ -60,6 +60,7 @@ def replay(
     *,
     trace_dir: str | os.PathLike[str] | None = None,
     inject: str | None = None,
+    fix: str | None = None,
 ) -> ReplayResult:
     """Prime, reset the GPU prefix cache, run the episode's request; record and diff it.
 
@@ -69,7 +70,7 @@ def replay(
     """
     require_vllm()
     from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import injected, recording
+    from keytrace.vllm.patches import fixed, injected, recording
 
     geo = geometry if isinstance(geometry, Geometry) else Geometry.from_dict(geometry)
     d = (
@@ -79,7 +80,7 @@ def replay(
     )
     longest = max([episode_length, *prime_lengths])
     order: list[str] = []
-    with injected(inject), recording(d):
+    with fixed(fix), injected(inject), recording(d):
         h = Harness(geo, max_prompt_tokens=longest)
         for n in prime_lengths:
             order.append(h.submit(n, chain=0))

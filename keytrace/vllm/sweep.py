@@ -16,7 +16,12 @@ from keytrace.analysis.sweep import SweepRow
 
 
 def run_one(
-    geometry: Geometry, length: int, *, inject: str | None = None, keep_dir: str | None = None
+    geometry: Geometry,
+    length: int,
+    *,
+    inject: str | None = None,
+    fix: str | None = None,
+    keep_dir: str | None = None,
 ) -> SweepRow:
     """One recorded scenario at ``length`` (prime, GPU-only reset, identical resend); the
     verdict is the resend episode's."""
@@ -25,7 +30,7 @@ def run_one(
     t = time.monotonic()
     d = keep_dir or tempfile.mkdtemp(prefix="keytrace-sweep-")
     try:
-        r = replay(geometry, [length], length, trace_dir=d, inject=inject)
+        r = replay(geometry, [length], length, trace_dir=d, inject=inject, fix=fix)
     finally:
         if keep_dir is None:
             shutil.rmtree(d, ignore_errors=True)
@@ -48,13 +53,20 @@ def run_sweep(
     lengths: Iterable[int],
     *,
     inject: str | None = None,
+    fix: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> list[SweepRow]:
     """Run `run_one` for every length (each on a fresh harness, trace discarded)."""
+    from keytrace.vllm import require_vllm
+    from keytrace.vllm.patches import fixed, injected
+
+    require_vllm()  # one clear line before any patch is tried
     todo: Sequence[int] = list(lengths)
     rows = []
-    for i, n in enumerate(todo):
-        rows.append(run_one(geometry, n, inject=inject))
-        if progress is not None:
-            progress("lengths", i + 1, len(todo))
+    # applied once for the whole sweep (one warning), not once per length
+    with fixed(fix), injected(inject):
+        for i, n in enumerate(todo):
+            rows.append(run_one(geometry, n))
+            if progress is not None:
+                progress("lengths", i + 1, len(todo))
     return rows

@@ -17,7 +17,18 @@ def test_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("demo", "diff", "replay", "fixture", "sweep", "summary", "header", "compact"):
+    for name in (
+        "demo",
+        "diff",
+        "replay",
+        "fixture",
+        "sweep",
+        "fuzz",
+        "workload",
+        "summary",
+        "header",
+        "compact",
+    ):
         assert f"  {name}" in out
     assert main(["--version"]) == 0
 

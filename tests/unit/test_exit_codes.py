@@ -46,6 +46,8 @@ def _one_clean_line(stderr: str) -> str:
         ["demo", "--out", "{tmp}/demo"],
         ["sweep", "--lengths", "100"],
         ["sweep", "--lengths", "100", "--inject", "pre48911"],
+        ["sweep", "--lengths", "100", "--fix", "unkeyable_peek_fallback"],
+        ["fuzz", "-o", "{tmp}/fuzz", "--max-examples", "1"],
         ["replay", "{bad}"],
     ],
 )

@@ -1,0 +1,125 @@
+"""`keytrace fuzz`: property-based search for store/lookup mismatches over hybrid geometries."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from keytrace.cli._common import json_option, subcommand
+from keytrace.cli._progress import progress_printer
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
+from keytrace.vllm.fixes import FIXES
+from keytrace.vllm.inject import INJECTIONS
+
+
+@subcommand("fuzz")
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    default="keytrace-fuzz",
+    show_default=True,
+    help="Folder for fuzz.json, the minimal case's trace and the Hypothesis database.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Hypothesis seed.")
+@click.option(
+    "--max-examples",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Cases to try before giving up (shrinking a failure comes on top).",
+)
+@click.option(
+    "--budget",
+    "budget_seconds",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Stop drawing new cases after this many seconds.",
+)
+@click.option(
+    "--aligned-windows",
+    is_flag=True,
+    help="Only sliding windows that are whole blocks (skip the k*block+1 window class).",
+)
+@click.option(
+    "--inject",
+    type=click.Choice(sorted(INJECTIONS)),
+    default=None,
+    help="Reintroduce a historical store-side bug first.",
+)
+@click.option(
+    "--fix", type=click.Choice(sorted(FIXES)), default=None, help="Apply a candidate fix first."
+)
+@json_option
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr [default: on for a terminal, off with --json].",
+)
+def command(
+    out_dir: str,
+    seed: int,
+    max_examples: int,
+    budget_seconds: float | None,
+    aligned_windows: bool,
+    inject: str | None,
+    fix: str | None,
+    as_json: bool,
+    progress: bool | None,
+) -> int:
+    """Search hybrid geometries and traffic for a store/lookup mismatch, on the real scheduler.
+
+    Hypothesis draws a geometry (a full-attention group and 1-3 sliding-window groups, at
+    most one EAGLE/MTP; block sizes, windows, blocks per chunk, step budget) and a traffic
+    shape (identical resend after a GPU-only reset, or the next turn), records it through
+    the real vLLM 0.33.0 scheduler and diffs it. The first mismatch is shrunk to a minimal
+    case (fewest groups, smallest blocks and lengths), whose trace is kept under
+    OUT/minimal-trace for `keytrace diff`, `fixture` and `replay`. Reruns with the same
+    OUT start from the examples it found.
+
+    \b
+    Example: keytrace fuzz --seed 1 --max-examples 200 --aligned-windows
+    Exit status: 0 no mismatch found, 1 a mismatch (minimal case printed), 2 trouble.
+    """
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError as exc:
+        raise UsageError("keytrace fuzz needs Hypothesis: pip install 'keytrace[fuzz]'") from exc
+    from keytrace.vllm import require_vllm
+    from keytrace.vllm.fuzz import fuzz
+
+    require_vllm()
+    show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
+    res = fuzz(
+        out_dir,
+        seed=seed,
+        max_examples=max_examples,
+        budget_seconds=budget_seconds,
+        inject=inject,
+        fix=fix,
+        aligned_windows=aligned_windows,
+        progress=progress_printer() if show else None,
+    )
+    if as_json:
+        with open(os.path.join(out_dir, "fuzz.json")) as fh:
+            click.echo(fh.read().rstrip())
+        return EXIT_MISMATCH if res.failure else EXIT_OK
+    rate = f"{res.cases} cases in {res.seconds:.0f}s ({res.cases_per_second:.2f}/s)"
+    if res.rejected:
+        rate += f"; {res.rejected} refused by vLLM (first: {res.first_rejection})"
+    if res.stopped_by_budget:
+        rate += "; stopped by --budget"
+    if res.failure is None:
+        click.echo(f"no mismatch: {rate}")
+        return EXIT_OK
+    v = res.verdict
+    click.echo(f"MISMATCH, shrunk to: {res.failure.describe()}")
+    click.echo(
+        f"  E={v['E']:,}, external {v['external_tokens']:,}; binding group {v['binding_group']}, "
+        f"terminal chunk {v['terminal_chunk']}: {v['cause']}"
+    )
+    click.echo(f"  trace: {os.path.join(out_dir, 'minimal-trace')}   ({rate})")
+    click.echo(f"  next: keytrace diff {os.path.join(out_dir, 'minimal-trace')}")
+    return EXIT_MISMATCH

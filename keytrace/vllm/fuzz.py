@@ -1,0 +1,217 @@
+"""Property-based search for store/lookup disagreements over hybrid geometries, on the real
+scheduler: Hypothesis draws a geometry and a traffic shape, `keytrace.vllm.replay.replay`
+records and diffs it, and the property is "no episode is a mismatch". A failure shrinks
+(fewest groups, smallest blocks, windows and lengths) to a minimal case.
+
+What is drawn (every value a multiple of what vLLM requires, so a case is a real config):
+
+- one full-attention or MLA group (block 16..256), plus 1..3 sliding-window groups whose
+  blocks divide it (4..the full-attention block), windows of 1..4 blocks (plus 0..block-1
+  tokens unless ``aligned_windows``), at most one of them the EAGLE/MTP draft group, optional
+  ``extra_retained_tokens`` on that one;
+- blocks per chunk 1 or 2; a step budget of 2..32 full-attention blocks (chunked prefill
+  when the prompt is longer);
+- traffic: an identical resend after a GPU-only reset, or the next turn (the same prompt
+  plus 1..3 full-attention blocks of new tokens);
+- a prompt of 2..48 full-attention blocks plus 0..block-1 tokens.
+
+A case vLLM refuses to build (a geometry it does not support) is rejected, counted and
+reported, never a failure. Imports vLLM (through replay) and Hypothesis lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from keytrace.analysis.geometry import Geometry, GroupGeom
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn scenario: a geometry and its traffic (prime lengths, then the episode)."""
+
+    geometry: Geometry
+    shape: str  # "resend" | "next_turn"
+    prime: int
+    episode: int
+
+    def describe(self) -> str:
+        """One line: the groups, chunking, budget and traffic."""
+        parts = []
+        for i, g in enumerate(self.geometry.groups):
+            text = f"g{i} {g.kind} {g.block_size}"
+            if g.sliding_window:
+                text += f" w{g.sliding_window}"
+            if g.eagle:
+                text += " MTP"
+            if g.extra_retained_tokens:
+                text += f" +{g.extra_retained_tokens}"
+            parts.append(text)
+        geo = self.geometry
+        return (
+            f"{len(geo.groups)} groups [{', '.join(parts)}], blocks_per_chunk "
+            f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}; {self.shape}: "
+            f"prime {self.prime:,}, episode {self.episode:,} tokens"
+        )
+
+
+@dataclass
+class FuzzResult:
+    """What a fuzz run found: the minimal failing case (None: none found), counts, speed."""
+
+    failure: Case | None = None
+    verdict: dict[str, Any] = field(default_factory=dict)
+    cases: int = 0
+    rejected: int = 0
+    first_rejection: str | None = None
+    seconds: float = 0.0
+    stopped_by_budget: bool = False
+    seed: int = 0
+
+    @property
+    def cases_per_second(self) -> float:
+        return self.cases / self.seconds if self.seconds else 0.0
+
+
+def _case_strategy(aligned_windows: bool) -> Any:
+    from hypothesis import strategies as st
+
+    @st.composite
+    def case(draw: Any) -> Case:
+        fa_block = draw(st.sampled_from([16, 32, 64, 128, 256]))
+        fa_kind = draw(st.sampled_from(["full_attention", "mla"]))
+        n_swa = draw(st.integers(1, 3))
+        divisors = [b for b in (4, 8, 16, 32, 64, 128, 256) if b <= fa_block and fa_block % b == 0]
+        eagle_at = draw(st.one_of(st.none(), st.integers(0, n_swa - 1)))
+        swa = []
+        for i in range(n_swa):
+            b = draw(st.sampled_from(divisors))
+            slack = 0 if aligned_windows else draw(st.integers(0, b - 1))
+            window = b * draw(st.integers(1, 4)) + slack
+            eagle = eagle_at == i
+            extra = b * draw(st.integers(0, 1)) if eagle else 0
+            swa.append(
+                GroupGeom(
+                    "sliding_window",
+                    b,
+                    sliding_window=window,
+                    eagle=eagle,
+                    extra_retained_tokens=extra,
+                )
+            )
+        bpc = draw(st.integers(1, 2))
+        A = fa_block * bpc
+        budget = fa_block * draw(st.integers(2, 32))
+        prime = A * draw(st.integers(2, 48)) + draw(st.integers(0, A - 1))
+        shape = draw(st.sampled_from(["resend", "next_turn"]))
+        episode = prime if shape == "resend" else prime + fa_block * draw(st.integers(1, 3))
+        geo = Geometry(
+            name="fuzz",
+            groups=(GroupGeom(fa_kind, fa_block), *swa),
+            blocks_per_chunk=bpc,
+            max_num_batched_tokens=budget,
+            max_model_len=episode + 4 * A + 1024,
+            cpu_chunks=100_000,
+        )
+        return Case(geo, shape, prime, episode)
+
+    return case()
+
+
+def run_case(case: Case, *, trace_dir: str | None = None) -> dict[str, Any]:
+    """Record and diff one case on the real scheduler; the episode's verdict as a dict."""
+    from keytrace.vllm.replay import replay
+
+    r = replay(case.geometry, [case.prime], case.episode, trace_dir=trace_dir)
+    return {
+        "verdict": r.verdict,
+        "E": r.expected_E,
+        "external_tokens": r.external_tokens,
+        "binding_group": r.binding_group,
+        "terminal_chunk": r.terminal_chunk,
+        "cause": r.cause,
+    }
+
+
+def fuzz(
+    out_dir: str,
+    *,
+    seed: int = 0,
+    max_examples: int = 100,
+    budget_seconds: float | None = None,
+    inject: str | None = None,
+    fix: str | None = None,
+    aligned_windows: bool = False,
+    progress: ProgressFn | None = None,
+) -> FuzzResult:
+    """Search for a mismatch; shrink the first one found. Writes ``out_dir/fuzz.json`` (and
+    the minimal case's trace under ``out_dir/minimal-trace``); the Hypothesis example
+    database lives in ``out_dir/hypothesis`` so a rerun starts from what it found."""
+    from hypothesis import HealthCheck, given, reject, settings
+    from hypothesis import seed as hseed
+    from hypothesis.database import DirectoryBasedExampleDatabase
+    from hypothesis.errors import Unsatisfiable
+
+    from keytrace.vllm.patches import fixed, injected
+
+    os.makedirs(out_dir, exist_ok=True)
+    res = FuzzResult(seed=seed)
+    failures: list[tuple[Case, dict[str, Any]]] = []
+    t0 = time.monotonic()
+
+    @hseed(seed)
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=DirectoryBasedExampleDatabase(os.path.join(out_dir, "hypothesis")),
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
+    @given(_case_strategy(aligned_windows))
+    def prop(case: Case) -> None:
+        if budget_seconds is not None and time.monotonic() - t0 > budget_seconds:
+            res.stopped_by_budget = True
+            reject()
+        try:
+            v = run_case(case)
+        except Exception as exc:  # a configuration vLLM does not build
+            res.rejected += 1
+            res.first_rejection = res.first_rejection or f"{type(exc).__name__}: {exc}"[:300]
+            reject()
+        res.cases += 1
+        if progress is not None:
+            progress("cases", res.cases, max_examples)
+        if v["verdict"] == "mismatch":
+            failures.append((case, v))
+            raise AssertionError(case.describe())
+
+    with fixed(fix), injected(inject):
+        try:
+            prop()
+        except AssertionError:
+            pass
+        except Unsatisfiable:
+            pass
+        res.seconds = time.monotonic() - t0
+        if failures:
+            res.failure, res.verdict = failures[-1]  # Hypothesis replays the minimal one last
+            run_case(res.failure, trace_dir=os.path.join(out_dir, "minimal-trace"))
+    with open(os.path.join(out_dir, "fuzz.json"), "w") as fh:
+        json.dump(_jsonable(res), fh, indent=2)
+    return res
+
+
+def _jsonable(res: FuzzResult) -> dict[str, Any]:
+    out = asdict(res)
+    out["cases_per_second"] = res.cases_per_second
+    if res.failure is not None:
+        out["failure"]["describe"] = res.failure.describe()
+    return out

@@ -1,0 +1,85 @@
+"""Candidate fixes (`keytrace.vllm.fixes`) for the stock 0.33.0 MTP peek miss, measured on the
+real scheduler (dsv4: A = 256, MTP group 2 with 64-token chunks, C4 group 3 with 4-token
+chunks).
+
+17,975 tokens: E = 17,920, and the MTP peek chunk 280 ([17,920, 17,984)) is past the prompt.
+- stock: 0 external tokens, group 2 never offered chunk 277.
+- mtp_left_chunk: group 2 now finds 277-279, pops 279, and the lookup's boundary drops to
+  17,856 = E - 64, where the C4 group kept nothing: its scan starts at chunk 4,463 (tokens
+  17,852-17,856) and misses. Still 0: storing more MTP chunks alone cannot reach E.
+- unkeyable_peek_fallback: every group also keeps its tail for 17,664 = E - A (the MTP group
+  with its peek chunk 276, which the prompt keys): 17,664 external tokens instead of 0. E
+  itself stays out of reach, so keytrace still reports the shortfall against E = 17,920.
+18,000 tokens (P - E = 80 >= 64: the peek is keyed): a hit at 17,920 with or without a fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.analysis.geometry import builtin  # noqa: E402
+from keytrace.cli import main  # noqa: E402
+from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.vllm.replay import replay  # noqa: E402
+
+CASES = [
+    # fix, length, external, verdict, binding group, terminal chunk
+    (None, 17_975, 0, "mismatch", 2, 277),
+    ("mtp_left_chunk", 17_975, 0, "mismatch", 3, 4_463),
+    ("unkeyable_peek_fallback", 17_975, 17_664, "mismatch", 2, 277),
+    (None, 18_000, 17_920, "hit", None, None),
+    ("mtp_left_chunk", 18_000, 17_920, "hit", None, None),
+    ("unkeyable_peek_fallback", 18_000, 17_920, "hit", None, None),
+]
+
+
+@pytest.mark.parametrize(("fix", "n", "external", "verdict", "group", "chunk"), CASES)
+def test_candidate_fix_on_the_real_scheduler(
+    fix: str | None,
+    n: int,
+    external: int,
+    verdict: str,
+    group: int | None,
+    chunk: int | None,
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "t"
+    r = replay(builtin("dsv4"), [n], n, trace_dir=d, fix=fix)
+    assert (r.external_tokens, r.verdict, r.binding_group, r.terminal_chunk) == (
+        external,
+        verdict,
+        group,
+        chunk,
+    ), r.explain()
+    assert r.expected_E == (17_920 if n in (17_975, 18_000) else None)
+    assert open_trace(str(d)).header["vllm_modified"] == ([f"fix:{fix}"] if fix else [])
+
+
+def test_sweep_with_a_fix_names_it_and_refuses_unknown_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "sweep",
+            "--lengths",
+            "17975,18000",
+            "--fix",
+            "unkeyable_peek_fallback",
+            "--quiet",
+            "--csv",
+            str(tmp_path / "s.csv"),
+        ]
+    )
+    assert code == 1  # 17,975 still falls short of E
+    rows = (tmp_path / "s.csv").read_text().splitlines()
+    assert rows[1].startswith("17975,") and ",17664," in rows[1]
+    assert rows[2].startswith("18000,") and ",17920," in rows[2]
+    capsys.readouterr()
+    assert main(["sweep", "--lengths", "100", "--fix", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
