@@ -49,13 +49,26 @@ def _register() -> None:
         fixture,
         fuzz,
         header,
+        minimize,
         replay,
         summary,
         sweep,
         workload,
     )
 
-    for mod in (demo, diff, summary, header, replay, fixture, sweep, fuzz, workload, compact):
+    for mod in (
+        demo,
+        diff,
+        summary,
+        header,
+        replay,
+        fixture,
+        minimize,
+        sweep,
+        fuzz,
+        workload,
+        compact,
+    ):
         cli.add_command(mod.command)
 
 

@@ -48,6 +48,7 @@ def _one_clean_line(stderr: str) -> str:
         ["sweep", "--lengths", "100", "--inject", "pre48911"],
         ["sweep", "--lengths", "100", "--fix", "unkeyable_peek_fallback"],
         ["fuzz", "-o", "{tmp}/fuzz", "--max-examples", "1"],
+        ["minimize", "{bad}", "-o", "{tmp}/min"],
         ["replay", "{bad}"],
     ],
 )
