@@ -49,6 +49,7 @@ def _one_clean_line(stderr: str) -> str:
         ["sweep", "--lengths", "100", "--fix", "unkeyable_peek_fallback"],
         ["fuzz", "-o", "{tmp}/fuzz", "--max-examples", "1"],
         ["minimize", "{bad}", "-o", "{tmp}/min"],
+        ["report", "{bad}", "-o", "{tmp}/report"],
         ["replay", "{bad}"],
     ],
 )

@@ -1,0 +1,74 @@
+"""`keytrace report`: an upstream-ready folder for one mismatch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from keytrace.cli._common import subcommand, trace_paths
+from keytrace.cli._progress import progress_printer
+from keytrace.errors import EXIT_MISMATCH
+
+
+@subcommand("report")
+@trace_paths
+@click.option("-o", "--out", "out_dir", required=True, help="Folder to write (new or empty).")
+@click.option("--request", default=None, help="The mismatching request [default: the first].")
+@click.option(
+    "--sweep-points",
+    type=click.IntRange(min=4),
+    default=64,
+    show_default=True,
+    help="Prompt lengths swept around the case (over two alignment units) for the rule.",
+)
+@click.option("--no-minimize", is_flag=True, help="Skip the minimal case (faster).")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr [default: on for a terminal].",
+)
+def command(
+    paths: tuple[str, ...],
+    out_dir: str,
+    request: str | None,
+    sweep_points: int,
+    no_minimize: bool,
+    progress: bool | None,
+) -> int:
+    """Write an upstream-ready report of a trace's first mismatch into OUT.
+
+    OUT/report.md: vLLM version and geometry table, the episode (S, L, E, external), the
+    binding group and terminal key with evidence, the failing-length rule from a sweep
+    around the case on the real scheduler (with sweep.png and sweep.csv), the minimal case
+    (`keytrace minimize`, trace in OUT/minimal-trace), a regression test (`keytrace
+    fixture`) and the chunk map page (OUT/chunkmap.html).
+
+    \b
+    Exit status: 1 (a mismatch was reported), 2 trouble (no mismatch, no vLLM, ...).
+    """
+    from keytrace.errors import UsageError
+    from keytrace.vllm.report import write_report
+
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise UsageError(f"{out_dir} is not empty; pass a new --out folder")
+    show = progress if progress is not None else sys.stderr.isatty()
+    files = write_report(
+        list(paths),
+        out_dir,
+        request=request,
+        sweep_points=sweep_points,
+        minimize_case=not no_minimize,
+        log=(lambda s: click.echo(s, err=True)) if show else (lambda s: None),
+        progress=progress_printer() if show else None,
+    )
+    click.echo(f"report      {files.markdown}")
+    click.echo(f"  rule      {files.rule.text()}")
+    click.echo(f"  test      {files.fixture}")
+    click.echo(f"  chunk map {files.html}")
+    for p in files.plots:
+        click.echo(f"  plot      {p}")
+    if files.minimal_trace:
+        click.echo(f"  minimal   {files.minimal_trace}")
+    return EXIT_MISMATCH

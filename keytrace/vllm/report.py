@@ -1,0 +1,148 @@
+"""`keytrace report`: everything a vLLM developer sends upstream about one mismatch, in one
+folder: the Markdown report (geometry, episode, evidence, failing-length rule with its
+plot, minimal case), the chunk-map page, the sweep table and a regression test."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from keytrace.analysis.lengthrule import LengthRule, length_rule
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class ReportFiles:
+    out_dir: str
+    markdown: str
+    fixture: str
+    html: str
+    sweep_csv: str
+    rule: LengthRule
+    plots: list[str] = field(default_factory=list)
+    minimal_trace: str | None = None
+
+
+def write_report(
+    paths: Sequence[str],
+    out_dir: str,
+    *,
+    request: str | None = None,
+    sweep_points: int = 64,
+    minimize_case: bool = True,
+    log: Callable[[str], None] = lambda s: None,
+    progress: ProgressFn | None = None,
+) -> ReportFiles:
+    """Write the report for the trace's first mismatch (or ``request``'s) into ``out_dir``."""
+    from keytrace import __version__
+    from keytrace.analysis.chunkmap import chunk_maps
+    from keytrace.analysis.diff import diff
+    from keytrace.analysis.geometry import geometry_from_header
+    from keytrace.analysis.plan import plan_for
+    from keytrace.errors import UsageError
+    from keytrace.format.reader import open_trace
+    from keytrace.report.fixture import file_name, render_fixture
+    from keytrace.report.html import write_page
+    from keytrace.report.markdown import render_report
+    from keytrace.report.table import write_rows
+    from keytrace.report.text import render_episode
+    from keytrace.vllm import require_vllm
+    from keytrace.vllm.minimize import minimize
+    from keytrace.vllm.sweep import run_sweep
+
+    require_vllm()
+    trace = open_trace(list(paths))
+    report = diff(trace, request=request)
+    v = report.first_mismatch
+    if v is None or v.E is None:
+        raise UsageError("no mismatch in this trace: nothing to report (keytrace diff says why)")
+    os.makedirs(out_dir, exist_ok=True)
+    header = trace.header
+    plan = plan_for(trace, v)
+
+    text = render_fixture(plan)
+    fixture = os.path.join(out_dir, file_name(plan, text))
+    with open(fixture, "w") as fh:
+        fh.write(text)
+    html = os.path.join(out_dir, "chunkmap.html")
+    write_page(html, report, chunk_maps(trace, report))
+
+    geo = geometry_from_header(header)
+    A = int(header.get("alignment_tokens") or geo.groups[0].block_size * geo.blocks_per_chunk)
+    P = v.num_prompt_tokens
+    # two alignment periods around the case: every residue twice, at 2A/points spacing
+    step = max(1, 2 * A // max(sweep_points, 1))
+    lengths = [n for n in range(P - A, P + A, step) if n > A]
+    geo = geo.with_(num_gpu_blocks=None, max_model_len=max(geo.max_model_len, P + 4 * A + 1024))
+    log(f"sweeping {len(lengths)} lengths {lengths[0]:,}..{lengths[-1]:,} ...")
+    rows = run_sweep(geo, lengths, progress=progress)
+    sweep_csv = os.path.join(out_dir, "sweep.csv")
+    write_rows(rows, csv_path=sweep_csv)
+    rule = length_rule(rows, A)
+    plots: list[str] = []
+    try:
+        from keytrace.report.plot import plot_sweep
+
+        plots = plot_sweep(
+            rows,
+            [os.path.join(out_dir, "sweep.png")],
+            title=f"{rule.mismatches} of {rule.lengths} lengths mismatch",
+        )
+    except Exception as exc:  # the plot is optional (matplotlib is an extra)
+        log(f"no plot: {exc}")
+
+    minimal = None
+    minimal_trace = None
+    if minimize_case:
+        log("minimizing ...")
+        minimal_trace = os.path.join(out_dir, "minimal-trace")
+        minimal = minimize(plan, trace_dir=minimal_trace)
+
+    evidence = io.StringIO()
+    render_episode(v, evidence, header=header)
+    t = v.terminal
+    md = render_report(
+        v=v,
+        binding_label=v.binding_label or "?",
+        cause=t.cause if t else "?",
+        keytrace_version=__version__,
+        vllm_version=header.get("vllm_version", "?"),
+        modified=header.get("vllm_modified") or [],
+        groups=[g for g in header.get("groups", []) if g.get("offloaded", True)],
+        header=header,
+        traffic=_traffic(plan.prime_lengths, plan.episode_length),
+        evidence=evidence.getvalue().rstrip(),
+        html=os.path.basename(html),
+        rule=rule,
+        step=step,
+        plot=os.path.basename(plots[0]) if plots else None,
+        minimal=minimal,
+        minimal_trace=os.path.relpath(minimal_trace, out_dir) if minimal_trace else None,
+        fixture=os.path.basename(fixture),
+        trace=" ".join(paths),
+    )
+    markdown = os.path.join(out_dir, "report.md")
+    with open(markdown, "w") as fh:
+        fh.write(md)
+    return ReportFiles(
+        out_dir=out_dir,
+        markdown=markdown,
+        fixture=fixture,
+        html=html,
+        sweep_csv=sweep_csv,
+        rule=rule,
+        plots=plots,
+        minimal_trace=minimal_trace,
+    )
+
+
+def _traffic(primes: Sequence[int], episode: int) -> str:
+    if not primes:
+        return f"a cold request of {episode:,} tokens"
+    before = " then ".join(f"{p:,}" for p in primes)
+    same = len(primes) == 1 and primes[0] == episode
+    how = "an identical resend" if same else f"a {episode:,}-token request"
+    return f"requests of {before} tokens (stores acknowledged), a GPU-only prefix-cache reset, then {how}"

@@ -1,0 +1,45 @@
+"""The failing-length rule of a sweep (`keytrace.analysis.lengthrule`)."""
+
+from __future__ import annotations
+
+from keytrace.analysis.lengthrule import length_rule
+from keytrace.analysis.sweep import SweepRow
+
+
+def _rows(verdicts: dict[int, str]) -> list[SweepRow]:
+    return [
+        SweepRow(
+            length=n,
+            budget=8192,
+            blocks_per_chunk=1,
+            E=None,
+            external=0,
+            verdict=v,
+            binding_group=None,
+            terminal_chunk=None,
+            cause=None,
+            seconds=0.0,
+        )
+        for n, v in verdicts.items()
+    ]
+
+
+def test_sampled_residues_merge_into_one_range() -> None:
+    # A = 256, sampled every 8 tokens: residues 1..63 mismatch, the rest hit
+    rows = _rows({n: "mismatch" if 1 <= n % 256 <= 63 else "hit" for n in range(17_700, 18_212, 8)})
+    rule = length_rule(rows, 256)
+    # 17,700 = 69*256 + 36: the sampled residues are 4, 12, ..., 252 (all = 4 mod 8)
+    assert rule.residues == [(4, 60)]
+    assert rule.holds and rule.violations == []
+    assert rule.text() == "mismatch iff P mod 256 in {4..60}: holds for all 64 swept lengths"
+
+
+def test_a_residue_that_both_fails_and_passes_is_a_violation() -> None:
+    rule = length_rule(_rows({300: "mismatch", 556: "hit", 310: "hit"}), 256)
+    assert rule.violations == [556] and not rule.holds
+    assert "violated by 1 length(s)" in rule.text()
+
+
+def test_no_mismatch() -> None:
+    rule = length_rule(_rows({300: "hit", 301: "hit"}), 256)
+    assert not rule.holds and rule.text() == "no swept length mismatched (2 lengths)"
