@@ -42,8 +42,9 @@ def command(
     OUT/report.md: vLLM version and geometry table, the episode (S, L, E, external), the
     binding group and terminal key with evidence, the failing-length rule from a sweep
     around the case on the real scheduler (with sweep.png and sweep.csv), the minimal case
-    (`keytrace minimize`, trace in OUT/minimal-trace), a regression test (`keytrace
-    fixture`) and the chunk map page (OUT/chunkmap.html).
+    (`keytrace minimize`, trace in OUT/minimal-trace), two regression tests (one that
+    imports only vLLM, for vLLM's own test tree, and `keytrace fixture`'s) and the chunk
+    map page (OUT/chunkmap.html).
 
     \b
     Exit status: 1 (a mismatch was reported), 2 trouble (no mismatch, no vLLM, ...).
@@ -65,7 +66,8 @@ def command(
     )
     click.echo(f"report      {files.markdown}")
     click.echo(f"  rule      {files.rule.text()}")
-    click.echo(f"  test      {files.fixture}")
+    click.echo(f"  test      {files.standalone}   (vLLM only: drop into vLLM's tests)")
+    click.echo(f"  test      {files.fixture}   (through keytrace)")
     click.echo(f"  chunk map {files.html}")
     for p in files.plots:
         click.echo(f"  plot      {p}")

@@ -22,9 +22,10 @@ def register() -> None:
     if not directory:
         return
     try:
-        from keytrace.vllm.patches import inject_from_env, install
+        from keytrace.vllm.patches import fix_from_env, inject_from_env, install
 
         inject_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
+        fix_from_env()  # testing only: KEYTRACE_FIX applies a candidate fix
         if install(directory):
             log.info("keytrace: recording offload store/lookup keys under %s", directory)
     except Exception as exc:  # never break vLLM start-up

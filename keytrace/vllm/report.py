@@ -19,6 +19,7 @@ class ReportFiles:
     out_dir: str
     markdown: str
     fixture: str
+    standalone: str
     html: str
     sweep_csv: str
     rule: LengthRule
@@ -47,6 +48,7 @@ def write_report(
     from keytrace.report.fixture import file_name, render_fixture
     from keytrace.report.html import write_page
     from keytrace.report.markdown import render_report
+    from keytrace.report.standalone import regression_name, render_vllm_regression
     from keytrace.report.table import write_rows
     from keytrace.report.text import render_episode
     from keytrace.vllm import require_vllm
@@ -67,6 +69,12 @@ def write_report(
     fixture = os.path.join(out_dir, file_name(plan, text))
     with open(fixture, "w") as fh:
         fh.write(text)
+    evidence = io.StringIO()
+    render_episode(v, evidence, header=header)
+    standalone_text = render_vllm_regression(plan, evidence=evidence.getvalue())
+    standalone = os.path.join(out_dir, regression_name(plan, standalone_text))
+    with open(standalone, "w") as fh:
+        fh.write(standalone_text)
     html = os.path.join(out_dir, "chunkmap.html")
     write_page(html, report, chunk_maps(trace, report))
 
@@ -101,8 +109,6 @@ def write_report(
         minimal_trace = os.path.join(out_dir, "minimal-trace")
         minimal = minimize(plan, trace_dir=minimal_trace)
 
-    evidence = io.StringIO()
-    render_episode(v, evidence, header=header)
     t = v.terminal
     md = render_report(
         v=v,
@@ -122,6 +128,7 @@ def write_report(
         minimal=minimal,
         minimal_trace=os.path.relpath(minimal_trace, out_dir) if minimal_trace else None,
         fixture=os.path.basename(fixture),
+        standalone=os.path.basename(standalone),
         trace=" ".join(paths),
     )
     markdown = os.path.join(out_dir, "report.md")
@@ -131,6 +138,7 @@ def write_report(
         out_dir=out_dir,
         markdown=markdown,
         fixture=fixture,
+        standalone=standalone,
         html=html,
         sweep_csv=sweep_csv,
         rule=rule,

@@ -34,6 +34,9 @@ def test_report_of_the_17975_miss(tmp_path: Path, capsys: pytest.CaptureFixture[
     fixture = [p for p in out.iterdir() if p.name.startswith("test_keytrace_recorded_17975_")]
     assert len(fixture) == 1 and f"[`{fixture[0].name}`]" in md
     compile(fixture[0].read_text(), fixture[0].name, "exec")
+    standalone = [p for p in out.iterdir() if p.name.startswith("test_offload_regression_17975_")]
+    assert len(standalone) == 1 and f"[`{standalone[0].name}`]" in md
+    assert "EXPECTED_EXTERNAL_TOKENS = 17920" in standalone[0].read_text()
     for name in ("sweep.png", "sweep.csv", "chunkmap.html"):
         assert (out / name).stat().st_size > 0
     assert (out / "minimal-trace").is_dir()

@@ -1,0 +1,75 @@
+"""A standalone vLLM regression for one recorded mismatch: a pytest file that imports only
+vLLM (and torch), in the style of vLLM's own
+``tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py``, from the visible
+template ``templates/vllm_regression.py.j2`` with the geometry and lengths as literals.
+
+It drives vLLM's store decision (``_reachable_store_block_mask``, the whole prompt at once)
+into a real ``CPUOffloadingManager`` and vLLM's lookup (``get_num_new_matched_tokens``),
+and asserts the expected boundary E. Deterministic: equal plans give byte-equal files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jinja2
+
+from keytrace.analysis.plan import ReplayPlan
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("keytrace.report", "templates"),
+    autoescape=False,  # Python source
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
+    """The test file's text for ``plan`` (its last prime and its episode)."""
+    if plan.expected_E is None:
+        raise ValueError("the episode has no expected boundary: nothing to assert")
+    geo: dict[str, Any] = plan.geometry
+    groups = [
+        {
+            "block_size": int(g["block_size"]),
+            "sliding_window": g.get("sliding_window"),
+            "eagle": bool(g.get("eagle")),
+        }
+        for g in geo["groups"]
+    ]
+    tph = groups[0]["block_size"]
+    for g in groups:
+        tph = _gcd(tph, g["block_size"])
+    prime = plan.prime_lengths[-1] if plan.prime_lengths else plan.episode_length
+    return _ENV.get_template("vllm_regression.py.j2").render(
+        title=(
+            f"a {plan.episode_length:,}-token request after a {prime:,}-token prime on the "
+            f"{geo.get('name')} geometry must hit E={plan.expected_E:,}."
+        ),
+        keytrace_version=plan.keytrace_version,
+        vllm_version=plan.vllm_version,
+        prime=prime,
+        episode=plan.episode_length,
+        expected=plan.expected_E,
+        recorded=plan.recorded_external or 0,
+        evidence=evidence.strip(),
+        groups=groups,
+        blocks_per_chunk=int(geo.get("blocks_per_chunk", 1)),
+        tokens_per_hash=tph,
+        retention_interval=geo.get("retention_interval"),
+        test_name=f"test_offload_store_lookup_agree_{plan.episode_length}",
+    )
+
+
+def regression_name(plan: ReplayPlan, text: str) -> str:
+    """``test_offload_regression_<length>_<hash8>.py`` (content-addressed)."""
+    return f"test_offload_regression_{plan.episode_length}_{hashlib.sha256(text.encode()).hexdigest()[:8]}.py"
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

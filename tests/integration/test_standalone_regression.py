@@ -1,0 +1,95 @@
+"""The standalone vLLM regression (`keytrace.report.standalone`) inside vLLM 0.33.0's own test
+tree (the sdist, tools/vllm_sdist.py): copied unchanged into
+tests/v1/kv_connector/unit/offloading_connector/ and run by pytest there, with vLLM's
+conftest and without keytrace on the test's import path.
+
+- the live stock miss (17,975 tokens, dsv4): red on stock vLLM;
+- 18,877 tokens: green on stock, red with the pre48911 store bug injected (through
+  keytrace's vLLM plugin and KEYTRACE_INJECT, as a vLLM developer would reintroduce it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.analysis.geometry import builtin  # noqa: E402
+from keytrace.analysis.plan import plan_from_trace  # noqa: E402
+from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.report.standalone import regression_name, render_vllm_regression  # noqa: E402
+from keytrace.vllm.replay import replay  # noqa: E402
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+sys.path.insert(0, str(TOOLS))
+from vllm_sdist import CONFCUTDIR, OFFLOADING_SUITE, prepare  # noqa: E402
+
+LOADER = "def pytest_configure(config):\n    from vllm.plugins import load_general_plugins\n\n    load_general_plugins()\n"
+
+
+@pytest.fixture(scope="module")
+def vllm_tree() -> tuple[Path, Path]:
+    return prepare()
+
+
+def _run_in_vllm(
+    tree: Path, home: Path, text: str, name: str, tmp: Path, inject: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    target = tree / OFFLOADING_SUITE / name
+    target.write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", HF_HOME=str(home))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(target.relative_to(tree)),
+        f"--confcutdir={CONFCUTDIR}",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    if inject:
+        (tmp / "kt_loader.py").write_text(LOADER)
+        env.update(KEYTRACE_DIR=str(tmp / "rec"), KEYTRACE_INJECT=inject, PYTHONPATH=str(tmp))
+        cmd += ["-p", "kt_loader"]
+    try:
+        return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        target.unlink()
+
+
+def _regression(tmp: Path, n: int, inject: str | None = None) -> tuple[str, str]:
+    d = tmp / f"trace-{n}-{inject}"
+    replay(builtin("dsv4"), [n], n, trace_dir=d, inject=inject)
+    plan = plan_from_trace(open_trace(str(d)))
+    text = render_vllm_regression(plan)
+    assert "keytrace" not in "".join(
+        line for line in text.splitlines() if line.startswith(("import", "from"))
+    )
+    return text, regression_name(plan, text)
+
+
+def test_live_miss_is_red_on_stock_vllm(vllm_tree: tuple[Path, Path], tmp_path: Path) -> None:
+    text, name = _regression(tmp_path, 17_975)
+    r = _run_in_vllm(*vllm_tree, text, name, tmp_path)
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-2000:]
+    assert "assert 0 == 17920" in r.stdout
+
+
+def test_injected_bug_is_red_and_stock_is_green(
+    vllm_tree: tuple[Path, Path], tmp_path: Path
+) -> None:
+    text, name = _regression(tmp_path, 18_877, inject="pre48911")
+    stock = _run_in_vllm(*vllm_tree, text, name, tmp_path)
+    assert stock.returncode == 0 and "1 passed" in stock.stdout, stock.stdout[-2000:]
+    bad = _run_in_vllm(*vllm_tree, text, name, tmp_path, inject="pre48911")
+    assert bad.returncode == 1 and "1 failed" in bad.stdout, bad.stdout[-2000:]
+    assert "== 18688" in bad.stdout
