@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc  # here, not at the first flush: its import costs ~35 ms
 import pyarrow.parquet as pq
 
 from keytrace._version import __version__
@@ -315,7 +316,7 @@ class TraceWriter:
             for prefix in ("head", "tail"):
                 ends = arrays[f"{prefix}_end_tokens"]
                 per_row = pa.array(np.repeat(gid.to_numpy(zero_copy_only=False), _lengths(ends)))
-                flat = self._chunk_idx(per_row, pa.compute.list_flatten(ends))
+                flat = self._chunk_idx(per_row, pc.list_flatten(ends))
                 arrays[f"{prefix}_chunks"] = pa.ListArray.from_arrays(
                     _offsets(ends), flat, mask=ends.is_null()
                 )
@@ -323,8 +324,8 @@ class TraceWriter:
             # these whether it needs a scan's lists at all
             head_lo, head_hi = _span(arrays["head_chunks"])
             tail_lo, tail_hi = _span(arrays["tail_chunks"])
-            arrays["min_chunk"] = pa.compute.min_element_wise(head_lo, tail_lo)
-            arrays["max_chunk"] = pa.compute.max_element_wise(head_hi, tail_hi)
+            arrays["min_chunk"] = pc.min_element_wise(head_lo, tail_lo)
+            arrays["max_chunk"] = pc.max_element_wise(head_hi, tail_hi)
             arrays["tail_min_chunk"], arrays["tail_max_chunk"] = tail_lo, tail_hi
         return pa.Table.from_arrays([arrays[n] for n in schema.names], schema=schema)
 
@@ -462,13 +463,13 @@ def write_parquet(table: pa.Table, fh: Any) -> None:
 
 def _lengths(lists: pa.Array[Any]) -> np.ndarray[Any, Any]:
     """Entries per list (0 for a null list)."""
-    return np.asarray(pa.compute.list_value_length(lists).fill_null(0), dtype=np.int64)
+    return np.asarray(pc.list_value_length(lists).fill_null(0), dtype=np.int64)
 
 
 def _span(lists: pa.Array[Any]) -> tuple[pa.Array[Any], pa.Array[Any]]:
     """Per list: the smallest and largest non-null entry (null when it has none)."""
     lengths = _lengths(lists)
-    flat = pa.compute.list_flatten(lists)
+    flat = pc.list_flatten(lists)
     valid = ~np.asarray(flat.is_null(), dtype=bool)
     values = np.asarray(flat.fill_null(0), dtype=np.int64)
     big = np.iinfo(np.int64).max

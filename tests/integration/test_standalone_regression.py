@@ -4,7 +4,7 @@ tests/v1/kv_connector/unit/offloading_connector/ and run by pytest there, with v
 conftest and without keytrace on the test's import path.
 
 - the live stock miss (17,975 tokens, dsv4): red on stock vLLM;
-- 18,877 tokens: green on stock, red with the pre48911 store bug injected (through
+- 18,877 tokens: green on stock, red with each historical store bug injected (through
   keytrace's vLLM plugin and KEYTRACE_INJECT, as a vLLM developer would reintroduce it).
 """
 
@@ -25,6 +25,7 @@ from keytrace.analysis.geometry import builtin  # noqa: E402
 from keytrace.analysis.plan import plan_from_trace  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.report.standalone import regression_name, render_vllm_regression  # noqa: E402
+from keytrace.vllm.inject import INJECTIONS  # noqa: E402
 from keytrace.vllm.replay import replay  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
@@ -84,12 +85,17 @@ def test_live_miss_is_red_on_stock_vllm(vllm_tree: tuple[Path, Path], tmp_path: 
     assert "assert 0 == 17920" in r.stdout
 
 
-def test_injected_bug_is_red_and_stock_is_green(
-    vllm_tree: tuple[Path, Path], tmp_path: Path
-) -> None:
+def test_18877_is_green_on_stock(vllm_tree: tuple[Path, Path], tmp_path: Path) -> None:
     text, name = _regression(tmp_path, 18_877, inject="pre48911")
     stock = _run_in_vllm(*vllm_tree, text, name, tmp_path)
     assert stock.returncode == 0 and "1 passed" in stock.stdout, stock.stdout[-2000:]
-    bad = _run_in_vllm(*vllm_tree, text, name, tmp_path, inject="pre48911")
+
+
+@pytest.mark.parametrize("inject", sorted(INJECTIONS))
+def test_each_injected_bug_is_red(
+    inject: str, vllm_tree: tuple[Path, Path], tmp_path: Path
+) -> None:
+    text, name = _regression(tmp_path, 18_877, inject=inject)
+    bad = _run_in_vllm(*vllm_tree, text, name, tmp_path, inject=inject)
     assert bad.returncode == 1 and "1 failed" in bad.stdout, bad.stdout[-2000:]
     assert "== 18688" in bad.stdout
