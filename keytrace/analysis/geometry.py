@@ -116,6 +116,25 @@ C128 block 8 window 128."""
 BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4)}
 
 
+def describe(geo: Geometry) -> str:
+    """One line: ``N groups [g0 kind block wWINDOW MTP +EXTRA, ...], blocks_per_chunk B,
+    budget T`` (fuzz and minimize print cases this way)."""
+    parts = []
+    for i, g in enumerate(geo.groups):
+        text = f"g{i} {g.kind} {g.block_size}"
+        if g.sliding_window:
+            text += f" w{g.sliding_window}"
+        if g.eagle:
+            text += " MTP"
+        if g.extra_retained_tokens:
+            text += f" +{g.extra_retained_tokens}"
+        parts.append(text)
+    return (
+        f"{len(geo.groups)} groups [{', '.join(parts)}], blocks_per_chunk "
+        f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}"
+    )
+
+
 def builtin(name: str) -> Geometry:
     try:
         return BUILTIN[name]

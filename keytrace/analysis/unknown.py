@@ -53,6 +53,16 @@ def holders_of(trace: Trace, keys: pl.Series) -> pl.LazyFrame:
     )
 
 
+def _sharers(trace: Trace, anchors: pl.DataFrame, keep: list[str]) -> pl.LazyFrame:
+    """``keep`` columns of each slot, with (r_inst, r_req) for every request that holds the
+    slot's anchor key (so shares the prefix through it)."""
+    return (
+        anchors.lazy()
+        .join(holders_of(trace, anchors["anchor"]), left_on="anchor", right_on="key")
+        .select(*keep, pl.col("inst_right").alias("r_inst"), pl.col("req_id").alias("r_req"))
+    )
+
+
 def derive_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:
     """Keys of needed chunks the episode never looked up (vLLM stopped in another group).
 
@@ -83,24 +93,11 @@ def derive_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Data
     anchors = (
         slots.join(own, on=KEY)
         .filter(pl.col("end_token") >= pl.col("end"))
-        .sort("end_token")
         .group_by(*KEY, "gid", "chunk", "end")
-        .agg(pl.col("key").first().alias("anchor"))
+        .agg(pl.col("key").sort_by("end_token").first().alias("anchor"))
         .pipe(frames.collect)
     )
-    sharers = (
-        anchors.lazy()
-        .join(holders_of(trace, anchors["anchor"]), left_on="anchor", right_on="key")
-        .select(
-            *KEY,
-            "gid",
-            "chunk",
-            "end",
-            pl.col("inst_right").alias("r_inst"),
-            pl.col("req_id").alias("r_req"),
-        )
-        .pipe(frames.collect)
-    )
+    sharers = _sharers(trace, anchors, [*KEY, "gid", "chunk", "end"]).pipe(frames.collect)
     theirs = records_of(
         trace,
         sharers.select(pl.col("r_inst").alias("inst"), pl.col("r_req").alias("req_id")).lazy(),
@@ -117,9 +114,8 @@ def derive_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Data
                 shared.with_columns(pl.lit(1).alias("rank")),
             ]
         )
-        .sort("rank")
         .group_by(*KEY, "gid", "chunk")
-        .agg(pl.col("key").first())
+        .agg(pl.col("key").sort_by("rank").first())
         .pipe(frames.collect)
     )
     derived = [
@@ -169,22 +165,11 @@ def settle_offers(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Da
     anchors = (
         slots.join(own, on=KEY)
         .filter(pl.col("end_token") < pl.col("end"))
-        .sort("end_token")
         .group_by(*KEY, "gid", "chunk")
-        .agg(pl.col("key").last().alias("anchor"))
+        .agg(pl.col("key").sort_by("end_token").last().alias("anchor"))
         .pipe(frames.collect)
     )
-    sharers = (
-        anchors.lazy()
-        .join(holders_of(trace, anchors["anchor"]), left_on="anchor", right_on="key")
-        .select(
-            *KEY,
-            "gid",
-            "chunk",
-            pl.col("inst_right").alias("r_inst"),
-            pl.col("req_id").alias("r_req"),
-        )
-    )
+    sharers = _sharers(trace, anchors, [*KEY, "gid", "chunk"])
     offers = (
         frames.stores(trace)
         .filter(pl.col("event").is_in(STORE_OFFERS))

@@ -82,6 +82,11 @@ trace_paths = click.argument("paths", nargs=-1, required=True, metavar="TRACE...
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout."
 )
+progress_option = click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr [default: on for a terminal, off with --json].",
+)
 
 
 def echo_trace_warnings(trace: Trace) -> None:

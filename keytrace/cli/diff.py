@@ -8,7 +8,13 @@ import click
 
 from keytrace.analysis.chunkmap import DEFAULT_LIMIT, chunk_maps
 from keytrace.analysis.diff import diff
-from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
+from keytrace.cli._common import (
+    echo_trace_warnings,
+    json_option,
+    progress_option,
+    subcommand,
+    trace_paths,
+)
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
@@ -44,11 +50,7 @@ from keytrace.report.text import render_diff
     show_default=True,
     help="Episodes drawn in the HTML page at most (mismatches first).",
 )
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress on stderr [default: on for a terminal, off with --json].",
-)
+@progress_option
 def command(
     paths: tuple[str, ...],
     request: str | None,

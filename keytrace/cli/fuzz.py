@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from keytrace.cli._common import json_option, subcommand
+from keytrace.cli._common import json_option, progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.vllm.fixes import FIXES
@@ -53,11 +53,7 @@ from keytrace.vllm.inject import INJECTIONS
     "--fix", type=click.Choice(sorted(FIXES)), default=None, help="Apply a candidate fix first."
 )
 @json_option
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress on stderr [default: on for a terminal, off with --json].",
-)
+@progress_option
 def command(
     out_dir: str,
     seed: int,

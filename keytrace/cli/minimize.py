@@ -9,7 +9,13 @@ import sys
 
 import click
 
-from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
+from keytrace.cli._common import (
+    echo_trace_warnings,
+    json_option,
+    progress_option,
+    subcommand,
+    trace_paths,
+)
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH
 
@@ -26,11 +32,7 @@ from keytrace.errors import EXIT_MISMATCH
     help="Folder for the minimal case's trace (minimal-trace/) and minimal.json.",
 )
 @json_option
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress on stderr [default: on for a terminal, off with --json].",
-)
+@progress_option
 def command(
     paths: tuple[str, ...],
     request: str | None,

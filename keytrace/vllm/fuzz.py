@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from keytrace.analysis.geometry import Geometry, GroupGeom
+from keytrace.analysis.geometry import Geometry, GroupGeom, describe
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -44,21 +44,9 @@ class Case:
 
     def describe(self) -> str:
         """One line: the groups, chunking, budget and traffic."""
-        parts = []
-        for i, g in enumerate(self.geometry.groups):
-            text = f"g{i} {g.kind} {g.block_size}"
-            if g.sliding_window:
-                text += f" w{g.sliding_window}"
-            if g.eagle:
-                text += " MTP"
-            if g.extra_retained_tokens:
-                text += f" +{g.extra_retained_tokens}"
-            parts.append(text)
-        geo = self.geometry
         return (
-            f"{len(geo.groups)} groups [{', '.join(parts)}], blocks_per_chunk "
-            f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}; {self.shape}: "
-            f"prime {self.prime:,}, episode {self.episode:,} tokens"
+            f"{describe(self.geometry)}; {self.shape}: prime {self.prime:,}, "
+            f"episode {self.episode:,} tokens"
         )
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from keytrace.analysis.geometry import Geometry, GroupGeom
+from keytrace.analysis.geometry import Geometry, GroupGeom, describe
 from keytrace.analysis.plan import ReplayPlan
 
 ProgressFn = Callable[[str, int, int], None]
@@ -36,20 +36,8 @@ class Scenario:
     episode: int
 
     def describe(self) -> str:
-        parts = []
-        for i, g in enumerate(self.geometry.groups):
-            text = f"g{i} {g.kind} {g.block_size}"
-            if g.sliding_window:
-                text += f" w{g.sliding_window}"
-            if g.eagle:
-                text += " MTP"
-            parts.append(text)
         primes = ", ".join(f"{p:,}" for p in self.primes)
-        return (
-            f"{len(self.geometry.groups)} groups [{', '.join(parts)}], blocks_per_chunk "
-            f"{self.geometry.blocks_per_chunk}, budget {self.geometry.max_num_batched_tokens:,};"
-            f" primes [{primes}], episode {self.episode:,} tokens"
-        )
+        return f"{describe(self.geometry)}; primes [{primes}], episode {self.episode:,} tokens"
 
 
 @dataclass
