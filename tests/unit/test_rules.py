@@ -60,6 +60,10 @@ def test_the_stock_rule() -> None:
     assert eagle_peek_unkeyable(17_975, DSV4)  # 17,975 mod 256 = 55 < 64
     assert not eagle_peek_unkeyable(18_877, DSV4)  # 189
     assert not eagle_peek_unkeyable(18_944, DSV4)  # 0: E = 18,688, P - E = 256
+    # the edges: P - E = tpc(MTP) keys the peek (17,984 hits on the real scheduler), and a
+    # prompt shorter than A has no boundary to miss (E = 0: a cold lookup, not this rule)
+    assert eagle_peek_unkeyable(17_983, DSV4) and not eagle_peek_unkeyable(17_984, DSV4)
+    assert not eagle_peek_unkeyable(10, DSV4)
 
 
 groups_st = st.lists(
