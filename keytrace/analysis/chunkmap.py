@@ -25,7 +25,7 @@ from typing import Any
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.results import DiffReport, EpisodeVerdict
+from keytrace.analysis.results import DiffReport, EpisodeVerdict, hex_key
 from keytrace.analysis.rules import Group, groups_from_header
 from keytrace.format.reader import Trace
 
@@ -208,7 +208,7 @@ def _lane(
         n = needed.get(c)
         result, lkey = looked.get(c, (None, None))
         state, skey = stored.get(c, (None, None))
-        key = (n.key if n else None) or _hex(lkey) or _hex(skey)
+        key = (n.key if n else None) or hex_key(lkey) or hex_key(skey)
         chunks.append(
             MapChunk(
                 chunk=c,
@@ -231,7 +231,3 @@ def _lane(
         eagle=g.eagle,
         chunks=chunks,
     )
-
-
-def _hex(k: bytes | None) -> str | None:
-    return bytes(k).hex() if k is not None else None

@@ -28,6 +28,7 @@ from keytrace.analysis.results import (
     EpisodeVerdict,
     NeededChunk,
     TerminalKey,
+    hex_key,
     verdict_from_row,
 )
 from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range, unit
@@ -462,10 +463,6 @@ def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
     )
 
 
-def _hex(k: bytes | None) -> str | None:
-    return None if k is None else bytes(k).hex()
-
-
 def _terminal(d: dict[str, Any], g: Group | None) -> TerminalKey | None:
     if d["term_key"] is None or g is None:
         return None
@@ -475,7 +472,7 @@ def _terminal(d: dict[str, Any], g: Group | None) -> TerminalKey | None:
         chunk=ch,
         token_start=None if ch is None else ch * g.tpc,
         token_end=None if ch is None else (ch + 1) * g.tpc,
-        key=_hex(d["term_key"]) or "",
+        key=hex_key(d["term_key"]) or "",
         result=str(d["term_result"]),
         cause=d["term_cause"] or "not_looked_up",
     )
@@ -489,7 +486,7 @@ def _needed_chunks(rows: list[dict[str, Any]], by_gid: dict[int, Group]) -> list
             n["chunk"],
             n["chunk"] * by_gid[n["gid"]].tpc,
             (n["chunk"] + 1) * by_gid[n["gid"]].tpc,
-            _hex(n["key"]),
+            hex_key(n["key"]),
             n["result"],
             n["cause"],
         )

@@ -13,6 +13,11 @@ from keytrace.analysis.lost import LostTokens
 VERDICTS = ("deferred", "cold", "hit", "explained", "mismatch")
 
 
+def hex_key(k: bytes | None) -> str | None:
+    """A key as the results show it (hex), None kept."""
+    return None if k is None else bytes(k).hex()
+
+
 @dataclass(frozen=True)
 class NeededChunk:
     """One chunk a group needs for a hit at E, and why it is (not) there."""

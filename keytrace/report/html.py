@@ -11,18 +11,10 @@ import json
 import os
 from typing import IO, Any
 
-import jinja2
-
 from keytrace.analysis.chunkmap import EpisodeMap
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.results import DiffReport
-
-_ENV = jinja2.Environment(
-    loader=jinja2.PackageLoader("keytrace.report", "templates"),
-    autoescape=jinja2.select_autoescape(["html", "j2"]),
-    undefined=jinja2.StrictUndefined,
-    keep_trailing_newline=True,
-)
+from keytrace.report.templates import render
 
 
 def write_page(path: str, report: DiffReport, maps: list[EpisodeMap]) -> None:
@@ -46,7 +38,8 @@ def render_html(report: DiffReport, maps: list[EpisodeMap], file: IO[str]) -> No
         "episodes": [_episode(m) for m in maps],
         "total_shortfalls": report.counts.get("mismatch", 0) + report.counts.get("explained", 0),
     }
-    page = _ENV.get_template("chunkmap.html.j2").render(
+    page = render(
+        "chunkmap.html.j2",
         title=f"keytrace diff: {report.verdict}",
         data_json=_script_json(data),
     )

@@ -57,15 +57,17 @@ def _compact_with_episode_list(obj: Any, episodes: EpisodeList) -> str:
     """The compact document, the plain episodes encoded by polars from their columns in one
     call (no object per episode), the detailed ones as usual. Parses to what
     ``json.dumps(to_jsonable(obj))`` gives (polars writes non-ASCII text unescaped)."""
-    names = [f.name for f in dataclasses.fields(EpisodeVerdict)]
-    absent = {
-        "binding_group": pl.lit(None, pl.Int64),
-        "binding_label": pl.lit(None, pl.String),
-        "terminal": pl.lit(None, pl.String),
-        "needed": pl.lit([], pl.List(pl.Int64)),
-        "stored_chunks": pl.lit([], pl.List(pl.Int64)),
-    }
-    cols = [pl.col(n) if n in episodes.rows.columns else absent[n].alias(n) for n in names]
+    # a field plain rows lack takes the dataclass default: None, or [] (default_factory)
+    cols = [
+        pl.col(f.name)
+        if f.name in episodes.rows.columns
+        else (
+            pl.lit([], pl.List(pl.Int64))
+            if f.default_factory is not dataclasses.MISSING
+            else pl.lit(f.default)
+        ).alias(f.name)
+        for f in dataclasses.fields(EpisodeVerdict)
+    ]
     plain = episodes.rows.select(pl.struct(cols).struct.json_encode().alias("j"))["j"].to_list()
     for i, v in episodes.detailed.items():
         plain[i] = json.dumps(to_jsonable(v), separators=(",", ":"))

@@ -13,18 +13,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import jinja2
-
+from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan
-
-_ENV = jinja2.Environment(
-    loader=jinja2.PackageLoader("keytrace.report", "templates"),
-    autoescape=False,  # Python source
-    undefined=jinja2.StrictUndefined,
-    keep_trailing_newline=True,
-    trim_blocks=True,
-    lstrip_blocks=True,
-)
+from keytrace.report.templates import render
 
 
 def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
@@ -40,11 +31,9 @@ def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
         }
         for g in geo["groups"]
     ]
-    tph = groups[0]["block_size"]
-    for g in groups:
-        tph = _gcd(tph, g["block_size"])
     prime = plan.prime_lengths[-1] if plan.prime_lengths else plan.episode_length
-    return _ENV.get_template("vllm_regression.py.j2").render(
+    return render(
+        "vllm_regression.py.j2",
         title=(
             f"a {plan.episode_length:,}-token request after a {prime:,}-token prime on the "
             f"{geo.get('name')} geometry must hit E={plan.expected_E:,}."
@@ -58,7 +47,7 @@ def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
         evidence=evidence.strip(),
         groups=groups,
         blocks_per_chunk=int(geo.get("blocks_per_chunk", 1)),
-        tokens_per_hash=tph,
+        tokens_per_hash=Geometry.from_dict(geo).tokens_per_hash,
         retention_interval=geo.get("retention_interval"),
         test_name=f"test_offload_store_lookup_agree_{plan.episode_length}",
     )
@@ -67,9 +56,3 @@ def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
 def regression_name(plan: ReplayPlan, text: str) -> str:
     """``test_offload_regression_<length>_<hash8>.py`` (content-addressed)."""
     return f"test_offload_regression_{plan.episode_length}_{hashlib.sha256(text.encode()).hexdigest()[:8]}.py"
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a

@@ -117,15 +117,7 @@ def run_case(case: Case, *, trace_dir: str | None = None) -> dict[str, Any]:
     """Record and diff one case on the real scheduler; the episode's verdict as a dict."""
     from keytrace.vllm.replay import replay
 
-    r = replay(case.geometry, [case.prime], case.episode, trace_dir=trace_dir)
-    return {
-        "verdict": r.verdict,
-        "E": r.expected_E,
-        "external_tokens": r.external_tokens,
-        "binding_group": r.binding_group,
-        "terminal_chunk": r.terminal_chunk,
-        "cause": r.cause,
-    }
+    return replay(case.geometry, [case.prime], case.episode, trace_dir=trace_dir).outcome()
 
 
 def fuzz(

@@ -19,10 +19,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keytrace.analysis.geometry import Geometry, GroupGeom, describe
 from keytrace.analysis.plan import ReplayPlan
+
+if TYPE_CHECKING:
+    from keytrace.vllm.replay import ReplayResult
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -114,16 +117,10 @@ def _check(s: Scenario, signature: tuple[str, bool, str], out: Minimized) -> dic
     g = s.geometry.groups[r.binding_group]
     if (g.kind, g.eagle, r.cause) != signature:
         return None
-    return {
-        "E": r.expected_E,
-        "external_tokens": r.external_tokens,
-        "binding_group": r.binding_group,
-        "terminal_chunk": r.terminal_chunk,
-        "cause": r.cause,
-    }
+    return r.outcome()
 
 
-def _replay(s: Scenario, trace_dir: str | None) -> Any:
+def _replay(s: Scenario, trace_dir: str | None) -> ReplayResult:
     from keytrace.vllm.replay import replay
 
     return replay(s.geometry, list(s.primes), s.episode, trace_dir=trace_dir)

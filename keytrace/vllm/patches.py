@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -230,29 +230,22 @@ def _notify(method: str) -> Callable[[Binding], Wrapper]:
 
 
 # --------------------------------------------------------------------- table
-def _injection_rows() -> tuple[Patch, ...]:
-    fns = {
-        "pre48911": inject.pre48911,
-        "no_eagle_plus1": inject.no_eagle_plus1,
-        "short_window_tail": inject.short_window_tail,
-    }
-    assert set(fns) == set(inject.INJECTIONS)
+def _store_mask_rows(
+    kind: str, fns: dict[str, Wrapper], known: Mapping[str, str]
+) -> tuple[Patch, ...]:
+    """Rows that replace the store path's mask (``kind`` "inject" or "fix"), one a name."""
+    assert set(fns) == set(known)
     return tuple(
-        Patch(f"inject:{name}", "scheduler", "_reachable_store_block_mask", _replace(fn))
+        Patch(f"{kind}:{name}", "scheduler", "_reachable_store_block_mask", _replace(fn))
         for name, fn in fns.items()
     )
 
 
-def _fix_rows() -> tuple[Patch, ...]:
-    fns = {
-        "mtp_left_chunk": fixes.mtp_left_chunk,
-        "unkeyable_peek_fallback": fixes.unkeyable_peek_fallback,
-    }
-    assert set(fns) == set(fixes.FIXES)
-    return tuple(
-        Patch(f"fix:{name}", "scheduler", "_reachable_store_block_mask", _replace(fn))
-        for name, fn in fns.items()
-    )
+# What an active store-path change logs, and where its description lives.
+_CHANGES: dict[str, tuple[str, Mapping[str, str]]] = {
+    "inject": ("injected historical bug %r into", inject.INJECTIONS),
+    "fix": ("applied candidate fix %r to", fixes.FIXES),
+}
 
 
 TABLE: tuple[Patch, ...] = (
@@ -326,8 +319,23 @@ TABLE: tuple[Patch, ...] = (
     ),
     Patch("record", "manager", "reset_cache", observe("manager.reset_cache", after=hooks.reset)),
     # historical store-side bugs (testing only)
-    *_injection_rows(),
-    *_fix_rows(),
+    *_store_mask_rows(
+        "inject",
+        {
+            "pre48911": inject.pre48911,
+            "no_eagle_plus1": inject.no_eagle_plus1,
+            "short_window_tail": inject.short_window_tail,
+        },
+        inject.INJECTIONS,
+    ),
+    *_store_mask_rows(
+        "fix",
+        {
+            "mtp_left_chunk": fixes.mtp_left_chunk,
+            "unkeyable_peek_fallback": fixes.unkeyable_peek_fallback,
+        },
+        fixes.FIXES,
+    ),
     # the CPU harness's own observers on the connector instance it builds
     Patch("harness", "connector", "get_num_new_matched_tokens", _notify("on_lookup")),
     Patch("harness", "connector", "update_state_after_alloc", _notify("on_alloc")),
@@ -488,21 +496,14 @@ def enable(feature: str) -> bool:
             _STATE.exact_scans = all(
                 _resolve(cls, p.attr) is not None for p in _rows(feature, "scheduler")
             )
-        if feature.startswith("inject:"):
-            name = feature.split(":", 1)[1]
+        kind, _, name = feature.partition(":")
+        if kind in _CHANGES:
+            verb, known = _CHANGES[kind]
             log.warning(
-                "keytrace: injected historical bug %r into vLLM's store path (%s); every "
-                "trace recorded now says so in its header",
+                "keytrace: " + verb + " vLLM's store path (%s); every trace recorded now says "
+                "so in its header",
                 name,
-                inject.INJECTIONS[name],
-            )
-        if feature.startswith("fix:"):
-            name = feature.split(":", 1)[1]
-            log.warning(
-                "keytrace: applied candidate fix %r to vLLM's store path (%s); every trace "
-                "recorded now says so in its header",
-                name,
-                fixes.FIXES[name],
+                known[name],
             )
         return True
 
@@ -625,17 +626,9 @@ def apply_fix(name: str) -> None:
         raise VllmUnavailableError(f"cannot apply fix {name}: this vLLM lacks the hook point")
 
 
-@contextlib.contextmanager
-def fixed(name: str | None) -> Iterator[None]:
+def fixed(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Apply candidate fix ``name`` inside the block (no-op for None)."""
-    if not name:
-        yield
-        return
-    apply_fix(name)
-    try:
-        yield
-    finally:
-        disable(f"fix:{name}")
+    return _scoped("fix", apply_fix, name)
 
 
 def fix_from_env() -> str | None:
@@ -646,17 +639,21 @@ def fix_from_env() -> str | None:
     return name or None
 
 
-@contextlib.contextmanager
-def injected(name: str | None) -> Iterator[None]:
+def injected(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Apply injection ``name`` inside the block (no-op for None)."""
+    return _scoped("inject", apply_injection, name)
+
+
+@contextlib.contextmanager
+def _scoped(kind: str, apply: Callable[[str], None], name: str | None) -> Iterator[None]:
     if not name:
         yield
         return
-    apply_injection(name)
+    apply(name)
     try:
         yield
     finally:
-        disable(f"inject:{name}")
+        disable(f"{kind}:{name}")
 
 
 def inject_from_env() -> str | None:

@@ -38,6 +38,17 @@ class ReplayResult:
     steps: list[list[int]]
     trace_dir: str
 
+    def outcome(self) -> dict[str, Any]:
+        """The verdict and its evidence, as fuzz.json and minimal.json record them."""
+        return {
+            "verdict": self.verdict,
+            "E": self.expected_E,
+            "external_tokens": self.external_tokens,
+            "binding_group": self.binding_group,
+            "terminal_chunk": self.terminal_chunk,
+            "cause": self.cause,
+        }
+
     def explain(self) -> str:
         """One paragraph for an assertion message."""
         e = "-" if self.expected_E is None else f"{self.expected_E:,}"

@@ -47,9 +47,9 @@ def write_report(
     from keytrace.format.reader import open_trace
     from keytrace.report.fixture import file_name, render_fixture
     from keytrace.report.html import write_page
-    from keytrace.report.markdown import render_report
     from keytrace.report.standalone import regression_name, render_vllm_regression
     from keytrace.report.table import write_rows
+    from keytrace.report.templates import render
     from keytrace.report.text import render_episode
     from keytrace.vllm import require_vllm
     from keytrace.vllm.minimize import minimize
@@ -110,7 +110,8 @@ def write_report(
         minimal = minimize(plan, trace_dir=minimal_trace)
 
     t = v.terminal
-    md = render_report(
+    md = render(
+        "report.md.j2",
         v=v,
         binding_label=v.binding_label or "?",
         cause=t.cause if t else "?",
