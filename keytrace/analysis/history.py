@@ -40,7 +40,7 @@ OFFER_EVENTS = ("prepared", "rejected", "failed")
 
 def resident(completed: pl.Expr, removed: pl.Expr) -> pl.Expr:
     """*Resident*: a completion after the last removal (the one definition keytrace uses)."""
-    return completed.is_not_null() & (completed > removed.fill_null(-1))
+    return completed.is_not_null() & (removed.is_null() | (completed > removed))
 
 
 def _hash(key: pl.Expr) -> pl.Expr:
@@ -73,7 +73,7 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
     )
     rows, first_prep = collect_all([rows_q, first_prep_q])
     hist = rows.join(keys, on="key", how="semi").select("inst", "seq", "ts", "event", "key")
-    resets = rows.filter(ev == "reset").select("inst", "seq", "ts")
+    resets = rows.filter(ev == "reset").select("inst", "seq")
     other_gid = rows.filter(ev == "completed").select(
         "inst", "seq", pl.col("gid").alias("other_gid"), _hash(pl.col("key")).alias("h")
     )
@@ -89,9 +89,7 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
             pl.col("seq").filter(ev == "completed").max().alias("completed"),
             pl.col("seq").filter(ev == "evicted").max().alias("evicted"),
             pl.col("seq").filter(ev == "prepared").max().alias("prepared"),
-            pl.col("seq").filter(ev.is_in(["completed", "failed"])).max().alias("settled"),
-            ev.is_in(OFFER_EVENTS).any().alias("offered"),
-            (ev == "failed").any().alias("failed"),
+            pl.col("seq").filter(ev == "failed").max().alias("failed_at"),
             (ev == "rejected").any().alias("rejected"),
         )
     )
@@ -110,18 +108,16 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
             & (pl.col("ts") < pl.col("t"))
             & ev.is_in(OFFER_EVENTS)
         )
-        .group_by("pid")
-        .agg(pl.len().alias("n_elsewhere"))
-        .with_columns((pl.col("n_elsewhere") > 0).alias("other_engine"))
-        .drop("n_elsewhere")
+        .select("pid", pl.lit(True).alias("other_engine"))
+        .unique("pid")
     )
     # the hash under another group id, while this group id never reached the store path
     skew = (
         base.with_columns(_hash(pl.col("key")).alias("h"))
         .join(other_gid, on=["inst", "h"])
         .filter((pl.col("seq") < pl.col("s")) & (pl.col("other_gid") != pl.col("gid")))
-        .group_by("pid")
-        .agg(pl.len().alias("n_other"))
+        .select("pid", pl.lit(True).alias("other_gid_stored"))
+        .unique("pid")
     )
     facts = (
         probes.join(own, on="pid", how="left")
@@ -131,10 +127,12 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
         .join(first_prep, on=["inst", "gid"], how="left")
     )
     removed = pl.max_horizontal("evicted", "reset")
+    # A completion needs no term here: a completed key is resident (checked first) unless a
+    # removal followed the completion, and then that removal also follows the preparation.
     in_flight = (
         pl.col("prepared").is_not_null()
-        & (pl.col("prepared") > removed.fill_null(-1))
-        & (pl.col("settled").is_null() | (pl.col("settled") < pl.col("prepared")))
+        & (removed.is_null() | (pl.col("prepared") > removed))
+        & (pl.col("failed_at").is_null() | (pl.col("failed_at") < pl.col("prepared")))
     )
     own_gid_stored = pl.col("first_prep").is_not_null() & (pl.col("first_prep") < pl.col("s"))
     cause = (
@@ -146,13 +144,13 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
         .then(pl.lit("evicted"))
         .when(pl.col("other_engine").fill_null(False))
         .then(pl.lit("other_engine"))
-        .when(pl.col("failed").fill_null(False))
+        .when(pl.col("failed_at").is_not_null())
         .then(pl.lit("store_failed"))
         .when(pl.col("rejected").fill_null(False))
         .then(pl.lit("rejected"))
-        .when(pl.col("n_other").is_not_null() & ~own_gid_stored)
+        .when(pl.col("other_gid_stored").fill_null(False) & ~own_gid_stored)
         .then(pl.lit("other_group"))
-        .when(pl.col("token_end") <= pl.col("keyable_end").fill_null(0))
+        .when(pl.col("keyable_end").is_not_null() & (pl.col("token_end") <= pl.col("keyable_end")))
         .then(pl.lit("never_offered"))
         .otherwise(pl.lit("not_keyable"))
     )

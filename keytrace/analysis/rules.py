@@ -123,7 +123,9 @@ def unit(groups: Iterable[Group]) -> int:
     return math.lcm(*(g.tpc for g in groups))
 
 
-def lookup_cap(groups: Sequence[Group], num_tokens: Num, local: Num, max_new: Num | None) -> Num:
+def lookup_cap(
+    groups: Sequence[Group], num_tokens: Num, local: Num = 0, max_new: Num | None = None
+) -> Num:
     """L: the largest hit boundary vLLM's lookup may return.
 
     ``num_tokens - 1`` when a sliding-window group exists (the last prompt token is always
@@ -142,7 +144,7 @@ def store_boundary(groups: Sequence[Group], prompt_tokens: Num) -> Num:
 
     (``reachable_boundaries = (P - 1,)``, aligned down to the full-attention chunk.)
     """
-    return lookup_cap(groups, prompt_tokens, 0, None)
+    return lookup_cap(groups, prompt_tokens)
 
 
 def align_down(tokens: Num, groups: Sequence[Group]) -> Num:

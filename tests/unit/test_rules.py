@@ -11,8 +11,13 @@ from hypothesis import strategies as st
 
 from keytrace.analysis.rules import (
     Group,
+    align_down,
+    cdiv,
     eagle_peek_unkeyable,
+    greatest,
     group_label,
+    groups_from_header,
+    least,
     load_window,
     lookup_cap,
     needed_chunks,
@@ -64,6 +69,66 @@ def test_the_stock_rule() -> None:
     # prompt shorter than A has no boundary to miss (E = 0: a cold lookup, not this rule)
     assert eagle_peek_unkeyable(17_983, DSV4) and not eagle_peek_unkeyable(17_984, DSV4)
     assert not eagle_peek_unkeyable(10, DSV4)
+
+
+def test_small_helpers() -> None:
+    assert (
+        group_label("mamba", False) == "Mamba"
+        and group_label("novel_kind", True) == "novel_kind, MTP"
+    )
+    assert [cdiv(a, 4) for a in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+    # an int and an expression mix: the row-wise min/max of polars
+    assert pl.select(least(3, pl.lit(5)), greatest(pl.lit(3), 5).alias("g")).row(0) == (3, 5)
+    assert align_down(17_975, DSV4) == 17_920 and align_down(255, [SWA, C4]) == 192
+    # retained extra tokens widen the window only past a chunk boundary
+    assert window_chunks(128, 1, 64) == 2 and window_chunks(128, 2, 64) == 3
+
+
+def test_cap_edges() -> None:
+    # one token past a unit boundary: the window group's "minus 1" lands on the boundary
+    assert lookup_cap(DSV4, 18_945, 0, None) == 18_944
+    assert lookup_cap(DSV4, 18_944, 0, None) == 18_688
+
+
+def test_load_window_pads_an_unaligned_right_edge() -> None:
+    # C4: tpc 4, sliding window 8 (2 chunks); end 1 leaves 3 tokens of pad: cdiv(7 + 3, 4) = 3
+    assert load_window(C4, 1) == 3 and load_window(C4, 3) == 2 and load_window(C4, 4) == 2
+    # extra retained tokens count: cdiv(64 - 1 + 1 + 1, 64) = 2 for an end one short of a chunk
+    g = Group(0, 64, 1, 64, 1, False, "sliding_window")
+    assert load_window(g, 127) == 2 and load_window(g, 128) == 1
+
+
+def test_groups_from_header() -> None:
+    header = {
+        "groups": [
+            {
+                "group_id": 2,
+                "offloaded": True,
+                "tokens_per_chunk": 64,
+                "window_chunks": 3,
+                "sliding_window": 128,
+                "extra_retained_tokens": 2,
+                "is_eagle": True,
+                "kind": "sliding_window",
+            },
+            {"group_id": 1, "offloaded": False, "tokens_per_chunk": 64, "kind": "mamba"},
+            {
+                "group_id": 0,
+                "offloaded": True,
+                "tokens_per_chunk": 256,
+                "window_chunks": None,
+                "sliding_window": None,
+                "extra_retained_tokens": None,
+                "is_eagle": False,
+                "kind": "mla",
+            },
+        ]
+    }
+    assert groups_from_header(header) == [
+        Group(0, 256, None, None, 0, False, "mla"),
+        Group(2, 64, 3, 128, 2, True, "sliding_window"),
+    ]
+    assert groups_from_header({}) == []
 
 
 groups_st = st.lists(
