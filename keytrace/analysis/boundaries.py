@@ -9,7 +9,8 @@ offered (before the episode) the same anchor-group key for the chunk ending at `
 episode looked up. The anchor is the first full-attention group (else the first group).
 
 Only one key per (request, boundary) is joined against the episode's anchor lookups, so the
-cost is one pass over the anchor group's lookup rows. ``r'`` may be the episode's own
+cost is one pass over the anchor group's store rows (`boundary_offers`, shared with the
+routing account) and one over its lookup rows. ``r'`` may be the episode's own
 request (a preempted request that stored before it was resumed): it stored before ``s``.
 """
 
@@ -39,29 +40,42 @@ def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFr
     return pl.concat([own, junction]).filter(pl.col("b") > 0).unique()
 
 
-def chain(
-    episodes: pl.LazyFrame, lookups: pl.LazyFrame, stores: pl.LazyFrame, groups: list[Group]
-) -> pl.LazyFrame:
-    """Per episode: its intended ``boundaries``, the ``chain`` requests and ``chain_P`` (the
-    longest prompt among them: how far they could key chunks)."""
+def boundary_offers(
+    episodes: pl.LazyFrame, stores: pl.LazyFrame, groups: list[Group]
+) -> pl.DataFrame:
+    """(inst, req_id, b, key, P, first_seq, first_ts): the anchor-group key each request
+    offered (any offer event) for the chunk ending at each of its boundaries ``b``, when it
+    first did (sequence number and wall clock). One pass over the store rows serves both
+    `chain` (same instance, by sequence number) and the routing account in
+    `keytrace.analysis.lost` (other instances, by wall clock)."""
     a = anchor(groups)
     # Small sides are collected before they meet a whole kind: joined lazily, the streaming
     # engine holds the big side while the small one is still being computed.
     bounds = frames.collect(
         request_boundaries(episodes, groups).with_columns((pl.col("b") // a.tpc - 1).alias("chunk"))
     ).lazy()
-    # collected first: one key per (request, boundary), joined against the lookups as a
-    # small literal table (a lazy join would hold the store pages for the whole query)
-    bkeys = frames.collect(
+    return frames.collect(
         stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
         .join(bounds, on=["inst", "req_id", "chunk"])
-        .group_by("inst", "key", "b", "req_id")
-        .agg(pl.col("P").first(), pl.col("seq").min().alias("first_seq"))
-    ).lazy()
+        .group_by("inst", "req_id", "b", "key")
+        .agg(
+            pl.col("P").first(),
+            pl.col("seq").min().alias("first_seq"),
+            pl.col("ts").min().alias("first_ts"),
+        )
+    )
+
+
+def chain(lookups: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]) -> pl.LazyFrame:
+    """Per episode: its intended ``boundaries``, the ``chain`` requests and ``chain_P`` (the
+    longest prompt among them: how far they could key chunks). ``offers``: `boundary_offers`,
+    joined against the anchor group's lookups as a small literal table (a lazy join would
+    hold the store pages for the whole query)."""
+    a = anchor(groups)
     return (
         lookups.filter(pl.col("gid") == a.gid)
         .select("inst", "s", "key")
-        .join(bkeys, on=["inst", "key"])
+        .join(offers.lazy(), on=["inst", "key"])
         .filter(pl.col("first_seq") < pl.col("s"))
         .sort("first_seq")
         .group_by("inst", "s")

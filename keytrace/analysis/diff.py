@@ -19,7 +19,7 @@ from typing import Any
 import polars as pl
 
 from keytrace.analysis import frames, lost, scans, unknown
-from keytrace.analysis.boundaries import anchor, chain
+from keytrace.analysis.boundaries import anchor, boundary_offers, chain
 from keytrace.analysis.history import causes
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.results import (
@@ -59,7 +59,8 @@ def diff(
     """
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
-    eps = _episodes(trace, groups, request, engine, rank)
+    offers = boundary_offers(frames.episodes(trace), frames.stores(trace), groups)
+    eps = _episodes(trace, groups, offers, request, engine, rank)
     tick("episodes", 1, 4)
     sf = eps.filter(pl.col("verdict") == "shortfall")
     explained = _explain_shortfalls(trace, groups, sf)
@@ -70,7 +71,7 @@ def diff(
         how="left",
     ).with_columns(pl.coalesce("verdict2", "verdict").alias("verdict"))
     counts = dict(judged.group_by("verdict").len().sort("verdict").iter_rows())
-    lost_tokens = _lost_tokens(trace, groups, judged)
+    lost_tokens = _lost_tokens(trace, groups, judged, offers)
     reported = (
         judged
         if all_episodes
@@ -93,7 +94,9 @@ def diff(
     )
 
 
-def _lost_tokens(trace: Trace, groups: list[Group], judged: pl.DataFrame) -> LostTokens:
+def _lost_tokens(
+    trace: Trace, groups: list[Group], judged: pl.DataFrame, offers: pl.DataFrame
+) -> LostTokens:
     """The per-engine account of every prompt token (`keytrace.analysis.lost`)."""
     first_cause = (
         pl.when(pl.col("decisive").list.len() > 0)
@@ -109,7 +112,7 @@ def _lost_tokens(trace: Trace, groups: list[Group], judged: pl.DataFrame) -> Los
         .alias("cause"),
     )
     cold = j.filter(pl.col("verdict") == "cold")
-    routing = lost.routing_boundaries(cold, frames.stores(trace), frames.episodes(trace), groups)
+    routing = lost.routing_boundaries(cold, frames.stores(trace), offers, groups)
     counted = j.filter(pl.col("verdict") != "deferred").select("engine", "N")
     return lost.summarize(lost.account(j, routing), counted)
 
@@ -131,7 +134,12 @@ def _groups(trace: Trace) -> list[Group]:
 
 
 def _episodes(
-    trace: Trace, groups: list[Group], request: str | None, engine: str | None, rank: int | None
+    trace: Trace,
+    groups: list[Group],
+    offers: pl.DataFrame,
+    request: str | None,
+    engine: str | None,
+    rank: int | None,
 ) -> pl.DataFrame:
     """Every selected episode with L, F, its intended boundaries, E and the base verdict."""
     eps = frames.episodes(trace)
@@ -144,7 +152,7 @@ def _episodes(
         sel &= pl.col("dp_rank") == rank
     summaries = frames.scans(trace)
     F = scans.resident_prefix(summaries, eps, groups)
-    B = chain(eps, frames.lookups(trace, gids=[anchor(groups).gid]), frames.stores(trace), groups)
+    B = chain(frames.lookups(trace, gids=[anchor(groups).gid]), offers, groups)
     top = pl.min_horizontal("L", "F")  # F null: no full-attention constraint
     out = (
         eps.with_columns(lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("max_new")).alias("L"))

@@ -289,11 +289,14 @@ def _explode(
 
 
 def stores(trace: Trace) -> pl.LazyFrame:
+    """One row per key per store event. ``event`` stays categorical: every use compares it
+    with literals, and a string cast of every store row costs more than the key column's
+    whole read."""
     return trace.frame("store").select(
         pl.col("instance_id").alias("inst"),
         "seq",
         pl.col("ts_ns").alias("ts"),
-        _str("event").alias("event"),
+        "event",
         _str("req_id").alias("req_id"),
         pl.col("group_id").alias("gid"),
         pl.col("chunk_idx").alias("chunk"),

@@ -153,36 +153,30 @@ def summarize(per_episode: pl.DataFrame, prompt: pl.DataFrame) -> LostTokens:
 
 
 def routing_boundaries(
-    cold: pl.DataFrame, stores: pl.LazyFrame, episodes: pl.LazyFrame, groups: list[Group]
+    cold: pl.DataFrame, stores: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]
 ) -> pl.DataFrame:
     """(inst, s, E_other) for cold episodes: the largest boundary ``b`` in (S, L] of a
     request on *another* instance that offered, before the episode's wall clock, the same
     full-attention key for the chunk ending at ``b`` as this episode's request offered (its
     prompt shares that prefix). Keys are content-addressed, so the request's own
-    full-attention store rows name its prefix even though its lookup stopped early."""
+    full-attention store rows name its prefix even though its lookup stopped early.
+    ``offers``: `keytrace.analysis.boundaries.boundary_offers`."""
     empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_other": pl.Int64})
     if cold.height == 0:
         return empty
-    from keytrace.analysis.boundaries import STORE_OFFERS, anchor, request_boundaries
+    from keytrace.analysis.boundaries import STORE_OFFERS, anchor
 
     a = anchor(groups)
     if not a.full_attention:
         return empty
-    bounds = frames.collect(  # collected first: see boundaries.chain
-        request_boundaries(episodes, groups).with_columns((pl.col("b") // a.tpc - 1).alias("chunk"))
-    ).lazy()
-    offered = stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
-    # each side collected on its own: one key per boundary, the cold requests' own keys
-    elsewhere = frames.collect(
-        offered.join(bounds, on=["inst", "req_id", "chunk"])
-        .group_by("inst", "key", "b")
-        .agg(pl.col("ts").min().alias("first_ts"))
-        .rename({"inst": "other"})
-    ).lazy()
+    elsewhere = (
+        offers.group_by("inst", "key", "b").agg(pl.col("first_ts").min()).rename({"inst": "other"})
+    )
     # the cold requests' own offers of those boundary keys only (not all their keys)
-    boundary_keys = elsewhere.select(pl.col("key").unique()).collect()["key"]
+    boundary_keys = elsewhere["key"].unique()
     own = frames.collect(
-        offered.filter(pl.col("key").is_in(boundary_keys.implode()))
+        stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
+        .filter(pl.col("key").is_in(boundary_keys.implode()))
         .join(cold.select("inst", "req_id").lazy(), on=["inst", "req_id"])
         .select("inst", "req_id", "key")
         .unique()
@@ -191,7 +185,7 @@ def routing_boundaries(
         cold.select("inst", "s", "req_id", "t", "S", "L")
         .lazy()
         .join(own, on=["inst", "req_id"])
-        .join(elsewhere, on="key")
+        .join(elsewhere.lazy(), on="key")
         .filter(
             (pl.col("other") != pl.col("inst"))
             & (pl.col("first_ts") < pl.col("t"))
