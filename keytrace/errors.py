@@ -25,6 +25,10 @@ class SchemaVersionError(TraceError):
     """A part was written with a schema version this keytrace cannot read."""
 
 
+class UnknownResultError(TraceError):
+    """Raw lookup rows the differ read hold a result value this keytrace does not know."""
+
+
 class UsageError(KeytraceError):
     """Options that do not make sense together, or point at nothing."""
 

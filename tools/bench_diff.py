@@ -8,8 +8,9 @@ the diff's peak memory grew from 50M to 150M rows (the goal: under 25%).
 For each size: generate a trace with tools/gen_trace.py (reused if present), then, each in a
 fresh subprocess so peak RSS is its own, run (1) `keytrace diff TRACE --all --json` through
 the CLI and (2) a bare polars scan that reads the same lookup and store key columns once and
-aggregates them. Prints wall times, `ratio` (diff / scan), key rows per second, peak RSS,
-and checks that the diff found exactly the planted mismatches.
+aggregates them, each ``--repeat`` times interleaved (median wall, max RSS). Prints wall
+times, `ratio` (diff / scan), key rows per second, peak RSS, and checks that the diff found
+exactly the planted mismatches.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +61,9 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[10_000_000, 50_000_000])
     ap.add_argument("--huge", action="store_true", help="also 150M rows")
     ap.add_argument("--work", default="/tmp/kt-bench")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="runs of each side, interleaved (median wall)"
+    )
     args = ap.parse_args()
     if args.huge and 150_000_000 not in args.rows:
         args.rows.append(150_000_000)
@@ -76,10 +81,18 @@ def main() -> int:
             print(f"  generated in {time.perf_counter() - t:.0f}s", file=sys.stderr)
         with open(d + ".planted.json") as fh:
             planted = {tuple(x) for x in json.load(fh)}
-        w_scan, rss_scan, _, _ = timed([sys.executable, "-c", SCAN, d])
-        w_diff, rss_diff, out, code = timed(
-            [sys.executable, "-m", "keytrace.cli", "diff", d, "--all", "--json"]
-        )
+        # interleaved repeats, medians: one run each swings the ratio by +-0.4 on a shared box
+        scans, diffs = [], []
+        for _ in range(args.repeat):
+            scans.append(timed([sys.executable, "-c", SCAN, d]))
+            diffs.append(
+                timed([sys.executable, "-m", "keytrace.cli", "diff", d, "--all", "--json"])
+            )
+        w_scan = statistics.median(r[0] for r in scans)
+        w_diff = statistics.median(r[0] for r in diffs)
+        rss_scan = max(r[1] for r in scans)
+        rss_diff = max(r[1] for r in diffs)
+        out, code = diffs[-1][2], diffs[-1][3]
         report = json.loads(out)
         found = {
             (e["engine_id"], e["req_id"]) for e in report["episodes"] if e["verdict"] == "mismatch"

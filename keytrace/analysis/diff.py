@@ -33,8 +33,8 @@ from keytrace.analysis.results import (
 )
 from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range, unit
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, reason, shortfall_verdicts
-from keytrace.errors import TraceError
-from keytrace.format.reader import Trace
+from keytrace.errors import TraceError, UnknownResultError
+from keytrace.format.reader import Trace, raise_unknown_results
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
 
@@ -57,6 +57,20 @@ def diff(
     earliest mismatch in sequence order as ``first_mismatch``; ``True`` reports every
     episode (hit, cold and deferred too). Counts always cover every selected episode.
     """
+    try:
+        return _diff(trace, request, engine, rank, all_episodes, progress)
+    except UnknownResultError:
+        raise_unknown_results(trace)  # names the part
+
+
+def _diff(
+    trace: Trace,
+    request: str | None,
+    engine: str | None,
+    rank: int | None,
+    all_episodes: bool,
+    progress: ProgressFn | None,
+) -> DiffReport:
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
     offers = boundary_offers(frames.episodes(trace), frames.stores(trace), groups)

@@ -22,14 +22,23 @@ from collections.abc import Sequence
 import polars as pl
 import pyarrow as pa
 
+from keytrace.errors import UnknownResultError
 from keytrace.format.reader import Trace
-from keytrace.format.schema import SCAN_EPISODE, SCAN_UNQUERIED
+from keytrace.format.schema import LOOKUP_RESULTS, SCAN_EPISODE, SCAN_UNQUERIED
 
 
 def collect(lf: pl.LazyFrame) -> pl.DataFrame:
     """Run a query on polars' streaming engine; its result owns its binary columns (see
     `owned`). Every query the differ runs goes through here."""
-    return owned(_copy_binary(lf).collect(engine="streaming"))
+    try:
+        return owned(_copy_binary(lf).collect(engine="streaming"))
+    except pl.exceptions.InvalidOperationError as exc:
+        if "to `enum` failed" in str(exc):  # the strict result cast in `_explode`
+            raise UnknownResultError(
+                f"lookup rows hold a result value this keytrace does not know "
+                f"(expected {', '.join(LOOKUP_RESULTS)})"
+            ) from exc
+        raise
 
 
 def collect_all(lfs: Sequence[pl.LazyFrame]) -> list[pl.DataFrame]:
@@ -272,6 +281,9 @@ def _explode(
         picked.filter(pl.col(cols[0]).is_not_null())
         .explode(cols)
         .rename({f"{prefix}_{c}": _FLAT[c] for c in _RAW})
+        # strict: the reader checks heads and counts at open, the raw rows are checked here,
+        # where a verdict reads them (see `keytrace.format.reader._check_values`)
+        .with_columns(pl.col("result").cast(pl.Enum(LOOKUP_RESULTS)).cast(pl.String))
         .select(
             "inst",
             "s",

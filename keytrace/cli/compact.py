@@ -7,7 +7,6 @@ import os
 import click
 
 from keytrace.cli._common import subcommand
-from keytrace.format.compact import compact
 
 
 @subcommand("compact")
@@ -22,6 +21,8 @@ def command(trace_dir: str, out_dir: str | None, force: bool) -> int:
     The output sits beside the trace by default, so re-reading TRACE_DIR never counts a
     row twice. `keytrace diff OUT/store.parquet OUT/lookup.parquet` then works as usual.
     """
+    from keytrace.format.compact import compact  # the writer stack: not on every command's path
+
     out = out_dir or (trace_dir.rstrip("/") + "-compact")
     result = compact([trace_dir], out, force=force)
     for w in result.skipped:

@@ -18,7 +18,6 @@ from keytrace.cli._common import (
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
-from keytrace.report.html import write_page
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff
 
@@ -93,6 +92,8 @@ def command(
     else:
         render_diff(report, sys.stdout)
     if html_path is not None:
+        from keytrace.report.html import write_page  # Jinja2: only when a page is asked for
+
         write_page(html_path, report, chunk_maps(trace, report, limit=html_limit))
         if not as_json:
             click.echo(f"chunk map: {html_path}")

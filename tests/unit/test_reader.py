@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from keytrace.analysis import frames
 from keytrace.analysis.geometry import synthetic_header
 from keytrace.cli import main
-from keytrace.errors import SchemaVersionError
-from keytrace.format.reader import open_trace
+from keytrace.errors import SchemaVersionError, TraceError, UnknownResultError
+from keytrace.format.reader import open_trace, raise_unknown_results
 from tests.factories import TINY, new_builder
 
 
@@ -36,6 +37,8 @@ def _rewrite(
     meta: dict[bytes, bytes] | None = None,
     drop: str | None = None,
     result: str | None = None,
+    results_column: str = "head_results",
+    add_hit: bool = False,
 ) -> None:
     t = pq.read_table(src)
     md = dict(t.schema.metadata)
@@ -44,14 +47,18 @@ def _rewrite(
     if drop:
         t = t.drop_columns([drop])
     if result:  # every scan's raw results (v2: lists)
-        col = t.column("head_results").to_pylist()
+        col = t.column(results_column).to_pylist()
         t = t.set_column(
-            t.schema.get_field_index("head_results"),
-            "head_results",
+            t.schema.get_field_index(results_column),
+            results_column,
             pa.array(
                 [None if r is None else [result] * len(r) for r in col], pa.list_(pa.string())
             ),
         )
+    if add_hit:  # one more HIT counted than the scan's n_keys
+        i = t.schema.get_field_index("n_hit")
+        n = [None if v is None else v + 1 for v in t.column("n_hit").to_pylist()]
+        t = t.set_column(i, t.schema.field(i), pa.array(n, t.schema.field(i).type))
     pq.write_table(t.replace_schema_metadata(md), dst)
 
 
@@ -130,6 +137,36 @@ def test_missing_columns_and_unknown_results(
     weird = tmp_path / "weird.parquet"
     _rewrite(_one_part(trace_dir, "lookup"), weird, result="MAYBE")
     assert "unknown lookup result value(s) MAYBE" in _cli_error(capsys, str(weird))
+
+
+def test_unknown_tail_results_are_caught_where_they_are_read(tmp_path: Path) -> None:
+    # the long tail lists (past HEAD = 64 calls) are checked where the differ explodes them
+    b = new_builder(tmp_path / "t")
+    b.prime("r1", "c", 2_048)
+    b.episode("r2", 2_048, external=0, scans=[(0, [(c, "HIT") for c in range(100)])], chain="c")
+    b.close()
+    part = _one_part(tmp_path / "t", "lookup")
+    assert any(pq.read_table(part).column("tail_results").to_pylist())
+    weird = tmp_path / "weird-tail.parquet"
+    _rewrite(part, weird, result="MAYBE", results_column="tail_results")
+    trace = open_trace(str(weird))  # heads and counts are intact
+    with pytest.raises(UnknownResultError):
+        frames.collect(frames.lookups(trace))
+    with pytest.raises(
+        TraceError, match=r"weird-tail.parquet: unknown lookup result value\(s\) MAYBE"
+    ):
+        raise_unknown_results(trace)
+
+
+def test_scan_counts_that_do_not_add_up(
+    trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a result outside the four names shows as a count short of n_keys; here one too many
+    bad = tmp_path / "miscounted.parquet"
+    _rewrite(_one_part(trace_dir, "lookup"), bad, add_hit=True)
+    assert "miscounted.parquet: unknown lookup result value(s) (scan counts do not add up)" in (
+        _cli_error(capsys, str(bad))
+    )
 
 
 def test_mixed_geometries_and_versions(
