@@ -7,6 +7,8 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from keytrace.analysis.diff import diff
 from keytrace.analysis.results import EpisodeList
 from keytrace.format.reader import open_trace
@@ -38,6 +40,9 @@ def test_episode_list_reads_like_a_list(tmp_path: Path) -> None:
     eps = _report(tmp_path).episodes
     as_list = list(eps)
     assert len(as_list) == len(eps) == 4
+    with pytest.raises(IndexError):
+        eps[4]
+    assert eps != as_list[:3] and eps == as_list
     assert [eps[i] for i in range(len(eps))] == as_list
     assert eps[-1] == as_list[-1] and eps[1:3] == as_list[1:3]
     assert eps == as_list

@@ -43,3 +43,16 @@ def test_a_residue_that_both_fails_and_passes_is_a_violation() -> None:
 def test_no_mismatch() -> None:
     rule = length_rule(_rows({300: "hit", 301: "hit"}), 256)
     assert not rule.holds and rule.text() == "no swept length mismatched (2 lengths)"
+
+
+def test_ranges_and_singletons_and_the_first_three_violations() -> None:
+    verdicts = {259: "mismatch", 261: "hit", 263: "mismatch", 264: "mismatch", 265: "mismatch"}
+    rule = length_rule(_rows(verdicts), 256)
+    assert rule.text() == "mismatch iff P mod 256 in {3, 7..9}: holds for all 5 swept lengths"
+    # residue 3 mismatched once and passed four times: all four are violations, three shown
+    mixed = {259: "mismatch", 515: "hit", 771: "hit", 1027: "hit", 1283: "hit"}
+    assert (
+        length_rule(_rows(mixed), 256)
+        .text()
+        .endswith("violated by 4 length(s), e.g. [515, 771, 1027]")
+    )

@@ -9,7 +9,7 @@ from keytrace.analysis.diff import diff
 from keytrace.analysis.summary import summarize
 from keytrace.format.reader import open_trace
 from keytrace.report.text import render_diff, render_summary
-from tests.factories import TraceBuilder
+from tests.factories import TraceBuilder, new_builder
 from tests.unit.test_diff import _build
 
 
@@ -81,3 +81,14 @@ def test_summary(tmp_path: Path) -> None:
         "  r1                100        0         0         0",
         "  r2                100        0         0         0",
     ]
+
+
+def test_summary_labels_mtp_and_lists_the_first_20_episodes(tmp_path: Path) -> None:
+    b = new_builder(tmp_path / "t")
+    for i in range(21):
+        b.prime(f"r{i}", f"c{i}", 64, swa_chunks={1: [2, 3], 2: [2, 3]})
+    b.close()
+    lines = _text(render_summary, summarize(open_trace(str(tmp_path / "t"))))
+    assert [ln.split()[:3] for ln in lines if ln.startswith("    2 ")] == [["2", "SWA,", "MTP"]]
+    assert "episodes (first 20):" in lines
+    assert sum(ln.startswith("  r") and not ln.startswith("  request") for ln in lines) == 20

@@ -14,9 +14,17 @@ from keytrace.report.table import write_rows
 def test_parse_lengths() -> None:
     assert parse_lengths("10:14") == [10, 11, 12, 13, 14]
     assert parse_lengths("10:20:5,7, 1_000") == [10, 15, 20, 7, 1000]
-    for bad in ("", "a", "5:1", "1:5:0"):
-        with pytest.raises(ValueError):
+    assert parse_lengths("1,,2") == [1, 2] and parse_lengths("5:5") == [5]
+    for bad, message in (
+        ("", "no lengths given"),
+        (" , ", "no lengths given"),
+        ("a", "bad length 'a': use N, N,M or START:STOP[:STEP]"),
+        ("5:1", "bad range '5:1': need start <= stop and step > 0"),
+        ("1:5:0", "bad range '1:5:0': need start <= stop and step > 0"),
+    ):
+        with pytest.raises(ValueError) as e:
             parse_lengths(bad)
+        assert str(e.value) == message
 
 
 def test_write_rows_with_null_leading_columns(tmp_path: Path) -> None:
