@@ -55,6 +55,7 @@ class TraceBuilder:
                 for gid, g in enumerate(geometry.groups)
             },
             max_seconds=3600,
+            idle_seconds=3600,  # parts split only where a test says so
         )
         self.tph = geometry.tokens_per_hash
 

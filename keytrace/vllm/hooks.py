@@ -75,6 +75,7 @@ def start_recording(
         tokens_per_chunk={c.group_idx: c.tokens_per_chunk for c in sched.config.kv_group_configs},
         max_rows=env_int("KEYTRACE_MAX_ROWS"),
         max_seconds=env_float("KEYTRACE_MAX_SECONDS"),
+        idle_seconds=env_float("KEYTRACE_IDLE_SECONDS"),
     )
     rec.exact_scans = exact_scans
     return rec

@@ -458,12 +458,20 @@ def scheduler_class() -> tuple[Any, list[str]]:
 
 
 def missing_hooks(feature: str) -> list[str]:
-    """Essential class-level hook points of ``feature`` this vLLM lacks (`_resolve`)."""
+    """Essential class-level hook points of ``feature`` this vLLM lacks (`_resolve`); for
+    recording, a release outside `RECORDING_VLLM` counts as missing them all."""
     cls, problems = scheduler_class()
     if cls is None:
         return problems
+    if feature == "record":
+        from keytrace.vllm import RECORDING_VLLM
+        from keytrace.vllm.compat import vllm_version
+
+        release = vllm_version().split("+")[0]
+        if release not in RECORDING_VLLM:
+            return [f"release {release} is not one keytrace records"]
     return problems + [
-        f"{cls.__name__}.{p.attr}"
+        f"hook point {cls.__name__}.{p.attr} is missing"
         for p in _rows(feature, "scheduler")
         if p.essential and _resolve(cls, p.attr) is None
     ]
@@ -479,12 +487,15 @@ def enable(feature: str) -> bool:
             return True
         problems = missing_hooks(feature)
         if problems:
-            from keytrace.vllm import SUPPORTED_VLLM
+            from keytrace.vllm import RECORDING_VLLM, SUPPORTED_VLLM
             from keytrace.vllm.compat import vllm_version
 
+            supported = (
+                " and ".join(RECORDING_VLLM) if feature == "record" else "==" + SUPPORTED_VLLM
+            )
             _STATE.warn_once(
-                f"keytrace: installed vLLM {vllm_version()} lacks hook point(s) "
-                f"{', '.join(problems)}; keytrace supports vllm=={SUPPORTED_VLLM}. "
+                f"keytrace: cannot hook installed vLLM {vllm_version()} "
+                f"({'; '.join(problems)}); keytrace supports vllm {supported}. "
                 f"Nothing is patched for {feature} and vLLM is left untouched."
             )
             return False

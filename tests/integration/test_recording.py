@@ -244,10 +244,33 @@ def test_missing_hook_point_records_nothing(
     monkeypatch.delattr(cls, "update_state_after_alloc")
     with caplog.at_level("WARNING", logger="keytrace"):
         assert patches.install(tmp_path / "t") is False
-    [line] = [r.getMessage() for r in caplog.records if "lacks hook point" in r.getMessage()]
+    [line] = [r.getMessage() for r in caplog.records if "cannot hook" in r.getMessage()]
     assert (
-        "OffloadingConnectorScheduler.update_state_after_alloc; keytrace supports vllm==0.33.0"
-        in line
+        "(hook point OffloadingConnectorScheduler.update_state_after_alloc is missing); "
+        "keytrace supports vllm 0.32.0 and 0.33.0" in line
+    )
+    assert cls.__init__ is init_before and not patches.installed()
+    assert not (tmp_path / "t").exists()
+
+
+def test_an_unsupported_release_records_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import vllm
+
+    from keytrace.vllm import patches
+    from keytrace.vllm.compat import load_targets
+
+    cls, _, _ = load_targets()
+    init_before = cls.__init__
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with caplog.at_level("WARNING", logger="keytrace"):
+        assert patches.install(tmp_path / "t") is False
+    [line] = [r.getMessage() for r in caplog.records if "cannot hook" in r.getMessage()]
+    assert line == (
+        "keytrace: cannot hook installed vLLM 0.31.0 (release 0.31.0 is not one keytrace "
+        "records); keytrace supports vllm 0.32.0 and 0.33.0. Nothing is patched for record "
+        "and vLLM is left untouched."
     )
     assert cls.__init__ is init_before and not patches.installed()
     assert not (tmp_path / "t").exists()

@@ -153,6 +153,26 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
     w2.close()
 
 
+def test_a_quiet_writer_closes_its_part(tmp_path: Path) -> None:
+    # vLLM's default shutdown SIGKILLs the engine core right after SIGTERM: rows recorded
+    # before the server went quiet must reach disk without close() or the time bound
+    w = TraceWriter(tmp_path / "idle", HEADER, max_rows=10**9, max_seconds=3600, idle_seconds=0.2)
+    for i in range(3):
+        w.append("step", 1, _step_row(w, i))
+    deadline = time.time() + 10
+    while w.stats.parts_written < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert w.stats.parts_written == 1
+    assert open_trace(str(tmp_path / "idle")).rows("step") == 3
+    w.append("step", 1, _step_row(w, 3))  # a later row goes to a later part
+    deadline = time.time() + 10
+    while w.stats.parts_written < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert w.stats.parts_written == 2
+    w.close()
+    assert open_trace(str(tmp_path / "idle")).rows("step") == 4
+
+
 def test_modes_and_layout(tmp_path: Path) -> None:
     d = tmp_path / "trace"
     w = TraceWriter(d, HEADER)

