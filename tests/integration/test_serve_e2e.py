@@ -47,6 +47,11 @@ def recorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def injected(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("inject"), "short_window_tail")
+
+
+@pytest.fixture(scope="module")
 def unrecorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("plain"), record=False)
 
@@ -94,3 +99,18 @@ def test_without_keytrace_dir_nothing_is_written_and_the_server_behaves_the_same
     assert unrecorded.parts == []
     assert unrecorded.cached_tokens == recorded.cached_tokens
     assert unrecorded.prometheus_external_hits == recorded.prometheus_external_hits
+
+
+def test_an_injected_store_bug_is_named_with_its_group_and_chunk(injected: Any) -> None:
+    # short_window_tail: the store keeps one chunk fewer of the window tail than lookup
+    # needs. The window is 512 tokens = 16 chunks of 32, so a hit at E = 1,984 (chunk 62's
+    # start) needs SWA chunks 46..61; the store keeps 47..61 and the scan's terminal MISS is
+    # chunk 46. The server itself misses too: the resend gets no cached tokens.
+    assert injected.server_exit == 0, injected.log_tail
+    assert injected.cached_tokens[:2] == [0, 0]
+    assert injected.diff_exit == 1, injected.diff
+    first = injected.diff["first_mismatch"]
+    assert first["binding_group"] == 0 and first["binding_label"] == "SWA"
+    assert first["terminal"]["chunk"] == 46 and first["terminal"]["result"] == "MISS"
+    assert (first["E"], first["external_tokens"]) == (1_984, 0)
+    assert injected.header["vllm_modified"] != []
