@@ -89,6 +89,7 @@ class ServeRun:
 
     port: int = 0
     engine_pid: int | None = None
+    engine_id: str | None = None
     server_exit: int | None = None
     cached_tokens: list[int | None] = field(default_factory=list)
     prometheus_external_hits: float | None = None
@@ -132,6 +133,9 @@ class Server:
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_SERVER_DEV_MODE="1",
         )  # /reset_prefix_cache is a dev endpoint
+        # the engine-core pid and engine id are read from vLLM's INFO lines; a keytrace
+        # command run earlier in this process may have quieted vLLM (VLLM_LOGGING_LEVEL)
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
         env.pop("KEYTRACE_DIR", None)
         env.pop("KEYTRACE_INJECT", None)
         if trace is not None:
@@ -235,6 +239,13 @@ class Server:
             self.log.flush()
         return self.log_path.read_text(errors="replace")[-n:]
 
+    def engine_id(self) -> str | None:
+        """The engine id vLLM logs with its KV-transfer config."""
+        m = re.search(
+            r"engine_id[=:] ?'?([0-9a-f-]{36})", self.log_path.read_text(errors="replace")
+        )
+        return m.group(1) if m else None
+
     def engine_pid(self) -> int | None:
         m = re.search(r"EngineCore pid=(\d+)", self.log_path.read_text(errors="replace"))
         return int(m.group(1)) if m else None
@@ -282,6 +293,7 @@ def run(
     finally:
         out.server_exit = server.stop()
         out.engine_pid = server.engine_pid()
+        out.engine_id = server.engine_id()
         out.log_tail = server.tail()
     if trace is None:
         out.parts = sorted(str(p.relative_to(work)) for p in work.rglob("*.parquet"))
