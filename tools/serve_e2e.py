@@ -18,6 +18,7 @@ the report.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -76,11 +77,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    """A deterministic token-id prompt; the same seed gives the same prefix."""
-    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
 
 
 @dataclass
@@ -201,21 +197,6 @@ class Server:
             time.sleep(1)
         raise RuntimeError(f"vllm serve not healthy after {timeout:.0f}s: {self.tail()}")
 
-    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(
-            self.url(path), data=data, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            text = r.read().decode()
-        return json.loads(text) if text.strip().startswith("{") else {}
-
-    def complete(self, ids: list[int]) -> int | None:
-        """One completion; the server's count of prompt tokens it did not compute."""
-        out = self.post("/v1/completions", {"model": str(MODEL), "prompt": ids, "max_tokens": 1})
-        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
-        return details.get("cached_tokens")
-
     def metric(self, name: str) -> float | None:
         with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
             text = r.read().decode()
@@ -254,16 +235,12 @@ class Server:
 
 
 def traffic(server: Server) -> list[int | None]:
-    """A prompt, a GPU-prefix-cache reset, the resend, a next turn, three concurrent prompts."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    first = prompt(1, 2_000)
-    cached = [server.complete(first)]
-    server.post("/reset_prefix_cache")
-    cached.append(server.complete(first))  # all it gets beyond nothing comes from the CPU tier
-    cached.append(server.complete(first + prompt(2, 700)))  # the next turn
-    with ThreadPoolExecutor(3) as pool:
-        cached += list(pool.map(server.complete, [prompt(s, 1_500) for s in (3, 4, 5)]))
+    """The traffic of examples/serve/send_prompts.py (one definition, imported from there)."""
+    spec = importlib.util.spec_from_file_location("send_prompts", MODEL.parent / "send_prompts.py")
+    assert spec and spec.loader
+    send_prompts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(send_prompts)
+    cached: list[int | None] = send_prompts.send(server.url(""), str(MODEL))
     return cached
 
 

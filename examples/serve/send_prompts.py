@@ -1,6 +1,8 @@
 """Send the end-to-end traffic to a running server: a 2,000-token prompt, a GPU-only
 prefix-cache reset, the same prompt again (served from the CPU tier: 1,984 cached tokens),
-a next turn, three concurrent new prompts. Prints each request's cached prompt tokens."""
+a next turn, three concurrent new prompts. Prints each request's cached prompt tokens.
+
+`tools/serve_e2e.py` sends exactly this traffic (it imports `send`)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,39 @@ import argparse
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 
 def prompt(seed: int, n: int) -> list[int]:
+    """A deterministic token-id prompt; the same seed gives the same prefix."""
     return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
+
+
+def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        text = r.read().decode()
+    return json.loads(text) if text.startswith("{") else {}
+
+
+def send(base: str, model: str) -> list[int | None]:
+    """The traffic above; per request, the prompt tokens the server did not compute."""
+
+    def complete(ids: list[int]) -> int | None:
+        out = post(base, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1})
+        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+        return details.get("cached_tokens")
+
+    first = prompt(1, 2_000)
+    cached = [complete(first)]
+    post(base, "/reset_prefix_cache", {})  # GPU prefix cache only (reset_external=false)
+    cached.append(complete(first))  # what it gets now comes from the CPU tier
+    cached.append(complete(first + prompt(2, 700)))  # the next turn
+    with ThreadPoolExecutor(3) as pool:
+        cached += list(pool.map(complete, [prompt(s, 1_500) for s in (3, 4, 5)]))
+    return cached
 
 
 def main() -> None:
@@ -20,31 +51,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="served model name [default: the first]")
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
-
-    def post(path: str, body: dict[str, object]) -> dict[str, object]:
-        req = urllib.request.Request(
-            base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            text = r.read().decode()
-        return json.loads(text) if text.startswith("{") else {}
-
     with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
         model = args.model or json.loads(r.read())["data"][0]["id"]
-
-    def complete(ids: list[int]) -> object:
-        out = post("/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1})
-        usage = out.get("usage") or {}
-        assert isinstance(usage, dict)
-        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-
-    first = prompt(1, 2_000)
-    print("prompt", complete(first))
-    post("/reset_prefix_cache", {})
-    print("resend", complete(first))
-    print("next turn", complete(first + prompt(2, 700)))
-    with ThreadPoolExecutor(3) as pool:
-        print("concurrent", list(pool.map(complete, [prompt(s, 1_500) for s in (3, 4, 5)])))
+    labels = ["prompt", "resend", "next turn", "concurrent", "concurrent", "concurrent"]
+    for label, cached in zip(labels, send(base, model), strict=True):
+        print(f"{label:10} cached tokens: {cached}")
 
 
 if __name__ == "__main__":
