@@ -40,6 +40,13 @@ def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFr
     return pl.concat([own, junction]).filter(pl.col("b") > 0).unique()
 
 
+def anchor_offers(stores: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
+    """The anchor group's store rows that offered a key (any offer event, not evictions)."""
+    return stores.filter(
+        (pl.col("gid") == anchor(groups).gid) & pl.col("event").is_in(STORE_OFFERS)
+    )
+
+
 def boundary_offers(
     episodes: pl.LazyFrame, stores: pl.LazyFrame, groups: list[Group]
 ) -> pl.DataFrame:
@@ -55,7 +62,7 @@ def boundary_offers(
         request_boundaries(episodes, groups).with_columns((pl.col("b") // a.tpc - 1).alias("chunk"))
     ).lazy()
     return frames.collect(
-        stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
+        anchor_offers(stores, groups)
         .join(bounds, on=["inst", "req_id", "chunk"])
         .group_by("inst", "req_id", "b", "key")
         .agg(

@@ -164,7 +164,7 @@ def routing_boundaries(
     empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_other": pl.Int64})
     if cold.height == 0:
         return empty
-    from keytrace.analysis.boundaries import STORE_OFFERS, anchor
+    from keytrace.analysis.boundaries import anchor, anchor_offers
 
     a = anchor(groups)
     if not a.full_attention:
@@ -175,7 +175,7 @@ def routing_boundaries(
     # the cold requests' own offers of those boundary keys only (not all their keys)
     boundary_keys = elsewhere["key"].unique()
     own = frames.collect(
-        stores.filter((pl.col("gid") == a.gid) & pl.col("event").is_in(STORE_OFFERS))
+        anchor_offers(stores, groups)
         .filter(pl.col("key").is_in(boundary_keys.implode()))
         .join(cold.select("inst", "req_id").lazy(), on=["inst", "req_id"])
         .select("inst", "req_id", "key")
