@@ -82,11 +82,20 @@ trace_paths = click.argument("paths", nargs=-1, required=True, metavar="TRACE...
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout."
 )
-progress_option = click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress on stderr [default: on for a terminal, off with --json].",
-)
+
+
+def _progress(default_text: str) -> Callable[[Any], Any]:
+    return click.option(
+        "--progress/--no-progress",
+        default=None,
+        help=f"Progress on stderr [default: {default_text}].",
+    )
+
+
+progress_option = _progress("on for a terminal, off with --json")
+"""``--progress/--no-progress`` for a command with ``--json``."""
+plain_progress_option = _progress("on for a terminal")
+"""``--progress/--no-progress`` for a command without ``--json``."""
 
 
 def echo_trace_warnings(trace: Trace) -> None:

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from keytrace.cli._common import subcommand, trace_paths
+from keytrace.cli._common import plain_progress_option, subcommand, trace_paths
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH
 
@@ -24,11 +24,7 @@ from keytrace.errors import EXIT_MISMATCH
     help="Prompt lengths swept around the case (over two alignment units) for the rule.",
 )
 @click.option("--no-minimize", is_flag=True, help="Skip the minimal case (faster).")
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress on stderr [default: on for a terminal].",
-)
+@plain_progress_option
 def command(
     paths: tuple[str, ...],
     out_dir: str,

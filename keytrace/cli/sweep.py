@@ -8,7 +8,7 @@ import click
 
 from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header
 from keytrace.analysis.sweep import SweepRow, parse_lengths
-from keytrace.cli._common import subcommand
+from keytrace.cli._common import plain_progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.report.table import write_rows
@@ -72,11 +72,7 @@ def _table(rows: list[SweepRow]) -> None:
     help="Write PREFIX.png and PREFIX.svg (needs the plot extra).",
 )
 @click.option("--quiet", is_flag=True, help="No table on stdout (files only).")
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress on stderr [default: on for a terminal].",
-)
+@plain_progress_option
 def command(
     lengths: str,
     geometry_name: str,

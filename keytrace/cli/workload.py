@@ -7,7 +7,7 @@ import tempfile
 
 import click
 
-from keytrace.cli._common import subcommand
+from keytrace.cli._common import plain_progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, KeytraceError, UsageError
 from keytrace.vllm.inject import INJECTIONS
@@ -122,9 +122,7 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
     is_flag=True,
     help="Also look every shortfall episode up again in isolation and check the verdicts.",
 )
-@click.option(
-    "--progress/--no-progress", default=None, help="Progress on stderr [default: on a terminal]."
-)
+@plain_progress_option
 def command(
     out_dir: str | None,
     geometry: str,
