@@ -207,26 +207,46 @@ def lookups(
     return pl.concat(exploded)
 
 
+# On-disk bytes of lookup parts read per query in `lookups_in`: shortfall episodes sit in
+# nearly every row group of a long trace, so one query over all parts decodes every head list
+# at once (measured at 150M rows: +290 MB peak). Batches of 32 MiB keep the peak flat, and
+# cost nothing in time (1.75 s -> 1.60 s for that step at 150M rows).
+LOOKUP_BATCH_BYTES = 32 << 20
+
+
 def lookups_in(trace: Trace, ranges: pl.LazyFrame) -> pl.LazyFrame:
     """The lookups of chunks ``[lo, hi)`` of group ``gid`` in episode ``(inst, s)``, one
     range per row of ``ranges``: the rows `lookups` gives, restricted before anything is
     exploded. A scan's tail lists are exploded only when their chunk span meets the range
     (vLLM starts scans where a hit would end, so the chunks a verdict needs are nearly
-    always in the head, and a failing window scan's long run to chunk 0 is never read)."""
+    always in the head, and a failing window scan's long run to chunk 0 is never read).
+    v2 traces are read in batches of parts (`LOOKUP_BATCH_BYTES`), each collected."""
     inside = (pl.col("chunk") >= pl.col("lo")) & (pl.col("chunk") < pl.col("hi"))
-    want = ranges.select("inst", "s", "gid", "lo", "hi")
+    want = collect(ranges.select("inst", "s", "gid", "lo", "hi"))
     if trace.version == 1:
-        return lookups(trace).join(want, on=["inst", "s", "gid"]).filter(inside).drop("lo", "hi")
+        return (
+            lookups(trace)
+            .join(want.lazy(), on=["inst", "s", "gid"])
+            .filter(inside)
+            .drop("lo", "hi")
+        )
+    episodes = want.get_column("s").unique().implode()
+    found = [
+        collect(_ranges_v2(batch, want, episodes).filter(inside).drop("lo", "hi"))
+        for batch in trace.batches("lookup", LOOKUP_BATCH_BYTES)
+    ]
+    return pl.concat(found).lazy()
 
+
+def _ranges_v2(trace: Trace, want: pl.DataFrame, episodes: pl.Series) -> pl.LazyFrame:
     # An is_in filter, unlike a join, reaches the Parquet reader: the list columns of other
     # scans are never decoded. The join then makes it exact (seqs are per process).
-    def scans_of(sel: pl.LazyFrame, on: list[str]) -> pl.LazyFrame:
-        episodes = collect(sel.select(pl.col("s").unique())).to_series()
+    def scans_of(sel: pl.DataFrame, on: list[str]) -> pl.LazyFrame:
         return (
             trace.frame("lookup")
-            .filter((pl.col("scan") >= 0) & pl.col("episode").is_in(episodes.implode()))
+            .filter((pl.col("scan") >= 0) & pl.col("episode").is_in(episodes))
             .rename({"instance_id": "inst", "episode": "s", "group_id": "gid"})
-            .join(sel, on=on)
+            .join(sel.lazy(), on=on)
         )
 
     rows = scans_of(want, ["inst", "s", "gid"])
@@ -235,9 +255,10 @@ def lookups_in(trace: Trace, ranges: pl.LazyFrame) -> pl.LazyFrame:
     meets = (pl.col("tail_min_chunk") < pl.col("hi")) & (pl.col("tail_max_chunk") >= pl.col("lo"))
     tails = collect(rows.filter(meets).select("inst", "s", "gid", "scan", "lo", "hi"))
     if tails.height:
-        tail_rows = scans_of(tails.lazy(), ["inst", "s", "gid", "scan"])
-        parts.append(_explode(tail_rows, "tail", keep=["lo", "hi"]))
-    return pl.concat(parts).filter(inside).drop("lo", "hi")
+        parts.append(
+            _explode(scans_of(tails, ["inst", "s", "gid", "scan"]), "tail", keep=["lo", "hi"])
+        )
+    return pl.concat(parts)
 
 
 def unqueried(trace: Trace) -> pl.LazyFrame:

@@ -73,15 +73,17 @@ class LostTokens:
     rows: list[LostRow] = field(default_factory=list)
 
 
-def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.DataFrame:
-    """One row per (episode, category) with its tokens, from judged episodes.
+def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.LazyFrame:
+    """Per counted episode its tokens in each of `CATEGORIES` (one column each), from
+    judged episodes.
 
     ``judged`` holds per episode: inst, s, engine, verdict, S, N, X, A, E, cause, bind_gid;
     ``routing``: (inst, s, E_other) for cold episodes another engine held a boundary for.
     """
     ep = (
-        judged.filter(pl.col("verdict") != "deferred")
-        .join(routing, on=["inst", "s"], how="left")
+        judged.lazy()
+        .filter(pl.col("verdict") != "deferred")
+        .join(routing.lazy(), on=["inst", "s"], how="left")
         .with_columns(pl.min_horizontal("S", "N").alias("gpu_prefix"))
         .with_columns(
             pl.min_horizontal(
@@ -100,36 +102,47 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.DataFrame:
         short.fill_null(0).alias("short"), routed.fill_null(0).alias("cold_routing")
     )
     cold_rest = pl.col("N") - pl.col("served") - pl.col("cold_routing")
-    ep = ep.with_columns(
+    return ep.with_columns(
         pl.when(pl.col("verdict") == "cold").then(cold_rest).otherwise(0).alias("cold_not_stored"),
         pl.when(pl.col("verdict") == "cold")
         .then(0)
         .otherwise(pl.col("N") - pl.col("served") - pl.col("short"))
         .alias("past_boundary"),
-    )
-    long = ep.unpivot(
-        on=list(CATEGORIES),
-        index=["inst", "s", "engine", "cause", "bind_gid"],
-        variable_name="category",
-        value_name="tokens",
-    )
-    return long.with_columns(
-        pl.when(pl.col("category") == "short").then(pl.col("cause")).alias("cause"),
-        pl.when(pl.col("category") == "short").then(pl.col("bind_gid")).alias("group"),
-    ).drop("bind_gid")
+    ).select("engine", "cause", "bind_gid", *CATEGORIES)
 
 
-def summarize(per_episode: pl.DataFrame, prompt: pl.DataFrame) -> LostTokens:
-    """Fold `account`'s rows into per-engine totals and an ``all`` total.
+def summarize(per_episode: pl.LazyFrame, prompt: pl.DataFrame) -> LostTokens:
+    """Fold `account`'s episodes into per-engine totals and an ``all`` total: per category,
+    the tokens and the number of episodes with any; ``short`` rows per cause and group.
 
+    Aggregated before anything is unpivoted: one row per episode and category would be
+    six times the episodes (measured: +145 MB at 150M trace rows).
     ``prompt``: (engine, N) per counted episode, for the totals the rows must add up to.
     """
+    per_cause = per_episode.group_by("engine", "cause", "bind_gid").agg(
+        *(pl.col(c).sum().alias(c) for c in CATEGORIES),
+        *((pl.col(c) > 0).sum().alias(f"n_{c}") for c in CATEGORIES),
+    )
+    long = pl.concat(
+        [
+            per_cause.select(
+                "engine",
+                pl.lit(c).alias("category"),
+                (pl.col("cause") if c == "short" else pl.lit(None, pl.String)).alias("cause"),
+                (pl.col("bind_gid") if c == "short" else pl.lit(None, pl.Int32)).alias("group"),
+                pl.col(c).cast(pl.Int64).alias("tokens"),
+                pl.col(f"n_{c}").cast(pl.Int64).alias("episodes"),
+            )
+            for c in CATEGORIES
+        ]
+    )
     every = pl.lit("all").alias("engine")
-    frame = pl.concat([per_episode, per_episode.with_columns(every)])
     agg = (
-        frame.filter(pl.col("tokens") > 0)
+        pl.concat([long, long.with_columns(every)])
         .group_by("engine", "category", "cause", "group")
-        .agg(pl.col("tokens").sum(), pl.len().alias("episodes"))
+        .agg(pl.col("tokens").sum(), pl.col("episodes").sum())
+        .filter(pl.col("tokens") > 0)
+        .pipe(frames.collect)
     )
     order = {c: i for i, c in enumerate(CATEGORIES)}
     rows = [

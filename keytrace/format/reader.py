@@ -13,6 +13,7 @@ note. Everything else that is wrong is a `TraceError` with a one-line message na
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -86,6 +87,24 @@ class Trace:
 
     def collect(self, kind: str) -> pl.DataFrame:
         return self.frame(kind).collect()
+
+    def batches(self, kind: str, max_bytes: int) -> list[Trace]:
+        """This trace cut into traces of consecutive ``kind`` parts of at most ``max_bytes``
+        on disk each (a bigger part is a batch of its own; no part: one empty batch).
+
+        For queries whose working set grows with what they read rather than with what they
+        keep: run once per batch, their peak memory is bounded by the batch, not the trace.
+        """
+        batches: list[list[Part]] = [[]]
+        size = 0
+        for part in self.parts_of(kind):
+            n = os.path.getsize(part.path)
+            if batches[-1] and size + n > max_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append(part)
+            size += n
+        return [dataclasses.replace(self, parts=b) for b in batches]
 
     @property
     def kinds(self) -> list[str]:

@@ -429,3 +429,32 @@ def test_a_request_that_only_evicted_a_key_does_not_share_its_prefix(tmp_path: P
     assert (v.verdict, v.binding_group, v.terminal.chunk) == ("mismatch", 1, 4)
     fine = [(n.chunk, n.key, n.cause) for n in v.needed if n.group_id == 2]
     assert fine == [(22, None, "never_offered"), (23, b.key("c", 2, 23).hex(), "resident")]
+
+
+def test_lookups_read_in_batches_of_parts_give_the_same_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`frames.lookups_in` reads v2 lookup parts a batch at a time (bounded memory); the
+    shortfalls' needed chunks found in every batch, not only the first, decide the report."""
+    from keytrace.analysis import frames
+
+    b = new_builder(tmp_path / "t", geometry=TINY.with_(groups=TINY.groups[:2]))
+    fa = [(c, "HIT") for c in range(6)]
+    for n, chain in enumerate("cdef"):
+        b.prime(f"p{n}", chain, 100, swa_chunks={1: [5]})
+        b.episode(
+            f"r{n}", 100, external=0, chain=chain, scans=[(0, fa), (1, [(5, "HIT"), (4, "MISS")])]
+        )
+        b.rec.writer.flush()  # each episode's lookups in parts of their own
+    b.close()
+    trace = open_trace(str(tmp_path / "t"))
+    assert len(trace.batches("lookup", 1)) == len(trace.parts_of("lookup")) >= 4
+    assert len(trace.batches("lookup", 1 << 30)) == 1
+    whole = diff(trace)
+    monkeypatch.setattr(frames, "LOOKUP_BATCH_BYTES", 1)
+    batched = diff(trace)
+    assert batched == whole
+    assert [(v.req_id, v.verdict) for v in batched.episodes] == [
+        (f"r{n}", "mismatch") for n in range(4)
+    ]
+    assert all(v.needed and v.terminal and v.terminal.chunk == 4 for v in batched.episodes)

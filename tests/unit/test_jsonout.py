@@ -66,3 +66,18 @@ def test_a_hits_reason_names_E_with_thousands(tmp_path: Path) -> None:
     report = diff(open_trace(str(tmp_path / "t")), all_episodes=True)
     hit = next(v for v in report.episodes if v.req_id == "r2")
     assert (hit.verdict, hit.reason) == ("hit", "external tokens reach E=1,984")
+
+
+@pytest.mark.parametrize("per_write", [1, 3])
+def test_the_compact_document_written_in_slices_is_the_same_document(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_write: int
+) -> None:
+    """Episodes are encoded and written a slice at a time (bounded memory); slice edges,
+    detailed episodes inside a slice and the last short slice change nothing."""
+    from keytrace.report import jsonout
+
+    report = _report(tmp_path)
+    monkeypatch.setattr(jsonout, "EPISODES_PER_WRITE", per_write)
+    out = io.StringIO()
+    write_json(report, out, compact=True)
+    assert out.getvalue() == json.dumps(to_jsonable(report), separators=(",", ":")) + "\n"

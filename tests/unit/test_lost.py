@@ -95,3 +95,26 @@ def test_a_routing_miss_is_not_plain_cold(tmp_path: Path) -> None:
     for _ in range(5):
         lost = diff(open_trace(str(d2))).lost
         assert lost is not None and list(lost.prompt_tokens) == ["A", "B", "all"]
+
+
+def test_each_row_counts_the_episodes_with_tokens_in_it(tmp_path: Path) -> None:
+    """`episodes` of a row: how many episodes put any token there (not every episode of
+    the engine), per cause for shortfalls, and the ``all`` rows sum the engines'."""
+    b = new_builder(tmp_path / "t", geometry=GEO)
+    b.prime("r1", "c", 100, swa_chunks={1: [5]})
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.episode("r3", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.prime("r4", "d", 100, swa_chunks={1: [4, 5]})
+    b.close()
+    lost = diff(open_trace(str(tmp_path / "t")), all_episodes=True).lost
+    assert lost is not None
+    assert {(r.engine, r.label): (r.tokens, r.episodes) for r in lost.rows} == {
+        (e, label): counts
+        for e in ("engine-a", "all")
+        for label, counts in {
+            "cold: not stored anywhere": (200, 2),
+            "short of E (RULE): never_offered, group 1": (192, 2),
+            "recomputed past E (by design)": (8, 2),
+        }.items()
+    }
+    assert lost.episodes == {"engine-a": 4, "all": 4}
