@@ -73,15 +73,14 @@ def boundary_offers(
     )
 
 
-def chain(lookups: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]) -> pl.LazyFrame:
+def chain(lookups: pl.LazyFrame, offers: pl.DataFrame) -> pl.LazyFrame:
     """Per episode: its intended ``boundaries``, the ``chain`` requests and ``chain_P`` (the
-    longest prompt among them: how far they could key chunks). ``offers``: `boundary_offers`,
+    longest prompt among them: how far they could key chunks). ``lookups``: (inst, s, key)
+    of the anchor group (`frames.lookup_keys`). ``offers``: `boundary_offers`,
     joined against the anchor group's lookups as a small literal table (a lazy join would
     hold the store pages for the whole query)."""
-    a = anchor(groups)
     return (
-        lookups.filter(pl.col("gid") == a.gid)
-        .select("inst", "s", "key")
+        lookups.select("inst", "s", "key")
         .join(offers.lazy(), on=["inst", "key"])
         .filter(pl.col("first_seq") < pl.col("s"))
         .sort("first_seq")

@@ -166,7 +166,7 @@ def _episodes(
         sel &= pl.col("dp_rank") == rank
     summaries = frames.scans(trace)
     F = scans.resident_prefix(summaries, eps, groups)
-    B = chain(frames.lookups(trace, gids=[anchor(groups).gid]), offers, groups)
+    B = chain(frames.lookup_keys(trace, anchor(groups).gid), offers)
     top = pl.min_horizontal("L", "F")  # F null: no full-attention constraint
     out = (
         eps.with_columns(lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("max_new")).alias("L"))

@@ -207,6 +207,25 @@ def lookups(
     return pl.concat(exploded)
 
 
+def lookup_keys(trace: Trace, gid: int) -> pl.LazyFrame:
+    """(inst, s, key): every key group ``gid``'s scans looked up, nothing else. On v2 only
+    the key lists are exploded: exploding a scan's five lists together costs 4x one list
+    (measured: 0.22 s -> 0.05 s for the anchor group at 50M rows)."""
+    if trace.version == 1:
+        return lookups(trace, gids=[gid]).select("inst", "s", "key")
+    rows = trace.frame("lookup").filter((pl.col("scan") >= 0) & (pl.col("group_id") == gid))
+    return pl.concat(
+        rows.select(
+            pl.col("instance_id").alias("inst"),
+            pl.col("episode").alias("s"),
+            pl.col(f"{prefix}_keys").alias("key"),
+        )
+        .explode("key")
+        .drop_nulls("key")
+        for prefix in ("head", "tail")
+    )
+
+
 # On-disk bytes of lookup parts read per query in `lookups_in`: shortfall episodes sit in
 # nearly every row group of a long trace, so one query over all parts decodes every head list
 # at once (measured at 150M rows: +290 MB peak). Batches of 32 MiB keep the peak flat, and
