@@ -220,7 +220,7 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
             "decisive": pl.List(pl.String),
             "term_result": pl.String,
             "bind_gid": pl.Int32,
-            "needed": pl.List(pl.Struct({"gid": pl.Int32, "chunk": pl.Int64})),
+            "needed": pl.List(pl.Struct({"group_id": pl.Int32, "chunk": pl.Int64})),
         }
     )
     if sf.height == 0:
@@ -254,10 +254,23 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
         bind.select(*KEY, "bind_gid", "term_seq", "term_chunk", "term_key"), on=KEY, how="left"
     )
     out = out.join(with_cause["terminal"], on=KEY, how="left")
+    # the fields of `NeededChunk`, in its order, sorted: no per-chunk Python but its making
+    ch, tpc = pl.col("chunk"), pl.col("tpc")
     needed_lists = (
         with_cause["needed"]
-        .group_by(KEY)
-        .agg(pl.struct("gid", "chunk", "key", "result", "cause").alias("needed"))
+        .sort(*KEY, "gid", "chunk")
+        .group_by(KEY, maintain_order=True)
+        .agg(
+            pl.struct(
+                pl.col("gid").alias("group_id"),
+                ch,
+                (ch * tpc).alias("token_start"),
+                ((ch + 1) * tpc).alias("token_end"),
+                pl.col("key").bin.encode("hex"),
+                pl.col("result").alias("lookup_result"),
+                "cause",
+            ).alias("needed")
+        )
     )
     return out.join(needed_lists, on=KEY, how="left")
 
@@ -462,7 +475,7 @@ def _build(
             binding_group=d["bind_gid"],
             binding_label=g.label if g else None,
             terminal=_terminal(d, g),
-            needed=_needed_chunks(d["needed"] or [], by_gid),
+            needed=[NeededChunk(**n) for n in d["needed"] or []],
             stored_chunks=stored.get((inst, s), []),
             reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
         )
@@ -500,22 +513,6 @@ def _terminal(d: dict[str, Any], g: Group | None) -> TerminalKey | None:
     )
 
 
-def _needed_chunks(rows: list[dict[str, Any]], by_gid: dict[int, Group]) -> list[NeededChunk]:
-    rows = sorted(rows, key=lambda n: (n["gid"], n["chunk"]))
-    return [
-        NeededChunk(
-            n["gid"],
-            n["chunk"],
-            n["chunk"] * by_gid[n["gid"]].tpc,
-            (n["chunk"] + 1) * by_gid[n["gid"]].tpc,
-            hex_key(n["key"]),
-            n["result"],
-            n["cause"],
-        )
-        for n in rows
-    ]
-
-
 def _stored_near(
     trace: Trace, reported: pl.DataFrame, explained: pl.DataFrame, by_gid: dict[int, Group]
 ) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -537,7 +534,7 @@ def _stored_near(
         wanted.select(*KEY, "bind_gid", "needed")
         .explode("needed")
         .unnest("needed")
-        .filter(pl.col("gid") == pl.col("bind_gid"))
+        .filter(pl.col("group_id") == pl.col("bind_gid"))
         .group_by(KEY)
         .agg(pl.col("chunk").min().alias("c_lo"), pl.col("chunk").max().alias("c_hi"))
     )
