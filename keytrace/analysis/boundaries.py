@@ -20,6 +20,7 @@ import polars as pl
 
 from keytrace.analysis import frames
 from keytrace.analysis.rules import Group, align_down, store_boundary
+from keytrace.format.reader import Trace
 
 STORE_OFFERS = ("prepared", "rejected", "failed", "completed")
 
@@ -47,9 +48,7 @@ def anchor_offers(stores: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
     )
 
 
-def boundary_offers(
-    episodes: pl.LazyFrame, stores: pl.LazyFrame, groups: list[Group]
-) -> pl.DataFrame:
+def boundary_offers(trace: Trace, groups: list[Group]) -> pl.DataFrame:
     """(inst, req_id, b, key, P, first_seq, first_ts): the anchor-group key each request
     offered (any offer event) for the chunk ending at each of its boundaries ``b``, when it
     first did (sequence number and wall clock). One pass over the store rows serves both
@@ -59,11 +58,13 @@ def boundary_offers(
     # Small sides are collected before they meet a whole kind: joined lazily, the streaming
     # engine holds the big side while the small one is still being computed.
     bounds = frames.collect(
-        request_boundaries(episodes, groups).with_columns((pl.col("b") // a.tpc - 1).alias("chunk"))
-    ).lazy()
+        request_boundaries(frames.episodes(trace), groups).with_columns(
+            (pl.col("b") // a.tpc - 1).alias("chunk")
+        )
+    )
     return frames.collect(
-        anchor_offers(stores, groups)
-        .join(bounds, on=["inst", "req_id", "chunk"])
+        anchor_offers(frames.stores(trace, at=bounds), groups)
+        .join(bounds.lazy(), on=["inst", "req_id", "chunk"])
         .group_by("inst", "req_id", "b", "key")
         .agg(
             pl.col("P").first(),

@@ -73,7 +73,7 @@ def _diff(
 ) -> DiffReport:
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
-    offers = boundary_offers(frames.episodes(trace), frames.stores(trace), groups)
+    offers = boundary_offers(trace, groups)
     eps = _episodes(trace, groups, offers, request, engine, rank)
     tick("episodes", 1, 4)
     sf = eps.filter(pl.col("verdict") == "shortfall")

@@ -340,11 +340,23 @@ def _explode(
     )
 
 
-def stores(trace: Trace) -> pl.LazyFrame:
+def stores(trace: Trace, *, at: pl.DataFrame | None = None) -> pl.LazyFrame:
     """One row per key per store event. ``event`` stays categorical: every use compares it
     with literals, and a string cast of every store row costs more than the key column's
-    whole read."""
-    return trace.frame("store").select(
+    whole read.
+
+    ``at`` (req_id, chunk): keep (at least) the rows of those requests' chunks, chosen by
+    the Parquet reader on one integer per row before any key is decoded; join on them for
+    exactness (inst is not part of the filter). Measured on the boundary offers at 50M
+    rows: 0.31 s -> 0.24 s, and the query's peak from +110 MB to +38 MB (+44 MB at 150M).
+    """
+    raw = trace.frame("store")
+    if at is not None:
+        codes = at.select(_request_chunk(pl.col("req_id"), pl.col("chunk")).unique())
+        raw = raw.filter(
+            _request_chunk(pl.col("req_id"), pl.col("chunk_idx")).is_in(codes.to_series().implode())
+        )
+    return raw.select(
         pl.col("instance_id").alias("inst"),
         "seq",
         pl.col("ts_ns").alias("ts"),
@@ -355,3 +367,12 @@ def stores(trace: Trace) -> pl.LazyFrame:
         "end_token",
         "key",
     )
+
+
+def _request_chunk(req_id: pl.Expr, chunk: pl.Expr) -> pl.Expr:
+    """(request, chunk) as one Int64: the chunk in the high half, the request's categorical
+    code in the low one. Polars' categories are one mapping per process (since 1.32: the
+    pinned minimum), so a trace's dictionary-encoded ``req_id`` and a cast string agree on
+    codes without a string being compared per row."""
+    code = req_id.cast(pl.Categorical).to_physical().cast(pl.Int64)
+    return chunk.cast(pl.Int64) * (1 << 32) + code
