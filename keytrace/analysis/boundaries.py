@@ -19,10 +19,8 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.rules import Group, align_down, store_boundary
+from keytrace.analysis.rules import STORE_OFFERS, Group, align_down, store_boundary
 from keytrace.format.reader import Trace
-
-STORE_OFFERS = ("prepared", "rejected", "failed", "completed")
 
 
 def anchor(groups: list[Group]) -> Group:

@@ -113,7 +113,18 @@ DSV4 = Geometry(
 two SWA groups block 64 window 128, the second the MTP draft group; C4 block 4 window 8;
 C128 block 8 window 128."""
 
-BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4)}
+HYBRID = Geometry(
+    name="hybrid",
+    groups=SMALL.groups[:2],
+    max_num_batched_tokens=512,
+    max_model_len=16_384,
+    cpu_chunks=20_000,
+)
+"""`SMALL` without its EAGLE/MTP group: full attention and one sliding-window group, where
+stock vLLM 0.33.0's store and lookup rules agree (no live bug): the geometry on which
+stock traffic must raise no mismatch and no alarm."""
+
+BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4, HYBRID)}
 
 
 def describe(geo: Geometry) -> str:

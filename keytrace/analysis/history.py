@@ -29,13 +29,9 @@ from collections.abc import Sequence
 import polars as pl
 
 from keytrace.analysis.frames import collect_all
+from keytrace.analysis.rules import EXPLAINED_CAUSES, OFFER_EVENTS, RULE_CAUSES
 
-EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
-"""Timing, capacity or routing: a shortfall with only these causes is not a rule bug."""
-RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
-"""The store path and the lookup path disagree about this key."""
-
-OFFER_EVENTS = ("prepared", "rejected", "failed")
+__all__ = ["EXPLAINED_CAUSES", "OFFER_EVENTS", "RULE_CAUSES", "causes", "resident"]
 
 
 def resident(completed: pl.Expr, removed: pl.Expr) -> pl.Expr:

@@ -24,6 +24,16 @@ Num: TypeAlias = Any
 return the same kind they are given (mypy cannot express "int in, int out; Expr in, Expr
 out" for operator-based code, so this alias says it in words)."""
 
+EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
+"""Causes of an absent key that are timing, capacity or routing: a shortfall with only
+these is not a rule bug (``docs/diff.md``; the offline differ and the live alarm)."""
+RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
+"""Causes where the store path and the lookup path disagree about a key."""
+OFFER_EVENTS = ("prepared", "rejected", "failed")
+"""Store events by which the store path decided about a key (a completion follows one)."""
+STORE_OFFERS = (*OFFER_EVENTS, "completed")
+"""Store events that show a request offered a key (every store event but evictions)."""
+
 KIND_SHORT = {
     "full_attention": "FA",
     "mla": "MLA",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.boundaries import STORE_OFFERS
+from keytrace.analysis.rules import STORE_OFFERS
 from keytrace.format.reader import Trace
 
 KEY = ["inst", "s"]

@@ -433,6 +433,41 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class NullWriter:
+    """A `TraceWriter` that keeps nothing: the recorder without a trace, for the live alarm
+    alone (``KEYTRACE_ALARM=1`` without ``KEYTRACE_DIR``). Same identity attributes."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        header: Mapping[str, Any],
+        *,
+        engine_id: str | None = None,
+        dp_rank: int | None = None,
+        tokens_per_chunk: Mapping[int, int] | None = None,
+        **_ignored: Any,
+    ) -> None:
+        self.directory = None
+        self.header = dict(header)
+        self.pid = os.getpid()
+        self.host = socket.gethostname()
+        self.instance = f"{self.host}-{self.pid}-{next(_INSTANCE_COUNTER)}"
+        self.instance_id = random.getrandbits(63)
+        self.engine_id = engine_id
+        self.dp_rank = dp_rank
+        self.tokens_per_chunk = dict(tokens_per_chunk or {})
+        self.stats = WriterStats()
+
+    def append(self, kind: str, n_rows: int, call: tuple[Any, ...], **key_cols: list[Any]) -> None:
+        """Nothing to keep."""
+
+    def flush(self) -> None:
+        """Nothing to write."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
 def _register_for_shutdown(writer: TraceWriter) -> None:
     global _HOOKS_INSTALLED, _PREV_SIGTERM
     _LIVE.add(writer)

@@ -21,10 +21,47 @@ import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from keytrace.format.schema import HEAD, SCAN_EPISODE, SCAN_UNQUERIED
-from keytrace.format.writer import TraceWriter, call_columns
+from keytrace.format.writer import NullWriter, TraceWriter, call_columns
+
+
+class Alarm(Protocol):
+    """What the recorder feeds a live judge (`keytrace.live.alarm.Alarm`; a protocol here
+    so the recorder does not depend on the layer above it)."""
+
+    def add_instance(
+        self,
+        instance_id: int,
+        name: str,
+        engine: str | None,
+        dp_rank: int | None,
+        directory: str | None,
+        recorder: Any = None,
+    ) -> None: ...
+    def store(
+        self,
+        inst: int,
+        seq: int,
+        ts: int,
+        event: str,
+        req_id: str | None,
+        keys: Sequence[bytes],
+        ends: Sequence[int | None],
+    ) -> None: ...
+    def episode_begin(self, inst: int, req_id: str, prompt: int, spb: int | None) -> None: ...
+    def judge(
+        self,
+        inst: int,
+        ep: Any,
+        scans: Sequence[Any],
+        unqueried: Mapping[int, Mapping[int, bytes]],
+        tpc: Mapping[int, int],
+    ) -> Any: ...
+    def report(self, inst: int, j: Any) -> None: ...
+    def account(self, inst: int, judged: Any, N: int, accepted: int | None) -> None: ...
+
 
 log = logging.getLogger("keytrace")
 
@@ -41,7 +78,7 @@ class Recorder:
 
     def __init__(
         self,
-        directory: str,
+        directory: str | None,
         header: Mapping[str, Any],
         *,
         engine_id: str | None,
@@ -50,6 +87,7 @@ class Recorder:
         max_rows: int | None = None,
         max_seconds: float | None = None,
         idle_seconds: float | None = None,
+        alarm: Alarm | None = None,
     ) -> None:
         kw: dict[str, Any] = {}
         if max_rows is not None:
@@ -58,8 +96,9 @@ class Recorder:
             kw["max_seconds"] = max_seconds
         if idle_seconds is not None:
             kw["idle_seconds"] = idle_seconds
-        self.writer = TraceWriter(
-            directory,
+        writer_class = TraceWriter if directory is not None else NullWriter
+        self.writer = writer_class(
+            directory or "",
             header,
             engine_id=engine_id,
             dp_rank=dp_rank,
@@ -67,6 +106,14 @@ class Recorder:
             **kw,
         )
         w = self.writer
+        self.alarm = alarm
+        """The live alarm this recorder feeds (`keytrace.live.alarm`), or None."""
+        self._tpc = dict(tokens_per_chunk)
+        self._ep_scans: dict[str, list[_Scan]] = {}
+        self._ep_unqueried: dict[str, dict[int, dict[int, bytes]]] = {}
+        self._judged: dict[str, Any] = {}
+        if alarm is not None:
+            alarm.add_instance(w.instance_id, w.instance, engine_id, dp_rank, directory, self)
         self._common_tail = (w.instance, w.instance_id, w.engine_id, w.dp_rank, w.pid)
         self.step = 0
         self.episode = -1
@@ -126,6 +173,15 @@ class Recorder:
             max_new=max_new_tokens,
             spb=shared_prefix_boundary,
         )
+        if self.alarm is not None:
+            try:
+                self._ep_scans[req_id] = []
+                self._ep_unqueried.pop(req_id, None)
+                self.alarm.episode_begin(
+                    self.writer.instance_id, req_id, num_prompt_tokens, shared_prefix_boundary
+                )
+            except Exception as exc:
+                self.fail("alarm", exc)
 
     def episode_end(self, req_id: str, external: int | None, load_async: bool | None) -> None:
         self.end_scan()
@@ -133,6 +189,8 @@ class Recorder:
         if ep is not None:
             ep.external = external
             ep.load_async = load_async
+            if self.alarm is not None:
+                self._judge(ep)
             if not external:
                 # Nothing will be allocated from the tier; the row is final now.
                 ep.accepted = 0 if external == 0 else None
@@ -145,10 +203,29 @@ class Recorder:
             ep.accepted = num_external_tokens
             self.close_episode(req_id)
 
+    def _judge(self, ep: _Episode) -> None:
+        """The alarm's verdict on an episode that just ended; its warning, if any."""
+        assert self.alarm is not None
+        try:
+            scans = self._ep_scans.pop(ep.req_id, [])
+            unqueried = self._ep_unqueried.pop(ep.req_id, {})
+            inst = self.writer.instance_id
+            judged = self.alarm.judge(inst, ep, scans, unqueried, self._tpc)
+            self._judged[ep.req_id] = judged
+            self.alarm.report(inst, judged)
+        except Exception as exc:
+            self.fail("alarm", exc)
+
     def close_episode(self, req_id: str) -> None:
         ep = self._pending_episode.pop(req_id, None)
         if ep is None:
             return
+        judged = self._judged.pop(req_id, None)
+        if judged is not None and self.alarm is not None:
+            try:
+                self.alarm.account(self.writer.instance_id, judged, ep.tokens, ep.accepted)
+            except Exception as exc:
+                self.fail("alarm", exc)
         self._lookup_row(
             ep.seq,
             ep.ts,
@@ -179,6 +256,13 @@ class Recorder:
         from vLLM's own per-group key list), so the differ knows them exactly."""
         if not keys:
             return
+        if self.alarm is not None:
+            tpc = self._tpc.get(group_id)
+            if tpc:
+                got = self._ep_unqueried.setdefault(req_id, {}).setdefault(group_id, {})
+                for end, key in zip(ends, keys, strict=True):
+                    if end % tpc == 0:
+                        got[end // tpc - 1] = key
         self._lookup_row(
             next(_SEQ),
             time.time_ns(),
@@ -225,6 +309,10 @@ class Recorder:
         if sc is None:
             return
         self._scan = None
+        if self.alarm is not None:
+            scans = self._ep_scans.get(sc.req_id)
+            if scans is not None:
+                scans.append(sc)
         gid = int.from_bytes(sc.gid_bytes, "big")
         self.seen.setdefault(gid, set()).update(e for e in sc.ends if e is not None)
         self.lead_hits.setdefault(gid, sc.lead)
@@ -286,6 +374,13 @@ class Recorder:
         ts = time.time_ns()
         if kind == "store":
             call: tuple[Any, ...] = (seq, ts, *self._common_tail, self.step, event, req_id, job_id)
+            if self.alarm is not None:
+                try:
+                    self.alarm.store(
+                        self.writer.instance_id, seq, ts, event, req_id, keys, positions
+                    )
+                except Exception as exc:
+                    self.fail("alarm", exc)
         else:
             call = (seq, ts, *self._common_tail, self.step, event, req_id)
         self.writer.append(kind, len(keys), call, key=list(keys), end_token=list(positions))
@@ -333,13 +428,19 @@ class Recorder:
 
     def reset(self) -> None:
         """``manager.reset_cache()``: every stored key left the tier."""
+        seq, ts = next(_SEQ), time.time_ns()
         self.writer.append(
             "store",
             1,
-            (next(_SEQ), time.time_ns(), *self._common_tail, self.step, "reset", None, None),
+            (seq, ts, *self._common_tail, self.step, "reset", None, None),
             key=[None],
             end_token=[None],
         )
+        if self.alarm is not None:
+            try:
+                self.alarm.store(self.writer.instance_id, seq, ts, "reset", None, [], [])
+            except Exception as exc:
+                self.fail("alarm", exc)
 
     # ------------------------------------------------------------------- loads
     def load(

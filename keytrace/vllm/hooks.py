@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from keytrace.live.alarm import AlarmSettings
 from keytrace.record.recorder import Recorder, env_float, env_int
 
 log = logging.getLogger("keytrace")
@@ -54,19 +55,28 @@ def is_stand_in(vllm_config: Any, kv_cache_config: Any) -> bool:
 
 def start_recording(
     sched: Any,
-    directory: str,
+    directory: str | None,
     spec: Any,
     vllm_config: Any,
     kv_cache_config: Any,
     *,
     modified: Sequence[str],
     exact_scans: bool,
+    alarm: AlarmSettings | None = None,
 ) -> Recorder:
-    """Build the header and the `Recorder` for a freshly initialised scheduler."""
+    """Build the header and the `Recorder` for a freshly initialised scheduler (with the
+    process's live alarm for its geometry when ``alarm`` is set, and its metrics endpoint)."""
     from keytrace.vllm.header import build_header, engine_identity
 
     header = build_header(sched, spec, vllm_config, kv_cache_config, modified=modified)
     engine_id, rank = engine_identity(vllm_config)
+    live = None
+    if alarm is not None:
+        from keytrace.live.alarm import alarm_for
+        from keytrace.live.metrics import serve_metrics
+
+        live = alarm_for(header, alarm)
+        serve_metrics(alarm, rank)
     rec = Recorder(
         directory,
         header,
@@ -76,6 +86,7 @@ def start_recording(
         max_rows=env_int("KEYTRACE_MAX_ROWS"),
         max_seconds=env_float("KEYTRACE_MAX_SECONDS"),
         idle_seconds=env_float("KEYTRACE_IDLE_SECONDS"),
+        alarm=live,
     )
     rec.exact_scans = exact_scans
     return rec

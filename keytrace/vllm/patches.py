@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import wrapt
 
+from keytrace.live.alarm import AlarmSettings
 from keytrace.record.recorder import Recorder
 from keytrace.vllm import fixes, hooks, inject
 
@@ -161,16 +162,20 @@ def _record_init(binding: Binding) -> Wrapper:
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
-        directory = _STATE.directory
-        if directory is not None:
-            _start_recording(instance, directory, args, kwargs)
+        directory, alarm = _STATE.directory, _STATE.alarm
+        if directory is not None or alarm is not None:
+            _start_recording(instance, directory, alarm, args, kwargs)
         return result
 
     return wrapper
 
 
 def _start_recording(
-    sched: Any, directory: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    sched: Any,
+    directory: str | None,
+    alarm: AlarmSettings | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> None:
     try:
         spec = hooks.arg(args, kwargs, 0, "spec")
@@ -198,6 +203,7 @@ def _start_recording(
             kv_cache_config,
             modified=modifications(),
             exact_scans=_STATE.exact_scans,
+            alarm=alarm,
         )
     except Exception as exc:
         _STATE.warn_once(f"keytrace: not recording this scheduler ({type(exc).__name__}: {exc})")
@@ -436,6 +442,7 @@ class _State:
         self.lock = threading.RLock()
         self.applied: dict[str, list[_Undo]] = {}
         self.directory: str | None = None
+        self.alarm: AlarmSettings | None = None
         self.exact_scans = False
         self.recorders: list[Recorder] = []
         self._warned: set[str] = set()
@@ -539,16 +546,24 @@ def modifications() -> list[str]:
 
 
 # ------------------------------------------------------------------ public API
-def install(directory: str | os.PathLike[str]) -> bool:
-    """Record every OffloadingConnectorScheduler built from now on under ``directory``.
+def install(directory: str | os.PathLike[str] | None, alarm: AlarmSettings | None = None) -> bool:
+    """Record every OffloadingConnectorScheduler built from now on under ``directory``
+    (None: write no trace), judging its episodes live when ``alarm`` is given.
 
     Idempotent. False (one warning, nothing patched) if this vLLM lacks a hook point.
     """
+    from keytrace.live.alarm import forget_alarms
+
     with _STATE.lock:
-        _STATE.directory = os.fspath(directory)
+        _STATE.directory = None if directory is None else os.fspath(directory)
+        _STATE.alarm = alarm
+        if _STATE.directory is None and alarm is None:
+            return False
+        forget_alarms()
         if enable("record"):
             return True
         _STATE.directory = None
+        _STATE.alarm = None
         return False
 
 
@@ -556,6 +571,7 @@ def uninstall() -> None:
     """Close every recorder (flushing its rows), then undo every recording patch."""
     with _STATE.lock:
         _STATE.directory = None
+        _STATE.alarm = None
         recs, _STATE.recorders = _STATE.recorders, []
     for rec in recs:
         with contextlib.suppress(Exception):
@@ -573,14 +589,17 @@ def recorders() -> list[Recorder]:
 
 
 @contextlib.contextmanager
-def recording(directory: str | os.PathLike[str]) -> Iterator[list[Recorder]]:
+def recording(
+    directory: str | os.PathLike[str] | None, alarm: AlarmSettings | None = None
+) -> Iterator[list[Recorder]]:
     """Record every scheduler built inside the block; flush and unpatch on exit.
 
-    Yields the live list of recorders created so far (tests read their stats).
+    Yields the live list of recorders created so far (tests read their stats, and each
+    recorder's ``alarm``).
     """
     from keytrace.errors import VllmUnavailableError
 
-    if not install(directory):
+    if not install(directory, alarm):
         raise VllmUnavailableError(
             "keytrace could not install its hooks on this vLLM (see the warning above)"
         )

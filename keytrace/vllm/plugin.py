@@ -12,26 +12,36 @@ import logging
 import os
 
 ENV_DIR = "KEYTRACE_DIR"
+ENV_ALARM = "KEYTRACE_ALARM"
+_ON = ("1", "true", "yes", "on")
 
 log = logging.getLogger("keytrace")
 
 
 def register() -> None:
-    """Install the recording hooks when ``KEYTRACE_DIR`` is set; otherwise do nothing."""
-    directory = os.environ.get(ENV_DIR)
-    if not directory:
+    """Install the recording hooks when ``KEYTRACE_DIR`` (record, with the live alarm unless
+    ``KEYTRACE_ALARM=0``) or ``KEYTRACE_ALARM=1`` (the alarm alone) is set; otherwise do
+    nothing."""
+    directory = os.environ.get(ENV_DIR) or None
+    if not directory and os.environ.get(ENV_ALARM, "").strip().lower() not in _ON:
         return
     try:
+        from keytrace.live.alarm import AlarmSettings
         from keytrace.vllm.patches import fix_from_env, inject_from_env, install
 
+        alarm = AlarmSettings.from_env(os.environ, recording=directory is not None)
         inject_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
         fix_from_env()  # testing only: KEYTRACE_FIX applies a candidate fix
-        if install(directory):
-            log.info("keytrace: recording offload store/lookup keys under %s", directory)
+        if install(directory, alarm):
+            log.info(
+                "keytrace: %s%s",
+                f"recording offload store/lookup keys under {directory}" if directory else "",
+                ("; " if directory else "") + "live write-only alarm on" if alarm else "",
+            )
     except Exception as exc:  # never break vLLM start-up
         log.warning(
             "keytrace: hooks not installed (%s: %s); vLLM is unaffected", type(exc).__name__, exc
         )
 
 
-__all__ = ["ENV_DIR", "register"]
+__all__ = ["ENV_ALARM", "ENV_DIR", "register"]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from keytrace.analysis.geometry import Geometry, builtin
 from keytrace.errors import KeytraceError
+from keytrace.live.alarm import AlarmSettings
 from keytrace.vllm import require_vllm
 
 ProgressFn = Callable[[str, int, int], None]
@@ -137,7 +138,11 @@ def workload_geometry(spec: WorkloadSpec) -> Geometry:
 
 
 def run_workload(
-    spec: WorkloadSpec, trace_dir: str | None, *, progress: ProgressFn | None = None
+    spec: WorkloadSpec,
+    trace_dir: str | None,
+    *,
+    progress: ProgressFn | None = None,
+    alarm: AlarmSettings | None = None,
 ) -> WorkloadResult:
     """Record ``spec``'s traffic into ``trace_dir`` (see the module docstring); with
     ``trace_dir=None`` run the same traffic unrecorded (the recorder benchmark's baseline).
@@ -166,7 +171,11 @@ def run_workload(
     res = WorkloadResult(trace_dir=trace_dir or "", spec=spec)
     t0 = time.monotonic()
     total_turns = sum(c.turns_left for c in convs)
-    record = recording(trace_dir) if trace_dir is not None else contextlib.nullcontext()
+    record = (
+        recording(trace_dir, alarm)
+        if trace_dir is not None or alarm is not None
+        else contextlib.nullcontext()
+    )
     with injected(spec.inject), record:
         engines = [
             Harness(geo, dp_rank=i, store_delay=spec.store_delay, request_prefix=f"e{i}-r")

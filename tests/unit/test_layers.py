@@ -1,6 +1,6 @@
 """The layers of keytrace/, checked over whole folders (every module, nested imports too).
 
-Imports point down: format -> record -> analysis -> report -> vllm -> cli. Nothing but
+Imports point down: format -> record -> analysis -> live -> report -> vllm -> cli. Nothing but
 ``keytrace/vllm/`` imports vLLM or torch; analysis returns data and never prints; nothing
 in the package imports ``tools/``. A new module is covered the moment it is created.
 """
@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "keytrace"
-LAYERS = ("format", "record", "analysis", "report", "vllm", "cli")
+LAYERS = ("format", "record", "analysis", "live", "report", "vllm", "cli")
 HOST = ("vllm", "torch")
 
 # layer -> keytrace layers it must not import
 FORBIDDEN_LAYERS = {
-    "format": {"record", "analysis", "report", "vllm", "cli"},
-    "record": {"analysis", "report", "vllm", "cli"},
-    "analysis": {"record", "report", "vllm", "cli"},
-    "report": {"record", "vllm", "cli"},
+    "format": {"record", "analysis", "live", "report", "vllm", "cli"},
+    "record": {"analysis", "live", "report", "vllm", "cli"},
+    "analysis": {"record", "live", "report", "vllm", "cli"},
+    "live": {"report", "vllm", "cli"},
+    "report": {"record", "live", "vllm", "cli"},
     "vllm": {"cli"},
     "cli": set(),
 }
@@ -30,6 +31,7 @@ FORBIDDEN_PACKAGES = {
     "format": {*HOST, "click"},
     "record": {*HOST, "polars", "click"},
     "analysis": {*HOST, "click"},
+    "live": {*HOST, "polars", "click"},  # runs in every serving process
     "report": {*HOST, "click"},
     "vllm": {"click"},
     "cli": set(),  # imports the vllm layer lazily inside commands
