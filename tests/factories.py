@@ -42,6 +42,7 @@ class TraceBuilder:
         engine_id: str = "engine-a",
         dp_rank: int = 0,
         header: dict[str, Any] | None = None,
+        alarm: Any = None,
     ) -> None:
         self.geometry = geometry
         self.header = header or synthetic_header(geometry)
@@ -56,6 +57,7 @@ class TraceBuilder:
             },
             max_seconds=3600,
             idle_seconds=3600,  # parts split only where a test says so
+            alarm=alarm,
         )
         self.tph = geometry.tokens_per_hash
 

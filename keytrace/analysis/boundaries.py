@@ -28,15 +28,30 @@ def anchor(groups: list[Group]) -> Group:
 
 
 def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
-    """(inst, req_id, P, b): every request's own boundary, and its junction if any."""
-    req = episodes.group_by("inst", "req_id").agg(
-        pl.col("P").max(), pl.col("spb").drop_nulls().max()
+    """(inst, req_id, P, b, since): every request's own boundary, and each junction its
+    episodes reported, with the sequence number of the first episode that knew it.
+
+    vLLM's store path keeps tails for the junction the request carries *when it stores*:
+    a ``shared_prefix_boundary`` first reported by a later episode (a request resumed after
+    preemption) says nothing about what the request stored before; `boundary_offers` counts
+    only offers after ``since``. (The live alarm learns boundaries in the same order.)"""
+    req = episodes.group_by("inst", "req_id").agg(pl.col("P").max(), pl.col("s").min())
+    own = req.select(
+        "inst", "req_id", "P", store_boundary(groups, pl.col("P")).alias("b"), pl.col("s")
     )
-    own = req.select("inst", "req_id", "P", store_boundary(groups, pl.col("P")).alias("b"))
-    junction = req.filter(pl.col("spb") > 0).select(
-        "inst", "req_id", "P", align_down(pl.col("spb"), groups).alias("b")
+    junction = (
+        episodes.filter(pl.col("spb") > 0)
+        .group_by("inst", "req_id", align_down(pl.col("spb"), groups).alias("b"))
+        .agg(pl.col("s").min())
+        .join(req.select("inst", "req_id", "P"), on=["inst", "req_id"])
+        .select("inst", "req_id", "P", "b", "s")
     )
-    return pl.concat([own, junction]).filter(pl.col("b") > 0).unique()
+    return (
+        pl.concat([own, junction])
+        .filter(pl.col("b") > 0)
+        .group_by("inst", "req_id", "P", "b")
+        .agg(pl.col("s").min().alias("since"))
+    )
 
 
 def anchor_offers(stores: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
@@ -63,6 +78,7 @@ def boundary_offers(trace: Trace, groups: list[Group]) -> pl.DataFrame:
     return frames.collect(
         anchor_offers(frames.stores(trace, at=bounds), groups)
         .join(bounds.lazy(), on=["inst", "req_id", "chunk"])
+        .filter(pl.col("seq") > pl.col("since"))
         .group_by("inst", "req_id", "b", "key")
         .agg(
             pl.col("P").first(),

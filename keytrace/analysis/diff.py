@@ -249,7 +249,9 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
     needed = unknown.settle_offers(trace, needed, sf)
     with_cause = _with_causes(trace, needed, bind, sf, groups)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
-    verdicts = shortfall_verdicts(with_cause["needed"], terminals)
+    # decisive causes in (group, chunk) order: the first one names an episode's shortfall
+    # tokens in the account, so it must not depend on the order joins left the rows in
+    verdicts = shortfall_verdicts(with_cause["needed"].sort(*KEY, "gid", "chunk"), terminals)
     out = verdicts.rename({"verdict": "verdict2"}).join(
         bind.select(*KEY, "bind_gid", "term_seq", "term_chunk", "term_key"), on=KEY, how="left"
     )

@@ -55,8 +55,9 @@ log = logging.getLogger("keytrace")
 DEFAULT_MAX_BYTES = 64 << 20
 """Default cap on the alarm's state (``KEYTRACE_ALARM_MAX_BYTES``)."""
 BYTES_PER_RECORD = 280
-"""What one key record costs in CPython (key bytes, record object, dict slots): measured
-with tracemalloc over 100k records (see tests/unit/test_alarm.py), rounded up."""
+"""What one key record costs in CPython (its tagged key, the record, the dict slot):
+204 bytes measured with tracemalloc at 50k records (tests/unit/test_alarm.py checks it);
+the margin covers the dict's growth steps."""
 DEFAULT_INTERVAL = 60.0
 """Seconds between summaries of repeated mismatches of one group and cause."""
 
@@ -86,6 +87,7 @@ class _Instance:
     dp_rank: int | None
     directory: str | None
     recorder: Any = None  # weakref to the Recorder (its failure and drop counters)
+    tag: bytes = b""  # 2 bytes appended to a key to name its record on this instance
     reset: int | None = None
     first_prep: dict[int, int] = field(default_factory=dict)
     bounds: dict[str, dict[int, int]] = field(default_factory=dict)  # req -> chunk -> b
@@ -139,8 +141,9 @@ class Alarm:
         self.interval = interval
         self.warn = warn
         self._lock = threading.Lock()
-        self._keys: dict[bytes, dict[int, _KeyRec]] = {}
-        self._records = 0
+        self._keys: dict[bytes, _KeyRec] = {}
+        """key + the instance's 2-byte tag -> record: one flat dict (a dict per key would
+        double the cost of a record), in least-recently-touched order."""
         self._inst: dict[int, _Instance] = {}
         self.forgotten = 0
         """Key records dropped to stay under the cap."""
@@ -170,7 +173,10 @@ class Alarm:
 
         ref = weakref.ref(recorder) if recorder is not None else None
         with self._lock:
-            self._inst[instance_id] = _Instance(name, engine or name, dp_rank, directory, ref)
+            tag = len(self._inst).to_bytes(2, "big")
+            self._inst[instance_id] = _Instance(
+                name, engine or name, dp_rank, directory, ref, tag=tag
+            )
 
     def health(self) -> list[tuple[str, int, int]]:
         """(engine, recorder failures, rows dropped by its writer) per live instance."""
@@ -205,7 +211,7 @@ class Alarm:
             for key, end in zip(keys, ends, strict=True):
                 gid = int.from_bytes(key[-4:], "big")
                 tally[(st.engine, str(gid), event)] += 1
-                rec = self._touch(key, inst)
+                rec = self._touch(key + st.tag)
                 if event == "completed":
                     rec.completed = seq
                 elif event == "evicted":
@@ -237,31 +243,24 @@ class Alarm:
         firsts = st.offers.setdefault(key, {})
         firsts.setdefault((req_id, b), seq)
 
-    def _touch(self, key: bytes, inst: int) -> _KeyRec:
-        """The record of ``key`` on ``inst``, most recently touched now (LRU order)."""
-        per = self._keys.pop(key, None)
-        if per is None:
-            per = {}
-        self._keys[key] = per
-        rec = per.get(inst)
+    def _touch(self, tagged: bytes) -> _KeyRec:
+        """The record of a key on an instance (``key + tag``), most recently touched now."""
+        rec = self._keys.pop(tagged, None)
         if rec is None:
-            rec = per[inst] = _KeyRec()
-            self._records += 1
-            if self._records > self.max_records:
+            rec = _KeyRec()
+            if len(self._keys) >= self.max_records:
                 self._forget()
+        self._keys[tagged] = rec
         return rec
 
     def _forget(self) -> None:
         """Drop the least recently touched tenth of the records (and stale boundary data)."""
-        drop = max(1, self.max_records // 10)
-        while drop > 0 and self._keys:
-            key = next(iter(self._keys))
-            per = self._keys.pop(key)
-            drop -= len(per)
-            self._records -= len(per)
-            self.forgotten += len(per)
+        for _ in range(min(len(self._keys), max(1, self.max_records // 10))):
+            tagged = next(iter(self._keys))
+            del self._keys[tagged]
+            self.forgotten += 1
             for st in self._inst.values():
-                st.offers.pop(key, None)
+                st.offers.pop(tagged[:-2], None)
         for st in self._inst.values():  # requests are many and short-lived: keep the newest
             for table in (st.bounds, st.prompt):
                 while len(table) > self.max_records // 4:
@@ -306,6 +305,13 @@ class Alarm:
                 self.judged.append(j)
         return j
 
+    def expected(
+        self, inst: int, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
+    ) -> int | None:
+        """E of an episode in progress (its scans so far)."""
+        with self._lock:
+            return self._expected(self._inst[inst], ep, scans, tpc)[0]
+
     def _judge(
         self,
         st: _Instance,
@@ -317,9 +323,9 @@ class Alarm:
     ) -> Judged:
         S, X, s = ep.local, ep.external, ep.seq
         base = {"instance": st.name, "req_id": ep.req_id, "episode": s, "S": S, "external": X}
-        if X is None:
-            return Judged("deferred", E=None, **base)
         E, chain_P = self._expected(st, ep, scans, tpc)
+        if X is None:
+            return Judged("deferred", E=E, **base)
         if E is None:
             return Judged("cold", E=None, **base)
         if X >= E - S:
@@ -450,10 +456,15 @@ class Alarm:
         term_result = term[3] if term is not None else None
         if rule:
             verdict = "mismatch"
+        elif unknown:
+            # a needed key this process never saw (the recorder lists the keys of groups vLLM
+            # did not scan only up to min(L, F)): the differ derives it from the whole trace
+            # and may find a rule cause; live, neither "explained" nor "mismatch" is known
+            verdict = "undetermined"
         elif term_result in ("HIT_PENDING", "RETRY") or absent:
             verdict = "explained"
         else:
-            verdict = "undetermined" if unknown or self.forgotten else "mismatch"
+            verdict = "undetermined" if self.forgotten else "mismatch"
         if (
             verdict == "mismatch"
             and self.forgotten
@@ -492,8 +503,7 @@ class Alarm:
         keyable_end: int | None,
     ) -> str:
         """`keytrace.analysis.history.causes` for one key at (s, t), first match wins."""
-        per = self._keys.get(key, {})
-        rec = per.get(inst)
+        rec = self._keys.get(key + st.tag)
         completed = evicted = prepared = failed = None
         rejected = False
         if rec is not None:
@@ -516,11 +526,10 @@ class Alarm:
             return "in_flight"
         if completed is not None:
             return "evicted"
-        if any(
-            other != inst and r.offered_ts is not None and r.offered_ts < t
-            for other, r in per.items()
-        ):
-            return "other_engine"
+        for other in self._inst.values():
+            r = self._keys.get(key + other.tag) if other is not st else None
+            if r is not None and r.offered_ts is not None and r.offered_ts < t:
+                return "other_engine"
         if failed is not None:
             return "store_failed"
         if rejected:
@@ -529,7 +538,7 @@ class Alarm:
         for g in self.group_ids:
             if g == gid:
                 continue
-            sib = self._keys.get(h + g.to_bytes(4, "big"), {}).get(inst)
+            sib = self._keys.get(h + g.to_bytes(4, "big") + st.tag)
             if sib is not None and sib.completed is not None:
                 own = st.first_prep.get(gid)
                 if own is None or own >= s:
@@ -621,7 +630,7 @@ class Alarm:
         return dict(out)
 
     def state_records(self) -> int:
-        return self._records
+        return len(self._keys)
 
     def instances(self) -> Iterable[tuple[int, str]]:
         return [(i, st.engine) for i, st in self._inst.items()]

@@ -60,6 +60,9 @@ class Alarm(Protocol):
         tpc: Mapping[int, int],
     ) -> Any: ...
     def report(self, inst: int, j: Any) -> None: ...
+    def expected(
+        self, inst: int, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
+    ) -> int | None: ...
     def account(self, inst: int, judged: Any, N: int, accepted: int | None) -> None: ...
 
 
@@ -202,6 +205,21 @@ class Recorder:
         if ep is not None and ep.accepted is None:
             ep.accepted = num_external_tokens
             self.close_episode(req_id)
+
+    def live_expected(self, req_id: str) -> int | None:
+        """The alarm's E for the episode in progress (None without an alarm): the hook then
+        also lists the keys a hit at E needs in groups vLLM never scanned, so neither the
+        alarm nor the differ has to derive them."""
+        ep = self._pending_episode.get(req_id)
+        if self.alarm is None or ep is None:
+            return None
+        try:
+            return self.alarm.expected(
+                self.writer.instance_id, ep, self._ep_scans.get(req_id, []), self._tpc
+            )
+        except Exception as exc:
+            self.fail("alarm", exc)
+            return None
 
     def _judge(self, ep: _Episode) -> None:
         """The alarm's verdict on an episode that just ended; its warning, if any."""

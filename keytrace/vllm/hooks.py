@@ -150,13 +150,20 @@ def record_unqueried(
     configs = {c.group_idx: i for i, c in enumerate(sched.config.kv_group_configs)}
     tph = int(rec.writer.header.get("tokens_per_hash") or 1)
     keyed = len(request.block_hashes) * tph
+    ends = [top]
+    E = rec.live_expected(request.request_id)  # the live alarm knows E; else min(L, F) only
+    if E is not None and local < E < top:
+        ends.append(E)
     for g in groups:
         if g.full_attention or g.gid not in configs:
             continue
-        lo, hi = needed_range(g, local, top, keyed // g.tpc)
+        chunks: set[int] = set()
+        for end in ends:
+            lo, hi = needed_range(g, local, end, keyed // g.tpc)
+            chunks.update(range(lo, hi))
         seen = rec.seen.get(g.gid, set())
         keys = status.group_states[configs[g.gid]].offload_keys
-        missing = [c for c in range(lo, hi) if (c + 1) * g.tpc not in seen and c < len(keys)]
+        missing = [c for c in sorted(chunks) if (c + 1) * g.tpc not in seen and c < len(keys)]
         if missing:
             ends = [(c + 1) * g.tpc for c in missing]
             rec.unqueried(request.request_id, g.gid, ends, [bytes(keys[c]) for c in missing])

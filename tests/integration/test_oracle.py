@@ -11,12 +11,14 @@ deferrals), async scheduling, conversations, shared system prompts and resends.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter
 from pathlib import Path
 
 import polars as pl
 import pytest
 
+from tests.alarm_checks import SETTINGS, assert_alarm_agrees
 from tests.conftest import require_vllm
 from tests.downgrade import downgrade, without_v2_facts
 
@@ -27,6 +29,7 @@ from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.analysis.geometry import BUILTIN  # noqa: E402
 from keytrace.analysis.results import DiffReport  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.live.alarm import alarms  # noqa: E402
 from keytrace.vllm.inject import INJECTIONS  # noqa: E402
 from keytrace.vllm.oracle import check  # noqa: E402
 from keytrace.vllm.workload import WorkloadSpec, run_workload  # noqa: E402
@@ -49,7 +52,12 @@ SEEN: dict[str, Counter[str]] = {"verdicts": Counter(), "causes": Counter(), "tr
 
 @pytest.mark.parametrize(("geometry", "inject", "seed", "cpu"), CONFIGS)
 def test_differ_agrees_with_isolated_lookups(
-    geometry: str, inject: str | None, seed: int, cpu: int | None, tmp_path: Path
+    geometry: str,
+    inject: str | None,
+    seed: int,
+    cpu: int | None,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     d = str(tmp_path / "trace")
     spec = WorkloadSpec(geometry=geometry, seed=seed, inject=inject)
@@ -57,7 +65,9 @@ def test_differ_agrees_with_isolated_lookups(
         spec = dataclasses.replace(
             spec, cpu_chunks=cpu * len(GEO_GROUPS[geometry]) // 3, reroute_rate=0.4
         )
-    res = run_workload(spec, d)
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    res = run_workload(spec, d, alarm=SETTINGS)
+    warnings = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
     cases = check(d, res.prompts)
     bad = [c.describe() for c in cases if not c.agree]
     assert bad == [], "\n".join(bad)
@@ -87,6 +97,8 @@ def test_differ_agrees_with_isolated_lookups(
         per_engine[row.engine] += row.tokens
     assert dict(per_engine) == lost.prompt_tokens
     assert_v1_form_agrees(d, report, tmp_path)
+    # the live alarm, run while recording, said the same as the differ, episode by episode
+    assert_alarm_agrees(d, alarms(), warnings)
 
 
 def assert_v1_form_agrees(d: str, report: DiffReport, tmp_path: Path) -> None:
