@@ -66,3 +66,21 @@ def chromium_path() -> str:
         pytest.skip(problem)
     assert found is not None
     return found
+
+
+REQUIRE_PROMTOOL = os.environ.get("KEYTRACE_REQUIRE_PROMTOOL") == "1"
+
+
+def promtool_path() -> str:
+    """Prometheus' ``promtool`` (Debian's ``prometheus`` package) for the alert-rule tests;
+    skip without it, unless KEYTRACE_REQUIRE_PROMTOOL=1 makes that a failure."""
+    import shutil
+
+    found = shutil.which("promtool")
+    if found is None:
+        if REQUIRE_PROMTOOL:
+            pytest.fail(
+                "promtool is required (KEYTRACE_REQUIRE_PROMTOOL=1): apt-get install prometheus"
+            )
+        pytest.skip("no promtool (apt-get install prometheus)")
+    return found

@@ -1,4 +1,5 @@
-"""Recorder overhead on concurrent traffic through the real scheduler: recording on vs off.
+"""Recorder overhead on concurrent traffic through the real scheduler: recording, recording
+with the live alarm, and the alarm alone, each against off.
 
     python tools/bench_recorder.py [--rounds 5] [--seed 0]
 
@@ -7,7 +8,9 @@ step): conversations whose prompts grow to ~32K tokens, shared system prompts, r
 many requests in flight, GPU cache drops with preemption, a small CPU tier (evictions),
 async scheduling, two engines. The same seeded traffic runs with recording on and off,
 interleaved round by round; the wall time of a recorded round includes the final flush of
-every part. Prints the median ratio on/off, bytes per key row and rows per second.
+every part. Prints the median ratio of each mode to off (goal <= 1.05 each), bytes per key
+row and rows per second. Modes: ``record`` (KEYTRACE_DIR with KEYTRACE_ALARM=0),
+``record+alarm`` (KEYTRACE_DIR, the default), ``alarm`` (KEYTRACE_ALARM=1 alone).
 """
 
 from __future__ import annotations
@@ -48,17 +51,21 @@ def main() -> int:
 
     quiet_host_logs()
     from keytrace.format.reader import open_trace
+    from keytrace.live.alarm import AlarmSettings
     from keytrace.vllm.workload import run_workload
 
     s = spec(args.seed)
     warm = run_workload(s, None)  # imports, caches and the model config outside the timing
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    modes = ("off", "record", "record+alarm", "alarm")
+    times: dict[str, list[float]] = {m: [] for m in modes}
     key_rows = rows_total = bytes_on_disk = 0
     for r in range(args.rounds):
-        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            d = tempfile.mkdtemp(prefix="kt-bench-") if mode == "on" else None
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]  # rotate: no mode always first
+        for mode in order:
+            d = tempfile.mkdtemp(prefix="kt-bench-") if mode.startswith("record") else None
+            alarm = AlarmSettings(warn=False) if mode.endswith("alarm") else None
             t = time.perf_counter()
-            run_workload(s, d)  # recording: the final flush happens inside, on exit
+            run_workload(s, d, alarm=alarm)  # recording: the final flush happens inside
             times[mode].append(time.perf_counter() - t)
             if d is not None:
                 trace = open_trace(d)
@@ -69,20 +76,21 @@ def main() -> int:
                 rows_total = sum(trace.rows(k) for k in trace.kinds)
                 bytes_on_disk = sum(os.path.getsize(p.path) for p in trace.parts)
                 shutil.rmtree(d, ignore_errors=True)
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    med = {m: statistics.median(times[m]) for m in modes}
     print(
         f"workload: {warm.requests} requests ({warm.turns} turns, {warm.resends} resends), "
         f"longest prompt {warm.longest_prompt:,} tokens, {warm.steps} steps, 2 engines, "
         f"budget 8,192 tokens/step"
     )
-    print(f"off   median {off:.3f} s  {[f'{x:.3f}' for x in times['off']]}")
-    print(f"on    median {on:.3f} s  {[f'{x:.3f}' for x in times['on']]}")
-    print(f"ratio {on / off:.3f}   (goal <= 1.05)")
+    for m in modes:
+        print(f"{m:13s} median {med[m]:.3f} s  {[f'{x:.3f}' for x in times[m]]}")
+    for m in modes[1:]:
+        print(f"ratio {m:13s} {med[m] / med['off']:.3f}   (goal <= 1.05)")
     print(f"key rows {key_rows:,}; all rows {rows_total:,}; bytes on disk {bytes_on_disk:,}")
     print(
         f"bytes per key row {bytes_on_disk / max(key_rows, 1):.1f}   (goal <= 40; all parts / key rows)"
     )
-    print(f"key rows per second while recording {key_rows / on:,.0f}")
+    print(f"key rows per second while recording {key_rows / med['record']:,.0f}")
     return 0
 
 

@@ -456,15 +456,13 @@ class Alarm:
         term_result = term[3] if term is not None else None
         if rule:
             verdict = "mismatch"
-        elif unknown:
-            # a needed key this process never saw (the recorder lists the keys of groups vLLM
-            # did not scan only up to min(L, F)): the differ derives it from the whole trace
-            # and may find a rule cause; live, neither "explained" nor "mismatch" is known
-            verdict = "undetermined"
         elif term_result in ("HIT_PENDING", "RETRY") or absent:
             verdict = "explained"
         else:
-            verdict = "undetermined" if self.forgotten else "mismatch"
+            # nothing absent: a mismatch unless a needed key is unknown here (vLLM never
+            # keyed it for this request; the differ may derive it from other requests in the
+            # whole trace) or a record was forgotten: then it is not known, and not warned
+            verdict = "undetermined" if unknown or self.forgotten else "mismatch"
         if (
             verdict == "mismatch"
             and self.forgotten
