@@ -86,6 +86,7 @@ def main() -> int:
         print(f"{m:13s} median {med[m]:.3f} s  {[f'{x:.3f}' for x in times[m]]}")
     for m in modes[1:]:
         print(f"ratio {m:13s} {med[m] / med['off']:.3f}   (goal <= 1.05)")
+    print(f"the alarm on top of recording: {med['record+alarm'] / med['record']:.3f}")
     print(f"key rows {key_rows:,}; all rows {rows_total:,}; bytes on disk {bytes_on_disk:,}")
     print(
         f"bytes per key row {bytes_on_disk / max(key_rows, 1):.1f}   (goal <= 40; all parts / key rows)"

@@ -95,6 +95,10 @@ class ServeRun:
     diff: dict[str, Any] = field(default_factory=dict)
     summary: str = ""
     log_tail: str = ""
+    log_warnings: list[str] = field(default_factory=list)
+    """keytrace's lines in the server's log (its warnings: the live alarm's, among others)."""
+    keytrace_metrics: str = ""
+    """The engine-core process's keytrace metrics, scraped while the server ran."""
 
 
 class Server:
@@ -110,6 +114,7 @@ class Server:
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
+        self.metrics_port = free_port()  # the engine core's keytrace endpoint (DP rank 0)
         self.log_path = work / "server.log"
         spec = {
             "spec_name": "CPUCopyOffloadingSpec",
@@ -135,6 +140,8 @@ class Server:
         env["VLLM_LOGGING_LEVEL"] = "INFO"
         env.pop("KEYTRACE_DIR", None)
         env.pop("KEYTRACE_INJECT", None)
+        env["KEYTRACE_METRICS_PORT"] = str(self.metrics_port)
+        env["KEYTRACE_METRICS_ADDR"] = "127.0.0.1"
         if trace is not None:
             env["KEYTRACE_DIR"] = str(trace)
         if inject:
@@ -206,6 +213,15 @@ class Server:
         ]
         return sum(values) if values else None
 
+    def keytrace_metrics(self) -> str:
+        """The live alarm's metrics from the engine-core process ('' when none serves)."""
+        try:
+            url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -267,6 +283,7 @@ def run(
         server.wait_healthy()
         out.cached_tokens = traffic(server)
         out.prometheus_external_hits = server.metric("vllm:external_prefix_cache_hits_total")
+        out.keytrace_metrics = server.keytrace_metrics()
         # vLLM's default shutdown SIGKILLs the engine core right after SIGTERM; keytrace's
         # idle bound (KEYTRACE_IDLE_SECONDS, 1 s) has written what it recorded by then
         time.sleep(settle)
@@ -275,6 +292,11 @@ def run(
         out.engine_pid = server.engine_pid()
         out.engine_id = server.engine_id()
         out.log_tail = server.tail()
+        out.log_warnings = [
+            line
+            for line in server.log_path.read_text(errors="replace").splitlines()
+            if "keytrace: " in line
+        ]
     if trace is None:
         out.parts = sorted(str(p.relative_to(work)) for p in work.rglob("*.parquet"))
         return out

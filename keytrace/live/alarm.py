@@ -133,6 +133,7 @@ class Alarm:
         self.groups: list[Group] = groups_from_header(dict(header))
         self.by_gid = {g.gid: g for g in self.groups}
         self.anchor = next((g for g in self.groups if g.full_attention), self.groups[0])
+        self._anchor_tail = self.anchor.gid.to_bytes(4, "big")
         self.group_ids = [int(g["group_id"]) for g in header.get("groups", [])]
         self.tph = int(header.get("tokens_per_hash") or 1)
         self.retention = int(header.get("retention_interval") or 0)
@@ -207,31 +208,30 @@ class Alarm:
             if event == "reset":
                 st.reset = seq
                 return
-            tally = self.stored
+            for tail, n in Counter(k[-4:] for k in keys).items():  # per group, not per key
+                self.stored[(st.engine, str(int.from_bytes(tail, "big")), event)] += n
+                if event == "prepared":
+                    st.first_prep.setdefault(int.from_bytes(tail, "big"), seq)
+            offer = event in OFFER_EVENTS
+            boundary = event in STORE_OFFERS and req_id is not None and req_id in st.bounds
+            anchor = self._anchor_tail
+            touch, tag = self._touch, st.tag
             for key, end in zip(keys, ends, strict=True):
-                gid = int.from_bytes(key[-4:], "big")
-                tally[(st.engine, str(gid), event)] += 1
-                rec = self._touch(key + st.tag)
+                rec = touch(key + tag)
                 if event == "completed":
                     rec.completed = seq
                 elif event == "evicted":
                     rec.evicted = seq
                 elif event == "prepared":
                     rec.prepared = seq
-                    st.first_prep.setdefault(gid, seq)
                 elif event == "failed":
                     rec.failed = seq
                 elif event == "rejected":
                     rec.rejected = True
-                if event in OFFER_EVENTS and rec.offered_ts is None:
+                if offer and rec.offered_ts is None:
                     rec.offered_ts = ts
-                if (
-                    event in STORE_OFFERS
-                    and gid == self.anchor.gid
-                    and req_id is not None
-                    and end is not None
-                ):
-                    self._boundary_offer(st, req_id, key, end, seq)
+                if boundary and end is not None and key[-4:] == anchor:
+                    self._boundary_offer(st, req_id, key, end, seq)  # type: ignore[arg-type]
 
     def _boundary_offer(self, st: _Instance, req_id: str, key: bytes, end: int, seq: int) -> None:
         tpc = self.anchor.tpc

@@ -133,3 +133,38 @@ def test_a_graceful_shutdown_flushes_on_sigterm(recorded: Any, graceful: Any) ->
     assert graceful.server_exit == 0, graceful.log_tail
     assert graceful.parts and all(f"-{graceful.engine_pid}-" in p for p in graceful.parts)
     assert graceful.diff_exit == 0 and graceful.diff["counts"] == recorded.diff["counts"]
+
+
+def _scraped(run: Any) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The engine core's keytrace metrics, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert run.keytrace_metrics, "no keytrace metrics endpoint in the engine-core process"
+    return {
+        f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
+        for f in text_string_to_metric_families(run.keytrace_metrics)
+    }
+
+
+def _by_verdict(run: Any) -> dict[str, float]:
+    return {dict(k)["verdict"]: v for k, v in _scraped(run)["keytrace_episodes"].items()}
+
+
+def test_the_live_alarm_is_quiet_on_stock_and_its_metrics_match_the_diff(recorded: Any) -> None:
+    assert not [w for w in recorded.log_warnings if "write-only" in w], recorded.log_warnings
+    assert _by_verdict(recorded) == {k: float(v) for k, v in recorded.diff["counts"].items()}
+    engines = {dict(k)["engine"] for k in _scraped(recorded)["keytrace_episodes"]}
+    assert engines == {recorded.engine_id}
+    assert sum(_scraped(recorded)["keytrace_recorder_failures"].values()) == 0
+
+
+def test_the_live_alarm_names_the_injected_bug_in_the_server_log(injected: Any) -> None:
+    # the same episode the offline diff names: the resend, SWA group 0, chunk 46
+    [warning] = [w for w in injected.log_warnings if "write-only offload" in w]
+    first = injected.diff["first_mismatch"]
+    assert f"request {first['req_id']} on engine {injected.engine_id}" in warning
+    assert "group 0 (SWA) ended the match at chunk 46 (tokens 1,472-1,504)" in warning
+    assert "expected E=1,984 from S=0" in warning and "cause never_offered" in warning
+    assert _by_verdict(injected) == {k: float(v) for k, v in injected.diff["counts"].items()}
+    short = _scraped(injected)["keytrace_short_of_expected_tokens"]
+    assert {dict(k)["group"]: v for k, v in short.items()} == {"0": 1_984.0}
