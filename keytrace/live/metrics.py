@@ -99,15 +99,23 @@ def exposition() -> bytes:
     return generate_latest(registry)
 
 
+def serving_port() -> int | None:
+    """The port this process's endpoint listens on (None: not serving)."""
+    with _LOCK:
+        port = _SERVED.get("port")
+        return int(port) if port else None
+
+
 def serve_metrics(settings: AlarmSettings, dp_rank: int | None) -> int | None:
-    """Start this process's endpoint once (port ``metrics_port + dp_rank``); the port, or
-    None when no port is configured or it cannot be bound (one warning)."""
+    """Start this process's endpoint once (port ``metrics_port + dp_rank``; 0: any free
+    port); the port, or None when no port is configured or it cannot be bound (one
+    warning)."""
     if settings.metrics_port is None:
         return None
     with _LOCK:
         if "port" in _SERVED:
             return int(_SERVED["port"])
-        port = settings.metrics_port + (dp_rank or 0)
+        port = settings.metrics_port + (dp_rank or 0) if settings.metrics_port else 0
         try:
             from prometheus_client import CollectorRegistry, start_http_server
 
@@ -126,5 +134,7 @@ def serve_metrics(settings: AlarmSettings, dp_rank: int | None) -> int | None:
             return None
         _SERVED["port"] = server.server_port
         _SERVED["server"] = server
-        log.info("keytrace: metrics on http://%s:%d/metrics", settings.metrics_addr, port)
+        log.info(
+            "keytrace: metrics on http://%s:%d/metrics", settings.metrics_addr, server.server_port
+        )
         return int(server.server_port)
