@@ -262,7 +262,13 @@ def lookup(
     else:
         key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
         secondary = len(args) > 2 or any(k not in ("key", "req_context") for k in kw)
-    rec.lookup(key, ctx.req_id, ctx.get_offload_key_position(key), result.name, secondary)
+    name = _RESULT_NAMES.get(result)
+    if name is None:  # an enum's .name is a Python property: read once per member
+        name = _RESULT_NAMES[result] = result.name
+    rec.lookup(key, ctx.req_id, ctx.get_offload_key_position(key), name, secondary)
+
+
+_RESULT_NAMES: dict[Any, str] = {}
 
 
 def prepare_store(

@@ -115,6 +115,29 @@ def _after(
         rec.fail(where, exc)
 
 
+def observe_hot(where: str, after: Observer) -> Callable[[Binding], Wrapper]:
+    """`observe` for an instance row on the per-key hot path (``manager.lookup``, called
+    once per chunk of every scan): the same semantics as ``observe(where, after=after)``
+    without `_observed`'s and `_after`'s frames."""
+
+    def make(binding: Binding) -> Wrapper:
+        if binding is None:
+            raise TypeError(f"{where}: observe_hot is for instance rows only")
+        rec, sched = binding
+
+        def hot(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            result = wrapped(*args, **kwargs)
+            try:
+                after(rec, sched, result, args, kwargs)
+            except Exception as exc:
+                rec.fail(where, exc)
+            return result
+
+        return hot
+
+    return make
+
+
 def observe(
     where: str,
     *,
@@ -298,7 +321,7 @@ TABLE: tuple[Patch, ...] = (
         essential=False,
     ),
     # recording: the manager instance each recorded scheduler creates
-    Patch("record", "manager", "lookup", observe("manager.lookup", after=hooks.lookup)),
+    Patch("record", "manager", "lookup", observe_hot("manager.lookup", hooks.lookup)),
     Patch(
         "record",
         "manager",

@@ -310,6 +310,7 @@ def test_stand_in_scheduler_is_skipped_quietly(
         patches._start_recording(
             sched,
             str(tmp_path / "t"),
+            None,
             (SimpleNamespace(), SimpleNamespace(), SimpleNamespace()),
             {},
         )

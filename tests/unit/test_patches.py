@@ -14,7 +14,7 @@ from unittest.mock import MagicMock
 import pytest
 
 from keytrace.vllm import patches
-from keytrace.vllm.patches import TABLE, Patch, apply_instance, disable, observe
+from keytrace.vllm.patches import TABLE, Patch, apply_instance, disable, observe, observe_hot
 
 
 class FakeRecorder:
@@ -156,6 +156,33 @@ def test_observe_runs_after_and_reports_failures() -> None:
     wrapper = observe("where", after=after)((rec, None))
     assert wrapper(lambda x: x * 2, None, (21,), {}) == 42
     assert rec.failures == ["where"]
+
+
+@pytest.mark.parametrize("factory", [observe_hot, lambda w, a: observe(w, after=a)])
+def test_the_hot_path_wrapper_keeps_observes_contract(factory: Any) -> None:
+    """`observe_hot` (manager.lookup) behaves exactly like `observe` with ``after``: the
+    result passes through, an observer failure is counted, a vLLM exception propagates
+    without the observer running."""
+    rec = FakeRecorder()
+    seen: list[Any] = []
+
+    def after(r: Any, sched: Any, result: Any, args: Any, kwargs: Any) -> None:
+        seen.append((result, args, kwargs))
+        if result == "bad":
+            raise RuntimeError("recorder bug")
+
+    wrapper = factory("manager.lookup", after)((rec, None))
+    assert wrapper(lambda k, c: "HIT", None, (b"k", "ctx"), {}) == "HIT"
+    assert seen == [("HIT", (b"k", "ctx"), {})] and rec.failures == []
+    assert wrapper(lambda k, c: "bad", None, (b"k", "ctx"), {}) == "bad"
+    assert rec.failures == ["manager.lookup"]
+
+    def vllm_raises(k: Any, c: Any) -> Any:
+        raise KeyError("from vLLM")
+
+    with pytest.raises(KeyError, match="from vLLM"):
+        wrapper(vllm_raises, None, (b"k", "ctx"), {})
+    assert len(seen) == 2
 
 
 def test_table_is_well_formed() -> None:
