@@ -27,7 +27,13 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
 @click.option(
     "-o", "--out", "out_dir", default=None, help="Trace folder [default: a new temporary one]."
 )
-@click.option("--geometry", default="dsv4", show_default=True, type=click.Choice(["dsv4", "small"]))
+@click.option(
+    "--geometry",
+    default="dsv4",
+    show_default=True,
+    type=click.Choice(["dsv4", "small", "hybrid"]),
+    help="Built-in geometry ('hybrid': no MTP group, where stock vLLM's rules agree).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--conversations", type=int, default=24, show_default=True)
 @click.option("--turns", default="2:4", show_default=True, help="Turns per conversation, LOW:HIGH.")
@@ -122,6 +128,12 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
     is_flag=True,
     help="Also look every shortfall episode up again in isolation and check the verdicts.",
 )
+@click.option(
+    "--alarm",
+    is_flag=True,
+    help="Run the live write-only alarm while recording (its warnings go to stderr) and "
+    "compare its verdicts with the differ's.",
+)
 @plain_progress_option
 def command(
     out_dir: str | None,
@@ -146,6 +158,7 @@ def command(
     budget: int | None,
     inject: str | None,
     oracle: bool,
+    alarm: bool,
     progress: bool | None,
 ) -> int:
     """Record seeded, realistic traffic through the real vLLM 0.33.0 scheduler and diff it.
@@ -189,7 +202,14 @@ def command(
     )
     show = progress if progress is not None else sys.stderr.isatty()
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")
-    res = run_workload(spec, out, progress=progress_printer() if show else None)
+    from keytrace.live.alarm import AlarmSettings, live_totals
+
+    res = run_workload(
+        spec,
+        out,
+        progress=progress_printer() if show else None,
+        alarm=AlarmSettings() if alarm else None,
+    )
     click.echo(
         f"recorded {res.requests} requests ({res.turns} turns, {res.resends} resends, "
         f"{res.rerouted} rerouted) on {engines} engine(s) in {res.steps} steps, "
@@ -197,6 +217,14 @@ def command(
     )
     report = diff(open_trace(out))
     render_diff(report, sys.stdout)
+    if alarm:
+        counts, warnings = live_totals()
+        same = "the same as the differ's" if counts == report.counts else "NOT the differ's"
+        listed = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        click.echo(
+            f"\nlive alarm: {listed} ({same}); {warnings} warning(s), one per new engine, "
+            "group and cause"
+        )
     if oracle:
         from keytrace.vllm.oracle import check
 

@@ -710,6 +710,16 @@ def alarms() -> list[Alarm]:
         return list(_ALARMS.values())
 
 
+def live_totals() -> tuple[dict[str, int], int]:
+    """Over every alarm of this process: episodes by verdict, and warnings raised."""
+    counts: Counter[str] = Counter()
+    warnings = 0
+    for alarm in alarms():
+        counts.update(alarm.counts())
+        warnings += len(alarm.first)
+    return dict(counts), warnings
+
+
 def forget_alarms() -> None:
     """Drop every alarm (a new recording session starts from nothing)."""
     with _ALARMS_LOCK:

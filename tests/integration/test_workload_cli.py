@@ -45,3 +45,18 @@ def test_bad_range_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["workload", "--think-steps", "9:2"]) == 2
     err = capsys.readouterr().err
     assert "LOW must not exceed HIGH" in err and err.count("\n") == 1
+
+
+def test_workload_with_the_live_alarm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="keytrace")
+    args = ["workload", "-o", str(tmp_path / "wl"), "--geometry", "small", "--seed", "0"]
+    args += ["--conversations", "6", "--inject", "short_window_tail", "--alarm", "--no-progress"]
+    assert main(args) == 1
+    text = capsys.readouterr().out
+    m = re.search(r"live alarm: (.*) \(the same as the differ's\); (\d+) warning\(s\)", text)
+    assert m is not None, text
+    assert "mismatch" in m.group(1) and int(m.group(2)) >= 1
+    warned = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
+    assert len(warned) == int(m.group(2))
