@@ -20,7 +20,7 @@ import polars as pl
 
 from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, boundary_offers, chain
-from keytrace.analysis.history import causes
+from keytrace.analysis.history import causes, store_rows, wanted_keys
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.results import (
     DiffReport,
@@ -77,7 +77,8 @@ def _diff(
     eps = _episodes(trace, groups, offers, request, engine, rank)
     tick("episodes", 1, 4)
     sf = eps.filter(pl.col("verdict") == "shortfall")
-    explained = _explain_shortfalls(trace, groups, sf)
+    # the routing account's keys (boundary keys) ride along the causes' pass over the store
+    explained, keyed = _explain_shortfalls(trace, groups, sf, also=offers["key"])
     tick("shortfalls", 2, 4)
     judged = eps.join(
         explained.select(*KEY, "verdict2", "decisive", "term_result", "bind_gid"),
@@ -85,7 +86,7 @@ def _diff(
         how="left",
     ).with_columns(pl.coalesce("verdict2", "verdict").alias("verdict"))
     counts = dict(judged.group_by("verdict").len().sort("verdict").iter_rows())
-    lost_tokens = _lost_tokens(trace, groups, judged, offers)
+    lost_tokens = _lost_tokens(trace, groups, judged, offers, keyed)
     reported = (
         judged
         if all_episodes
@@ -109,7 +110,11 @@ def _diff(
 
 
 def _lost_tokens(
-    trace: Trace, groups: list[Group], judged: pl.DataFrame, offers: pl.DataFrame
+    trace: Trace,
+    groups: list[Group],
+    judged: pl.DataFrame,
+    offers: pl.DataFrame,
+    keyed: pl.DataFrame | None,
 ) -> LostTokens:
     """The per-engine account of every prompt token (`keytrace.analysis.lost`)."""
     first_cause = (
@@ -126,7 +131,7 @@ def _lost_tokens(
         .alias("cause"),
     )
     cold = j.filter(pl.col("verdict") == "cold")
-    routing = lost.routing_boundaries(cold, frames.stores(trace), offers, groups)
+    routing = lost.routing_boundaries(cold, frames.stores(trace), offers, groups, keyed=keyed)
     counted = j.filter(pl.col("verdict") != "deferred").select("engine", "N")
     return lost.summarize(lost.account(j, routing), counted)
 
@@ -210,8 +215,12 @@ def _expected_boundary(
 
 
 # ---------------------------------------------------------------- shortfalls
-def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> pl.DataFrame:
-    """Per shortfall episode: the binding scan, needed chunks with causes, the verdict."""
+def _explain_shortfalls(
+    trace: Trace, groups: list[Group], sf: pl.DataFrame, also: pl.Series
+) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """Per shortfall episode: the binding scan, needed chunks with causes, the verdict; and
+    the store rows read for the causes, which hold every row of the keys ``also`` too (None
+    when there was no shortfall to explain)."""
     empty = pl.DataFrame(
         schema={
             "inst": pl.Int64,
@@ -224,7 +233,7 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
         }
     )
     if sf.height == 0:
-        return empty
+        return empty, None
     keys = sf.select(KEY)
     bind = scans.binding(frames.scans(trace).join(keys.lazy(), on=KEY, how="semi")).pipe(
         frames.collect
@@ -247,7 +256,7 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
     needed = _recorded_unqueried(trace, needed, keys)
     needed = unknown.derive_keys(trace, needed, sf)
     needed = unknown.settle_offers(trace, needed, sf)
-    with_cause = _with_causes(trace, needed, bind, sf, groups)
+    with_cause, keyed = _with_causes(trace, needed, bind, sf, groups, also)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     # decisive causes in (group, chunk) order: the first one names an episode's shortfall
     # tokens in the account, so it must not depend on the order joins left the rows in
@@ -274,7 +283,7 @@ def _explain_shortfalls(trace: Trace, groups: list[Group], sf: pl.DataFrame) -> 
             ).alias("needed")
         )
     )
-    return out.join(needed_lists, on=KEY, how="left")
+    return out.join(needed_lists, on=KEY, how="left"), keyed
 
 
 def _terminal_within_needed(bind: pl.DataFrame, needed: pl.DataFrame) -> pl.DataFrame:
@@ -365,10 +374,16 @@ def _needed(sf: pl.DataFrame, groups: list[Group], tph: int) -> pl.DataFrame:
 
 
 def _with_causes(
-    trace: Trace, needed: pl.DataFrame, bind: pl.DataFrame, sf: pl.DataFrame, groups: list[Group]
-) -> dict[str, pl.DataFrame]:
+    trace: Trace,
+    needed: pl.DataFrame,
+    bind: pl.DataFrame,
+    sf: pl.DataFrame,
+    groups: list[Group],
+    also: pl.Series,
+) -> tuple[dict[str, pl.DataFrame], pl.DataFrame]:
     """Causes for the needed chunks (HIT: resident; never looked up: not_looked_up) and for
-    each episode's terminal key, from one history query over just those keys."""
+    each episode's terminal key, from one pass over the store rows of just those keys (and
+    of ``also``, returned for the caller)."""
     tpc = {g.gid: g.tpc for g in groups}
     ep = sf.select(*KEY, "t", pl.col("chain_P").alias("keyable_end"))
     probe_needed = (
@@ -404,8 +419,10 @@ def _with_causes(
         .with_row_index("pid")
         .with_columns(pl.col("pid").cast(pl.Int64))
     )
+    group_ids = [g["group_id"] for g in trace.header["groups"]]
+    keyed = store_rows(frames.stores(trace), pl.concat([wanted_keys(probes, group_ids), also]))
     judged = (
-        causes(probes, frames.stores(trace), [g["group_id"] for g in trace.header["groups"]])
+        causes(probes, frames.stores(trace), group_ids, rows=keyed)
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )
@@ -433,7 +450,7 @@ def _with_causes(
         .select(*KEY, pl.col("cause").alias("term_cause"))
         .unique(KEY)
     )
-    return {"needed": needed, "terminal": terminal}
+    return {"needed": needed, "terminal": terminal}, keyed
 
 
 # ------------------------------------------------------------------ results

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
-from keytrace.analysis.frames import collect_all
+from keytrace.analysis.frames import collect
 from keytrace.analysis.rules import EXPLAINED_CAUSES, OFFER_EVENTS, RULE_CAUSES
 
 __all__ = ["EXPLAINED_CAUSES", "OFFER_EVENTS", "RULE_CAUSES", "causes", "resident"]
@@ -43,31 +43,53 @@ def _hash(key: pl.Expr) -> pl.Expr:
     return key.bin.slice(0, key.bin.size() - 4)
 
 
-def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int]) -> pl.DataFrame:
-    """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys.
-
-    One pass over the store rows keeps what any probe can need: rows of its key, of its
-    block hash under another of ``group_ids`` (a key is hash + 4-byte group id, so those
-    keys are spelled out rather than hashed row by row), and resets.
-    """
-    if probes.height == 0:
-        return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
+def wanted_keys(probes: pl.DataFrame, group_ids: Sequence[int]) -> pl.Series:
+    """Every key whose store rows `causes` reads for ``probes``: the probes' keys, and their
+    block hashes under each of ``group_ids`` (a key is hash + 4-byte group id, so those keys
+    are spelled out rather than hashed row by row)."""
     keys = probes.select("key").unique()
     hashes = keys.select(_hash(pl.col("key")).alias("h")).unique()["h"].to_list()
     siblings = pl.Series(
         [bytes(h) + int(g).to_bytes(4, "big") for h in hashes for g in group_ids],
         dtype=pl.Binary,
     )
+    return pl.concat([keys["key"], siblings]).unique()
+
+
+def store_rows(stores: pl.LazyFrame, keys: pl.Series) -> pl.DataFrame:
+    """The store rows of ``keys``, and every reset: one pass, filtered in the reader. What
+    `causes` reads; callers that need other keys' rows too fetch them in the same pass."""
+    return collect(
+        stores.filter(pl.col("key").is_in(keys.unique().implode()) | (pl.col("event") == "reset"))
+    )
+
+
+def causes(
+    probes: pl.DataFrame,
+    stores: pl.LazyFrame,
+    group_ids: Sequence[int],
+    *,
+    rows: pl.DataFrame | None = None,
+) -> pl.DataFrame:
+    """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys.
+
+    ``rows``: `store_rows` already fetched for at least `wanted_keys` (else one pass over
+    ``stores`` fetches them). ``stores`` also gives each group's first preparation.
+    """
+    if probes.height == 0:
+        return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
+    keys = probes.select("key").unique()
     ev = pl.col("event")
-    rows_q = stores.filter(
-        pl.col("key").is_in(pl.concat([keys["key"], siblings]).unique().implode()) | (ev == "reset")
-    ).select("inst", "seq", "ts", "event", "key", "gid")
-    first_prep_q = (
+    if rows is None:
+        rows = store_rows(stores, wanted_keys(probes, group_ids))
+    rows = rows.filter(
+        pl.col("key").is_in(wanted_keys(probes, group_ids).implode()) | (ev == "reset")
+    )
+    first_prep = collect(
         stores.filter(ev == "prepared")
         .group_by("inst", "gid")
         .agg(pl.col("seq").min().alias("first_prep"))
     )
-    rows, first_prep = collect_all([rows_q, first_prep_q])
     hist = rows.join(keys, on="key", how="semi").select("inst", "seq", "ts", "event", "key")
     resets = rows.filter(ev == "reset").select("inst", "seq")
     other_gid = rows.filter(ev == "completed").select(

@@ -166,14 +166,20 @@ def summarize(per_episode: pl.LazyFrame, prompt: pl.DataFrame) -> LostTokens:
 
 
 def routing_boundaries(
-    cold: pl.DataFrame, stores: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]
+    cold: pl.DataFrame,
+    stores: pl.LazyFrame,
+    offers: pl.DataFrame,
+    groups: list[Group],
+    *,
+    keyed: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """(inst, s, E_other) for cold episodes: the largest boundary ``b`` in (S, L] of a
     request on *another* instance that offered, before the episode's wall clock, the same
     full-attention key for the chunk ending at ``b`` as this episode's request offered (its
     prompt shares that prefix). Keys are content-addressed, so the request's own
     full-attention store rows name its prefix even though its lookup stopped early.
-    ``offers``: `keytrace.analysis.boundaries.boundary_offers`."""
+    ``offers``: `keytrace.analysis.boundaries.boundary_offers`; ``keyed``: store rows
+    already fetched that hold every row of the offers' keys (else one pass fetches them)."""
     empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_other": pl.Int64})
     if cold.height == 0:
         return empty
@@ -187,8 +193,9 @@ def routing_boundaries(
     )
     # the cold requests' own offers of those boundary keys only (not all their keys)
     boundary_keys = elsewhere["key"].unique()
+    source = keyed.lazy() if keyed is not None else stores
     own = frames.collect(
-        anchor_offers(stores, groups)
+        anchor_offers(source, groups)
         .filter(pl.col("key").is_in(boundary_keys.implode()))
         .join(cold.select("inst", "req_id").lazy(), on=["inst", "req_id"])
         .select("inst", "req_id", "key")
