@@ -482,7 +482,13 @@ def _build(
     if explained.height == 0:
         return EpisodeList(rows, {})
     stored = _stored_near(trace, reported, explained, by_gid)
-    detail = {(r["inst"], r["s"]): r for r in explained.iter_rows(named=True)}
+    detail = {(r["inst"], r["s"]): r for r in explained.drop("needed").iter_rows(named=True)}
+    # the needed chunks as tuples straight into NeededChunk: a dict per chunk (iter_rows of
+    # the nested lists) was the largest transient of a fleet-sized report
+    needed_of: dict[tuple[int, int], list[NeededChunk]] = {}
+    flat = explained.select(*KEY, "needed").explode("needed").drop_nulls("needed")
+    for inst, s, *fields in flat.unnest("needed").iter_rows():
+        needed_of.setdefault((inst, s), []).append(NeededChunk(*fields))
     detailed: dict[int, EpisodeVerdict] = {}
     keys = reported.select(KEY).with_row_index("i").join(explained.select(KEY), on=KEY)
     for i, inst, s in keys.iter_rows():
@@ -494,7 +500,7 @@ def _build(
             binding_group=d["bind_gid"],
             binding_label=g.label if g else None,
             terminal=_terminal(d, g),
-            needed=[NeededChunk(**n) for n in d["needed"] or []],
+            needed=needed_of.get((inst, s), []),
             stored_chunks=stored.get((inst, s), []),
             reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
         )

@@ -18,7 +18,7 @@ def hex_key(k: bytes | None) -> str | None:
     return None if k is None else bytes(k).hex()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NeededChunk:
     """One chunk a group needs for a hit at E, and why it is (not) there."""
 
@@ -31,7 +31,7 @@ class NeededChunk:
     cause: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TerminalKey:
     """The key that ended the binding group's scan (first MISS/RETRY in scan order)."""
 

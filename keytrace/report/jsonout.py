@@ -38,7 +38,8 @@ def _dataclass_fields(obj: Any) -> Any:
     values, keys already hex) as their field dicts, so the C encoder walks the rest (a third
     of the time `to_jsonable`'s Python recursion takes on thousands of shortfalls)."""
     if hasattr(obj, "__dataclass_fields__"):
-        return obj.__dict__
+        d = getattr(obj, "__dict__", None)  # slotted ones (NeededChunk) have none
+        return d if d is not None else {f: getattr(obj, f) for f in obj.__dataclass_fields__}
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
