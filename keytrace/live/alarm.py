@@ -353,6 +353,8 @@ class Alarm:
                 continue
             for key in sc.keys:
                 for (req, b), first in st.offers.get(key, {}).items():
+                    # always true when judged as the episode ends (nothing of this instance
+                    # is recorded during a lookup); kept: it is the definition (docs/diff.md)
                     if first < s:
                         boundaries.add(b)
                         P = st.prompt.get(req)
