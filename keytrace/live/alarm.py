@@ -29,6 +29,7 @@ count any failure (`keytrace.record.recorder.Recorder.fail`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shlex
 import threading
@@ -254,17 +255,21 @@ class Alarm:
         return rec
 
     def _forget(self) -> None:
-        """Drop the least recently touched tenth of the records (and stale boundary data)."""
-        for _ in range(min(len(self._keys), max(1, self.max_records // 10))):
-            tagged = next(iter(self._keys))
+        """Drop the least recently touched tenth of the records (and stale boundary data).
+
+        The victims are taken in one pass: deleting from the front of a dict and asking
+        ``next(iter(d))`` again rescans every deleted slot, quadratic in what is dropped."""
+        victims = list(itertools.islice(self._keys, max(1, self.max_records // 10)))
+        for tagged in victims:
             del self._keys[tagged]
-            self.forgotten += 1
             for st in self._inst.values():
                 st.offers.pop(tagged[:-2], None)
+        self.forgotten += len(victims)
         for st in self._inst.values():  # requests are many and short-lived: keep the newest
             for table in (st.bounds, st.prompt):
-                while len(table) > self.max_records // 4:
-                    table.pop(next(iter(table)))
+                extra = len(table) - self.max_records // 4
+                for req in list(itertools.islice(table, max(0, extra))):
+                    del table[req]
 
     # ------------------------------------------------------------- episodes
     def episode_begin(self, inst: int, req_id: str, prompt: int, spb: int | None) -> None:
