@@ -114,7 +114,29 @@ def call_columns(kind: str) -> tuple[str, ...]:
     return tuple(n for n in SCHEMAS[kind].names if n not in skip)
 
 
-class TraceWriter:
+class _Identity:
+    """Who writes: the header, host, pid, instance name and random id, engine and rank,
+    chunk sizes, and the counters (shared by `TraceWriter` and `NullWriter`)."""
+
+    def __init__(
+        self,
+        header: Mapping[str, Any],
+        engine_id: str | None,
+        dp_rank: int | None,
+        tokens_per_chunk: Mapping[int, int] | None,
+    ) -> None:
+        self.header = dict(header)
+        self.pid = os.getpid()
+        self.host = socket.gethostname()
+        self.instance = f"{self.host}-{self.pid}-{next(_INSTANCE_COUNTER)}"
+        self.instance_id = random.getrandbits(63)
+        self.engine_id = engine_id
+        self.dp_rank = dp_rank
+        self.tokens_per_chunk = dict(tokens_per_chunk or {})
+        self.stats = WriterStats()
+
+
+class TraceWriter(_Identity):
     """Buffers rows of every kind for one recorder instance and writes closed parts.
 
     Layout: ``DIR/kind=<kind>/<instance>-<part:06d>.parquet`` (hive-style, so DuckDB, pyarrow
@@ -138,18 +160,10 @@ class TraceWriter:
         background: bool = True,
     ) -> None:
         self.directory = os.fspath(directory)
-        self.header = dict(header)
-        self.pid = os.getpid()
-        self.host = socket.gethostname()
-        self.instance = f"{self.host}-{self.pid}-{next(_INSTANCE_COUNTER)}"
-        self.instance_id = random.getrandbits(63)
-        self.engine_id = engine_id
-        self.dp_rank = dp_rank
-        self.tokens_per_chunk = dict(tokens_per_chunk or {})
+        super().__init__(header, engine_id, dp_rank, tokens_per_chunk)
         self.max_rows = max(1, int(max_rows))
         self.max_seconds = float(max_seconds)
         self.idle_seconds = float(idle_seconds)
-        self.stats = WriterStats()
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
         self._bufs = {k: self._new_buffer(k) for k in SCHEMAS}
@@ -433,7 +447,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-class NullWriter:
+class NullWriter(_Identity):
     """A `TraceWriter` that keeps nothing: the recorder without a trace, for the live alarm
     alone (``KEYTRACE_ALARM=1`` without ``KEYTRACE_DIR``). Same identity attributes."""
 
@@ -448,15 +462,7 @@ class NullWriter:
         **_ignored: Any,
     ) -> None:
         self.directory = None
-        self.header = dict(header)
-        self.pid = os.getpid()
-        self.host = socket.gethostname()
-        self.instance = f"{self.host}-{self.pid}-{next(_INSTANCE_COUNTER)}"
-        self.instance_id = random.getrandbits(63)
-        self.engine_id = engine_id
-        self.dp_rank = dp_rank
-        self.tokens_per_chunk = dict(tokens_per_chunk or {})
-        self.stats = WriterStats()
+        super().__init__(header, engine_id, dp_rank, tokens_per_chunk)
 
     def append(self, kind: str, n_rows: int, call: tuple[Any, ...], **key_cols: list[Any]) -> None:
         """Nothing to keep."""
