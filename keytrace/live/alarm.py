@@ -588,16 +588,19 @@ class Alarm:
                 self.first.append(j)
                 repeat = False
         if repeat:
-            log.warning(
-                "keytrace: %d more write-only mismatch(es) on engine %s, group %s (%s) since the "
-                "last report",
-                n,
-                st.engine,
-                j.binding_group,
-                j.cause,
-            )
+            _log_repeats(n, what)
             return
         log.warning("%s", self.describe(inst, j))
+
+    def summarize_pending(self) -> None:
+        """Log the repeats not yet summarised (a recorder closing: the server stopping), so
+        a burst that ended inside an interval is not left to the metrics alone."""
+        with self._lock:
+            pending = [(what, n) for what, n in self._repeats.items() if n]
+            for what, _ in pending:
+                self._repeats[what] = 0
+        for what, n in pending:
+            _log_repeats(n, what)
 
     def describe(self, inst: int, j: Judged) -> str:
         """The warning's text: everything a developer needs to look, and the command."""
@@ -639,6 +642,18 @@ class Alarm:
 
     def instances(self) -> Iterable[tuple[int, str]]:
         return [(i, st.engine) for i, st in self._inst.items()]
+
+
+def _log_repeats(n: int, what: tuple[str, int | None, str | None]) -> None:
+    engine, group, cause = what
+    log.warning(
+        "keytrace: %d more write-only mismatch(es) on engine %s, group %s (%s) since the "
+        "last report",
+        n,
+        engine,
+        group,
+        cause,
+    )
 
 
 # ------------------------------------------------------------------ process-wide

@@ -64,6 +64,7 @@ class Alarm(Protocol):
         self, inst: int, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
     ) -> int | None: ...
     def account(self, inst: int, judged: Any, N: int, accepted: int | None) -> None: ...
+    def summarize_pending(self) -> None: ...
 
 
 log = logging.getLogger("keytrace")
@@ -482,6 +483,11 @@ class Recorder:
 
     def close(self) -> None:
         self.close_all_episodes()
+        if self.alarm is not None:
+            try:
+                self.alarm.summarize_pending()
+            except Exception as exc:
+                self.fail("alarm", exc)
         self.writer.close()
 
 

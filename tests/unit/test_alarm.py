@@ -119,7 +119,8 @@ def test_one_warning_names_request_group_chunk_key_cause_and_command(
     caplog.set_level(logging.WARNING, logger="keytrace")
     alarm = Alarm(factories.synthetic_header(GEO), interval=1e9)
     _mismatches(tmp_path / "t", 3, alarm)
-    [warning] = _warnings(caplog)
+    warning, summary = _warnings(caplog)  # the two repeats are summarised at close
+    assert summary.startswith("keytrace: 2 more write-only mismatch(es)")
     b = new_builder(tmp_path / "keys", geometry=GEO)
     key = b.key("c0", 1, 4).hex()
     assert warning.startswith("keytrace: write-only offload: request r0 on engine engine-a")
@@ -138,6 +139,16 @@ def test_repeats_are_summarised_at_most_once_per_interval(
     lines = _warnings(caplog)
     assert len(lines) == 4 and "write-only offload: request r0" in lines[0]
     assert all("1 more write-only mismatch(es) on engine engine-a, group 1" in x for x in lines[1:])
+
+
+def test_repeats_left_inside_an_interval_are_summarised_when_the_recorder_closes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    _mismatches(tmp_path / "t", 3, Alarm(factories.synthetic_header(GEO), interval=1e9))
+    lines = _warnings(caplog)
+    assert len(lines) == 2 and "write-only offload: request r0" in lines[0]
+    assert lines[1].startswith("keytrace: 2 more write-only mismatch(es) on engine engine-a")
 
 
 def test_no_warning_for_cold_explained_or_hit(
