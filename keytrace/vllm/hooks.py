@@ -150,15 +150,15 @@ def record_unqueried(
     configs = {c.group_idx: i for i, c in enumerate(sched.config.kv_group_configs)}
     tph = int(rec.writer.header.get("tokens_per_hash") or 1)
     keyed = len(request.block_hashes) * tph
-    ends = [top]
+    hits = [top]  # the hit ends to list needed keys for
     E = rec.live_expected(request.request_id)  # the live alarm knows E; else min(L, F) only
     if E is not None and local < E < top:
-        ends.append(E)
+        hits.append(E)
     for g in groups:
         if g.full_attention or g.gid not in configs:
             continue
         chunks: set[int] = set()
-        for end in ends:
+        for end in hits:
             lo, hi = needed_range(g, local, end, keyed // g.tpc)
             chunks.update(range(lo, hi))
         seen = rec.seen.get(g.gid, set())

@@ -337,3 +337,59 @@ def test_injection_is_loud_and_in_the_header(
     assert len(warned) == 1 and "'pre48911'" in warned[0]
     assert open_trace(str(tmp_path / "t")).header["vllm_modified"] == ["inject:pre48911"]
     assert open_trace(str(tmp_path / "stock")).header["vllm_modified"] == []
+
+
+def test_unqueried_keys_cover_every_windowed_group_vllm_did_not_scan(tmp_path: Path) -> None:
+    """For each episode and each sliding-window group whose chunks it never looked up, the
+    recorder lists the keys a hit at min(L, F) needs (vLLM keyed them: ``c < H·tph/tpc``).
+    dsv4 has four windowed groups, so every group after the first is checked too."""
+    from keytrace.analysis.rules import groups_from_header, lookup_cap, needed_range
+    from keytrace.vllm.workload import WorkloadSpec, run_workload
+
+    d = str(tmp_path / "t")
+    run_workload(WorkloadSpec(geometry="dsv4", seed=3, conversations=10), d)
+    trace = open_trace(d)
+    groups = groups_from_header(trace.header)
+    tph = int(trace.header["tokens_per_hash"])
+    eps = frames.episodes(trace).collect()
+    lead = {
+        (i, s, g): h
+        for i, s, g, h in frames.scans(trace)
+        .sort("scan")
+        .group_by("inst", "s", "gid")
+        .agg(pl.col("lead_hits").first())
+        .collect()
+        .iter_rows()
+    }
+    looked = {
+        (i, s, g, c)
+        for i, s, g, c in frames.lookups(trace)
+        .select("inst", "s", "gid", "chunk")
+        .collect()
+        .iter_rows()
+    }
+    listed = {
+        (i, s, g, c)
+        for i, s, g, c in frames.unqueried(trace)
+        .select("inst", "s", "gid", "chunk")
+        .collect()
+        .iter_rows()
+    }
+    checked = 0
+    for r in eps.iter_rows(named=True):
+        i, s, S = r["inst"], r["s"], r["S"]
+        top = lookup_cap(groups, r["N"], S, r["max_new"])
+        for g in groups:
+            if g.full_attention:
+                top = min(top, (S // g.tpc + lead.get((i, s, g.gid), 0)) * g.tpc)
+        if top <= S:
+            continue
+        for g in groups:
+            if g.full_attention:
+                continue
+            lo, hi = needed_range(g, S, top, r["H"] * tph // g.tpc)
+            for c in range(lo, min(hi, r["H"] * tph // g.tpc)):
+                if (i, s, g.gid, c) not in looked:
+                    assert (i, s, g.gid, c) in listed, (r["req_id"], g.gid, c)
+                    checked += 1
+    assert checked > 0
