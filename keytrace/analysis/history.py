@@ -74,7 +74,10 @@ def causes(
     """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys.
 
     ``rows``: `store_rows` already fetched for at least `wanted_keys` (else one pass over
-    ``stores`` fetches them). ``stores`` also gives each group's first preparation.
+    ``stores`` fetches them). Rows of other keys may be among them: every use below joins
+    on a probe's key or block hash, and a row sharing a probe's block hash is one of the
+    sibling keys `wanted_keys` lists anyway. ``stores`` also gives each group's first
+    preparation.
     """
     if probes.height == 0:
         return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
@@ -82,9 +85,6 @@ def causes(
     ev = pl.col("event")
     if rows is None:
         rows = store_rows(stores, wanted_keys(probes, group_ids))
-    rows = rows.filter(
-        pl.col("key").is_in(wanted_keys(probes, group_ids).implode()) | (ev == "reset")
-    )
     first_prep = collect(
         stores.filter(ev == "prepared")
         .group_by("inst", "gid")

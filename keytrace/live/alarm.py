@@ -62,8 +62,6 @@ the margin covers the dict's growth steps."""
 DEFAULT_INTERVAL = 60.0
 """Seconds between summaries of repeated mismatches of one group and cause."""
 
-VERDICTS = ("deferred", "cold", "hit", "explained", "mismatch", "undetermined")
-
 
 class _KeyRec:
     """One key's store history on one instance: last sequence number of each event."""
@@ -304,7 +302,7 @@ class Alarm:
                 for result, n in sc.counts.items():
                     if n:
                         self.looked_up[(st.engine, g, result)] += n
-            j = self._judge(st, inst, ep, scans, unqueried, tpc)
+            j = self._judge(st, ep, scans, unqueried, tpc)
             self.episodes[(st.engine, j.verdict)] += 1
             if self.judged is not None:
                 self.judged.append(j)
@@ -320,7 +318,6 @@ class Alarm:
     def _judge(
         self,
         st: _Instance,
-        inst: int,
         ep: Any,
         scans: Sequence[Any],
         unqueried: Mapping[int, Mapping[int, bytes]],
@@ -335,7 +332,7 @@ class Alarm:
             return Judged("cold", E=None, **base)
         if X >= E - S:
             return Judged("hit", E=E, **base)
-        return self._shortfall(st, inst, ep, scans, unqueried, tpc, E, chain_P, base)
+        return self._shortfall(st, ep, scans, unqueried, tpc, E, chain_P, base)
 
     def _expected(
         self, st: _Instance, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
@@ -352,9 +349,8 @@ class Alarm:
                 top = min(top, S if lead is None else (S // g.tpc + lead) * g.tpc)
         boundaries: set[int] = set()
         chain_P: int | None = None
-        anchor = self.anchor.gid.to_bytes(4, "big")
         for sc in scans:
-            if sc.gid_bytes != anchor:
+            if sc.gid_bytes != self._anchor_tail:
                 continue
             for key in sc.keys:
                 for (req, b), first in st.offers.get(key, {}).items():
@@ -376,7 +372,6 @@ class Alarm:
     def _shortfall(
         self,
         st: _Instance,
-        inst: int,
         ep: Any,
         scans: Sequence[Any],
         unqueried: Mapping[int, Mapping[int, bytes]],
@@ -389,8 +384,6 @@ class Alarm:
         # the binding scan: the last that saw a non-HIT (else the last scan), its terminal row
         bind_gid: int | None = None
         term: tuple[int, int | None, bytes, str] | None = None  # (seq, end, key, result)
-        for sc in scans:
-            bind_gid = int.from_bytes(sc.gid_bytes, "big") if bind_gid is None else bind_gid
         bad = [sc for sc in scans if sc.counts["HIT"] < len(sc.seqs)]
         if bad:
             sc = bad[-1]
@@ -440,15 +433,12 @@ class Alarm:
             elif key is None:
                 cause, unknown = "not_looked_up", True
             else:
-                cause = self._cause(
-                    st, inst, key, gid, s, t, (chunk + 1) * self.by_gid[gid].tpc, chain_P
-                )
+                cause = self._cause(st, key, gid, s, t, (chunk + 1) * self.by_gid[gid].tpc, chain_P)
             causes.append((gid, cause))
         term_cause = None
         if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
             term_cause = self._cause(
                 st,
-                inst,
                 term[2],
                 bind_gid,
                 s,
@@ -499,7 +489,6 @@ class Alarm:
     def _cause(
         self,
         st: _Instance,
-        inst: int,
         key: bytes,
         gid: int,
         s: int,

@@ -90,13 +90,20 @@ class AlarmCollector:
         yield from (episodes, short, stored, looked, failures, dropped, records, forgotten)
 
 
-def exposition() -> bytes:
-    """The current metrics in the Prometheus text format (what the endpoint serves)."""
-    from prometheus_client import CollectorRegistry, generate_latest
+def _registry() -> Any:
+    """A registry of keytrace's own holding the collector (vLLM's is never touched)."""
+    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AlarmCollector())
-    return generate_latest(registry)
+    return registry
+
+
+def exposition() -> bytes:
+    """The current metrics in the Prometheus text format (what the endpoint serves)."""
+    from prometheus_client import generate_latest
+
+    return bytes(generate_latest(_registry()))
 
 
 def serving_port() -> int | None:
@@ -117,11 +124,9 @@ def serve_metrics(settings: AlarmSettings, dp_rank: int | None) -> int | None:
             return int(_SERVED["port"])
         port = settings.metrics_port + (dp_rank or 0) if settings.metrics_port else 0
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import start_http_server
 
-            registry = CollectorRegistry(auto_describe=False)
-            registry.register(AlarmCollector())
-            server, _thread = start_http_server(port, settings.metrics_addr, registry=registry)
+            server, _thread = start_http_server(port, settings.metrics_addr, registry=_registry())
         except Exception as exc:  # a busy port must not stop vLLM
             log.warning(
                 "keytrace: metrics endpoint not started on %s:%d (%s: %s); the alarm still warns",

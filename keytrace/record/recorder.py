@@ -178,14 +178,9 @@ class Recorder:
             spb=shared_prefix_boundary,
         )
         if self.alarm is not None:
-            try:
-                self._ep_scans[req_id] = []
-                self._ep_unqueried.pop(req_id, None)
-                self.alarm.episode_begin(
-                    self.writer.instance_id, req_id, num_prompt_tokens, shared_prefix_boundary
-                )
-            except Exception as exc:
-                self.fail("alarm", exc)
+            self._ep_scans[req_id] = []
+            self._ep_unqueried.pop(req_id, None)
+            self._feed("episode_begin", req_id, num_prompt_tokens, shared_prefix_boundary)
 
     def episode_end(self, req_id: str, external: int | None, load_async: bool | None) -> None:
         self.end_scan()
@@ -214,26 +209,25 @@ class Recorder:
         ep = self._pending_episode.get(req_id)
         if self.alarm is None or ep is None:
             return None
-        try:
-            return self.alarm.expected(
-                self.writer.instance_id, ep, self._ep_scans.get(req_id, []), self._tpc
-            )
-        except Exception as exc:
-            self.fail("alarm", exc)
-            return None
+        return self._feed("expected", ep, self._ep_scans.get(req_id, []), self._tpc)  # type: ignore[no-any-return]
 
     def _judge(self, ep: _Episode) -> None:
         """The alarm's verdict on an episode that just ended; its warning, if any."""
-        assert self.alarm is not None
-        try:
-            scans = self._ep_scans.pop(ep.req_id, [])
-            unqueried = self._ep_unqueried.pop(ep.req_id, {})
-            inst = self.writer.instance_id
-            judged = self.alarm.judge(inst, ep, scans, unqueried, self._tpc)
+        scans = self._ep_scans.pop(ep.req_id, [])
+        unqueried = self._ep_unqueried.pop(ep.req_id, {})
+        judged = self._feed("judge", ep, scans, unqueried, self._tpc)
+        if judged is not None:
             self._judged[ep.req_id] = judged
-            self.alarm.report(inst, judged)
+            self._feed("report", judged)
+
+    def _feed(self, method: str, *args: Any) -> Any:
+        """``alarm.<method>(this instance, *args)``; a failure is counted (`fail`), never
+        raised: the one place the recorder calls its alarm."""
+        try:
+            return getattr(self.alarm, method)(self.writer.instance_id, *args)
         except Exception as exc:
             self.fail("alarm", exc)
+            return None
 
     def close_episode(self, req_id: str) -> None:
         ep = self._pending_episode.pop(req_id, None)
@@ -241,10 +235,7 @@ class Recorder:
             return
         judged = self._judged.pop(req_id, None)
         if judged is not None and self.alarm is not None:
-            try:
-                self.alarm.account(self.writer.instance_id, judged, ep.tokens, ep.accepted)
-            except Exception as exc:
-                self.fail("alarm", exc)
+            self._feed("account", judged, ep.tokens, ep.accepted)
         self._lookup_row(
             ep.seq,
             ep.ts,
@@ -394,12 +385,7 @@ class Recorder:
         if kind == "store":
             call: tuple[Any, ...] = (seq, ts, *self._common_tail, self.step, event, req_id, job_id)
             if self.alarm is not None:
-                try:
-                    self.alarm.store(
-                        self.writer.instance_id, seq, ts, event, req_id, keys, positions
-                    )
-                except Exception as exc:
-                    self.fail("alarm", exc)
+                self._feed("store", seq, ts, event, req_id, keys, positions)
         else:
             call = (seq, ts, *self._common_tail, self.step, event, req_id)
         self.writer.append(kind, len(keys), call, key=list(keys), end_token=list(positions))
@@ -456,10 +442,7 @@ class Recorder:
             end_token=[None],
         )
         if self.alarm is not None:
-            try:
-                self.alarm.store(self.writer.instance_id, seq, ts, "reset", None, [], [])
-            except Exception as exc:
-                self.fail("alarm", exc)
+            self._feed("store", seq, ts, "reset", None, [], [])
 
     # ------------------------------------------------------------------- loads
     def load(
@@ -484,7 +467,7 @@ class Recorder:
     def close(self) -> None:
         self.close_all_episodes()
         if self.alarm is not None:
-            try:
+            try:  # not through _feed: the summary is the alarm's, not this instance's
                 self.alarm.summarize_pending()
             except Exception as exc:
                 self.fail("alarm", exc)
