@@ -60,7 +60,7 @@ def _table(rows: list[SweepRow]) -> None:
     "--fix",
     type=click.Choice(sorted(FIXES)),
     default=None,
-    help="Apply a candidate fix to vLLM's store path first (does it close every failing "
+    help="Apply a candidate fix to vLLM's offload path first (does it close every failing "
     "length without a new mismatch?).",
 )
 @click.option("--csv", "csv_path", default=None, help="Also write the table as CSV.")

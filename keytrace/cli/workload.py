@@ -10,6 +10,7 @@ import click
 from keytrace.cli._common import plain_progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, KeytraceError, UsageError
+from keytrace.vllm.fixes import FIXES
 from keytrace.vllm.inject import INJECTIONS
 
 
@@ -124,6 +125,13 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
     help="Reintroduce a historical store-side bug (testing keytrace itself).",
 )
 @click.option(
+    "--fix",
+    type=click.Choice(sorted(FIXES)),
+    default=None,
+    help="Apply a candidate fix to vLLM's offload path for the whole run (does it hold on "
+    "real traffic?).",
+)
+@click.option(
     "--oracle",
     is_flag=True,
     help="Also look every shortfall episode up again in isolation and check the verdicts.",
@@ -157,6 +165,7 @@ def command(
     async_scheduling: bool,
     budget: int | None,
     inject: str | None,
+    fix: str | None,
     oracle: bool,
     alarm: bool,
     progress: bool | None,
@@ -199,6 +208,7 @@ def command(
         async_scheduling=async_scheduling,
         budget=budget,
         inject=inject,
+        fix=fix,
     )
     show = progress if progress is not None else sys.stderr.isatty()
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")

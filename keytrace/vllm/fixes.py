@@ -18,17 +18,25 @@ the prompt ends before ``b + tpc`` the peek chunk is never keyed, so never store
   group keeps its tail there, the MTP group with its peek chunk, which the prompt keys), so
   the lookup's pop settles there: ``b - A`` external tokens instead of 0.
 
-Reaching ``b`` itself needs the peek's proof without a full peek chunk (the draft KV of a
-boundary's last position depends on the next token, which a full-chunk key cannot cover),
-i.e. partial-tail keys on both sides; that is vLLM's to design.
+- ``eagle_proof_key`` reaches ``b`` itself, on both sides. What the peek proves is that the
+  draft KV of the boundary's last position was computed with the same *next token*: that
+  position's draft input is token ``b``. A full peek chunk proves it with 63 tokens too
+  many; the fix adds a *proof key* that proves exactly that: the chain hash at ``b`` and
+  token ``b``, under the group's id. Store writes it (the partial peek block's bytes, never
+  loaded) where vLLM's own store mask keeps a peek the prompt cannot key; lookup accepts it
+  where the full peek misses. Measured: every failing length reaches ``b``, nothing else
+  changes (docs/findings.md).
 
 Testing tool: a fix is written into every trace header, and logs a WARNING naming itself.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
+from keytrace.vllm import hooks
 from keytrace.vllm.inject import _mask_args
 
 FIXES: dict[str, str] = {
@@ -39,6 +47,11 @@ FIXES: dict[str, str] = {
     "unkeyable_peek_fallback": (
         "store side, every group: when the prompt cannot key the EAGLE/MTP peek chunk of its "
         "final boundary E, also keep every group's tail for the boundary before it (E - A)"
+    ),
+    "eagle_proof_key": (
+        "both sides, EAGLE/MTP sliding-window groups: a peek chunk the prompt cannot key is "
+        "proven by a key of the chain hash at the boundary and the token after it; store "
+        "writes it, lookup accepts it where the full peek misses"
     ),
 }
 """Fix name -> what it changes in vLLM's store path (shown in warnings and ``--help``)."""
@@ -94,3 +107,293 @@ def unkeyable_peek_fallback(
         if align <= E and last + 1 - E < max(eagle):
             a["reachable_boundaries"] = (*boundaries, E - 1)
     return wrapped(**a)
+
+
+# ------------------------------------------------------------------ eagle_proof_key
+PROOF_TAG = b"keytrace-eagle-proof\0"
+"""Domain separation: a proof key can never equal a block hash of the same chain."""
+
+
+def proof_key(req: Any, group_config: Any, chunk_idx: int, tokens_per_hash: int) -> Any:
+    """The proof key for the EAGLE peek of the boundary ``b = chunk_idx * tpc``, or None when
+    the request cannot prove it (no token ``b``, or no hash for the chain up to ``b``).
+
+    A boundary's EAGLE peek exists to prove that the stored draft KV of position ``b - 1``
+    was computed with this request's token ``b`` (the draft model's input there). The chain
+    hash at ``b`` covers every earlier token; token ``b`` is the rest of the proof. Both
+    sides compute it from the request alone, so store and lookup agree by construction.
+    Multimodal and LoRA extra keys are in the chain hash up to ``b`` but not in the proof's
+    last token: a sketch for review, not a drop-in for every feature."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    b = chunk_idx * group_config.tokens_per_chunk
+    hash_idx = b // tokens_per_hash - 1
+    if b <= 0 or b >= req.num_tokens or hash_idx >= len(req.block_hashes):
+        return None
+    parent = bytes(req.block_hashes[hash_idx])
+    token = int(req.all_token_ids[b]).to_bytes(8, "little", signed=True)
+    digest = hashlib.sha256(PROOF_TAG + parent + token).digest()[: len(parent)]
+    return make_offload_key(digest, group_config.group_idx)
+
+
+def _proof_groups(sched: Any) -> dict[int, Any]:
+    """Group id -> config of the EAGLE/MTP sliding-window groups a proof applies to."""
+    return {
+        g.group_idx: g
+        for g in sched.config.kv_group_configs
+        if getattr(g, "is_eagle_group", False)
+        and g.sliding_window_size_in_chunks is not None
+        and not g.requires_cow_source
+    }
+
+
+def _aligned(sched: Any, tokens: int) -> bool:
+    align = sched.config.alignment_tokens
+    return not align or tokens % align == 0
+
+
+def lookup_with_unkeyable_peek(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``_lookup_complete_chunks``: while it runs, an EAGLE group whose keyed chunks end
+    inside the prompt gets the proof key of its first unkeyed chunk as its last key, so
+    vLLM's own arithmetic queries it as the peek of the boundary at its left edge (and
+    caps that boundary by every other group's, as for any peek)."""
+    req_status = args[0] if args else kwargs["req_status"]
+    req = req_status.req
+    added: list[list[Any]] = []
+    for gid, g in _proof_groups(instance).items():
+        keys = req_status.group_states[gid].offload_keys
+        n = len(keys)
+        if n * g.tokens_per_chunk >= req.num_tokens or not _aligned(
+            instance, n * g.tokens_per_chunk
+        ):
+            continue
+        key = proof_key(req, g, n, instance.config.tokens_per_hash)
+        if key is None:
+            continue
+        req_status.req_context.set_offload_key_position(key, (n + 1) * g.tokens_per_chunk)
+        keys.append(key)
+        added.append(keys)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        for keys in added:
+            keys.pop()  # the proof is never a loadable chunk: gone before allocation
+
+
+_SCAN_ARGS = ("keys", "sliding_window_size", "req_context", "initial_window_size")
+
+
+def scan_with_proof(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``_sliding_window_lookup`` for an unverified EAGLE group (window + 1 chunks): vLLM's
+    right-to-left scan, except that a run of ``window`` hits whose peek chunk missed is
+    completed by the peek's proof key. Every other call is vLLM's, untouched."""
+    a = dict(zip(_SCAN_ARGS, args, strict=False))
+    a.update(kwargs)
+    keys: Sequence[Any] = a["keys"]
+    group = _proof_groups(instance).get(int.from_bytes(keys[0][-4:], "big")) if keys else None
+    if group is None or a["sliding_window_size"] != group.sliding_window_size_in_chunks + 1:
+        return wrapped(*args, **kwargs)
+    ctx = a["req_context"]
+    pos = ctx.get_offload_key_position(keys[0])
+    status = instance._req_status.get(ctx.req_id)
+    if pos is None or status is None:
+        return wrapped(*args, **kwargs)
+    rec = hooks.recorder_of(instance)
+    if rec is not None:  # this replaces the helper the recorder's scan hook observes
+        try:
+            rec.begin_scan()
+        except Exception as exc:
+            rec.fail("scan", exc)
+    first_chunk = pos // group.tokens_per_chunk - 1
+    return _scan(
+        instance,
+        keys,
+        a["sliding_window_size"],
+        ctx,
+        a.get("initial_window_size"),
+        lambda idx: _peek_proof(instance, status.req, group, first_chunk + idx, ctx),
+    )
+
+
+def _peek_proof(sched: Any, req: Any, group: Any, chunk_idx: int, ctx: Any) -> Any:
+    if not _aligned(sched, chunk_idx * group.tokens_per_chunk):
+        return None
+    key = proof_key(req, group, chunk_idx, sched.config.tokens_per_hash)
+    if key is not None:
+        ctx.set_offload_key_position(key, (chunk_idx + 1) * group.tokens_per_chunk)
+    return key
+
+
+def _scan(
+    sched: Any,
+    keys: Sequence[Any],
+    sliding_window_size: int,
+    req_context: Any,
+    initial_window_size: int | None,
+    proof_for: Any,
+) -> int | None:
+    """vLLM 0.33.0's ``_sliding_window_lookup``, line for line, plus the proof branch."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    defer_lookup = False
+    pending_in_window = False
+    consecutive_hits = 0
+    required_window = initial_window_size or sliding_window_size
+    for idx in range(len(keys) - 1, -1, -1):
+        match sched.manager.lookup(keys[idx], req_context):
+            case LookupResult.HIT:
+                consecutive_hits += 1
+            case LookupResult.HIT_PENDING:
+                pending_in_window = True
+                consecutive_hits += 1
+            case LookupResult.RETRY:
+                defer_lookup = True
+                consecutive_hits = 0
+                pending_in_window = False
+                required_window = sliding_window_size
+            case LookupResult.MISS:
+                consecutive_hits = 0
+                pending_in_window = False
+                required_window = sliding_window_size
+        if consecutive_hits == required_window:
+            return None if defer_lookup or pending_in_window else idx + required_window
+        peek = idx + consecutive_hits  # the chunk right of this run, which did not hit
+        if consecutive_hits == required_window - 1 and peek < len(keys):
+            key = proof_for(peek)
+            if key is None or key == keys[peek]:
+                continue
+            match sched.manager.lookup(key, req_context):
+                case LookupResult.HIT:
+                    return None if defer_lookup or pending_in_window else idx + required_window
+                case LookupResult.HIT_PENDING:
+                    return None
+                case LookupResult.RETRY:
+                    defer_lookup = True
+    return None if defer_lookup or pending_in_window else consecutive_hits
+
+
+def store_peek_proofs(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``_build_store_jobs``: vLLM's jobs, plus one job per request with the proof key of
+    every EAGLE peek chunk vLLM's store mask keeps: the peeks this step's store pass covered
+    (a junction's peek is keyed by *this* request's continuation, which another request
+    sharing the prefix does not have) and, in the step the prompt completes, the peek the
+    prompt cannot key. Each proof is written from its chunk's GPU block (never loaded)."""
+    out = args[0] if args else kwargs["scheduler_output"]
+    groups = _proof_groups(instance)
+    before: dict[str, dict[int, int]] = {}
+    for req_id in out.num_scheduled_tokens if groups else ():
+        status = instance._req_status.get(req_id)
+        if status is not None:
+            before[req_id] = {gid: status.group_states[gid].next_stored_chunk_idx for gid in groups}
+    store_jobs = wrapped(*args, **kwargs)
+    for req_id, starts in before.items():
+        status = instance._req_status.get(req_id)
+        if status is None:
+            continue
+        req = status.req
+        P = req.num_prompt_tokens
+        done = (
+            req.num_computed_tokens
+            < P
+            <= req.num_computed_tokens + out.num_scheduled_tokens[req_id]
+        )
+        proofs: list[tuple[Any, int, Any, list[int]]] = []
+        for gid, g in groups.items():
+            covered = range(starts[gid], status.group_states[gid].next_stored_chunk_idx)
+            unkeyable = [P // g.tokens_per_chunk] if done and P % g.tokens_per_chunk else []
+            for j in (*covered, *unkeyable):
+                proof = _kept_peek_proof(instance, status, g, j)
+                if proof is not None:
+                    proofs.append((g, j, *proof))
+        if proofs:
+            _store_proofs(instance, store_jobs, status, proofs)
+    return store_jobs
+
+
+def _kept_peek_proof(sched: Any, status: Any, g: Any, j: int) -> tuple[Any, list[int]] | None:
+    """(proof key, GPU blocks) if chunk ``j`` is a peek vLLM's store mask keeps, else None."""
+    req = status.req
+    b = j * g.tokens_per_chunk
+    if (
+        b <= 0
+        or not _aligned(sched, b)
+        or sched._calc_num_offloadable_tokens(status, req.num_prompt_tokens) <= b
+    ):
+        return None
+    reachable: tuple[int, ...] = ()
+    if sched.config.retention_interval is not None:
+        reachable = (req.num_prompt_tokens - 1,)
+        if req.shared_prefix_boundary:
+            reachable += (req.shared_prefix_boundary,)
+    mask = sched._reachable_store_block_mask(g, j, j + 1, None, reachable)
+    if mask is not None and not any(mask):
+        return None  # vLLM's store keeps no peek here: nothing to prove
+    bpc = sched.config.blocks_per_chunk
+    gpu = status.group_states[g.group_idx].block_ids[j * bpc : (j + 1) * bpc]
+    if not gpu or gpu[0] == 0:
+        return None  # the block holding token b is gone (or was never there)
+    key = proof_key(req, g, j, sched.config.tokens_per_hash)
+    if key is None:
+        return None
+    status.req_context.set_offload_key_position(key, (j + 1) * g.tokens_per_chunk)
+    return key, [bid for bid in gpu if bid != 0]
+
+
+def _store_proofs(
+    sched: Any,
+    store_jobs: dict[int, Any],
+    status: Any,
+    proofs: list[tuple[Any, int, Any, list[int]]],
+) -> None:
+    """One store job for ``proofs`` ((group, chunk, key, GPU blocks)), registered exactly as
+    vLLM's store path registers its own (0.33.0's ``_build_store_jobs``, its tail)."""
+    import sys
+
+    if any(
+        not (sched._jobs[j].is_store or sched._jobs[j].is_sync_load) for j in status.transfer_jobs
+    ):
+        return  # vLLM issues no store while a load is pending
+    req = status.req
+    stored = sched.manager.prepare_store([key for _, _, key, _ in proofs], status.req_context)
+    if stored is None or not stored.keys_to_store:
+        return
+    keep = set(stored.keys_to_store)
+    src: list[int] = []
+    sizes: list[int] = []
+    starts: list[int] = []
+    bpc = sched.config.blocks_per_chunk
+    for c in sched.config.kv_group_configs:
+        mine = [
+            (j, key, blocks)
+            for g, j, key, blocks in proofs
+            if g.group_idx == c.group_idx and key in keep
+        ]
+        sizes.append(sum(len(blocks) for _, _, blocks in mine))
+        starts.append(mine[0][0] * bpc if mine else 0)
+        for j, key, blocks in mine:
+            src.extend(blocks)
+            sched._events_tracker.record_store(req, c, j, key)
+    m = sys.modules[type(sched).__module__]  # vLLM's own job types
+    job_id = sched._generate_job_id()
+    status.transfer_jobs.add(job_id)
+    for bid in src:  # sliding-window blocks may be freed before the request finishes
+        sched._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
+    sched._jobs[job_id] = m.TransferJobStatus(
+        req_id=req.request_id,
+        pending_count=sched.config.num_workers,
+        keys=keep,
+        is_store=True,
+        deferred_fence_block_ids=[],
+        fenced_block_ids=src,
+    )
+    store_jobs[job_id] = m.TransferJob(
+        req_id=req.request_id,
+        src_spec=m.GPULoadStoreSpec(src, group_sizes=sizes, block_indices=starts),
+        dst_spec=stored.store_spec,
+    )

@@ -363,7 +363,23 @@ TABLE: tuple[Patch, ...] = (
             "mtp_left_chunk": fixes.mtp_left_chunk,
             "unkeyable_peek_fallback": fixes.unkeyable_peek_fallback,
         },
-        fixes.FIXES,
+        {k: v for k, v in fixes.FIXES.items() if k != "eagle_proof_key"},
+    ),
+    # a fix on both sides: lookup accepts a proof key for a peek, store writes it
+    Patch(
+        "fix:eagle_proof_key",
+        "scheduler",
+        "_lookup_complete_chunks",
+        _replace(fixes.lookup_with_unkeyable_peek),
+    ),
+    Patch(
+        "fix:eagle_proof_key",
+        "scheduler",
+        "_sliding_window_lookup",
+        _replace(fixes.scan_with_proof),
+    ),
+    Patch(
+        "fix:eagle_proof_key", "scheduler", "_build_store_jobs", _replace(fixes.store_peek_proofs)
     ),
     # the CPU harness's own observers on the connector instance it builds
     Patch("harness", "connector", "get_num_new_matched_tokens", _notify("on_lookup")),
@@ -541,7 +557,7 @@ def enable(feature: str) -> bool:
         if kind in _CHANGES:
             verb, known = _CHANGES[kind]
             log.warning(
-                "keytrace: " + verb + " vLLM's store path (%s); every trace recorded now says "
+                "keytrace: " + verb + " vLLM's offload path (%s); every trace recorded now says "
                 "so in its header",
                 name,
                 known[name],

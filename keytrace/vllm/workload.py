@@ -64,6 +64,7 @@ class WorkloadSpec:
     async_scheduling: bool = True
     budget: int | None = None  # max_num_batched_tokens; default the geometry's
     inject: str | None = None
+    fix: str | None = None  # a candidate fix (keytrace.vllm.fixes) active for the whole run
 
 
 @dataclass
@@ -149,7 +150,7 @@ def run_workload(
     The final flush of every part is part of the run."""
     require_vllm()
     from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import injected, recording
+    from keytrace.vllm.patches import fixed, injected, recording
 
     rng = random.Random(spec.seed)
     geo = workload_geometry(spec)
@@ -176,7 +177,7 @@ def run_workload(
         if trace_dir is not None or alarm is not None
         else contextlib.nullcontext()
     )
-    with injected(spec.inject), record:
+    with fixed(spec.fix), injected(spec.inject), record:
         engines = [
             Harness(geo, dp_rank=i, store_delay=spec.store_delay, request_prefix=f"e{i}-r")
             for i in range(spec.engines)

@@ -10,7 +10,15 @@ chunks).
 - unkeyable_peek_fallback: every group also keeps its tail for 17,664 = E - A (the MTP group
   with its peek chunk 276, which the prompt keys): 17,664 external tokens instead of 0. E
   itself stays out of reach, so keytrace still reports the shortfall against E = 17,920.
+- eagle_proof_key: store also writes the proof key of the unkeyable peek (the chain hash at
+  17,920 and token 17,920), lookup accepts it where the full peek is missing: 17,920, a hit.
+  The next turn (18,039 tokens, whose chunk 280 is full and keyed by its own continuation)
+  hits too, where stock vLLM misses it at chunk 280.
 18,000 tokens (P - E = 80 >= 64: the peek is keyed): a hit at 17,920 with or without a fix.
+
+Real traffic with and without eagle_proof_key (multi-turn, shared system prompts, two
+engines, rerouting, preemption, late store acknowledgements): stock vLLM has rule mismatches
+(the peek miss, and junction peeks keyed by one conversation's continuation), the fix none.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from keytrace.analysis.geometry import builtin  # noqa: E402
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.vllm.replay import replay  # noqa: E402
+from keytrace.vllm.workload import WorkloadSpec, run_workload  # noqa: E402
 
 CASES = [
     # fix, length, external, verdict, binding group, terminal chunk
@@ -36,6 +45,8 @@ CASES = [
     (None, 18_000, 17_920, "hit", None, None),
     ("mtp_left_chunk", 18_000, 17_920, "hit", None, None),
     ("unkeyable_peek_fallback", 18_000, 17_920, "hit", None, None),
+    ("eagle_proof_key", 17_975, 17_920, "hit", None, None),
+    ("eagle_proof_key", 18_000, 17_920, "hit", None, None),
 ]
 
 
@@ -83,3 +94,36 @@ def test_sweep_with_a_fix_names_it_and_refuses_unknown_ones(
     capsys.readouterr()
     assert main(["sweep", "--lengths", "100", "--fix", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("fix", "external", "verdict", "chunk"),
+    [(None, 0, "mismatch", 280), ("eagle_proof_key", 17_920, "hit", None)],
+)
+def test_next_turn_after_an_unkeyable_peek(
+    fix: str | None, external: int, verdict: str, chunk: int | None, tmp_path: Path
+) -> None:
+    """Prime 17,975 tokens, then a longer prompt sharing them: its chunk 280 is full, so it
+    queries the full peek, which the prime could not key."""
+    r = replay(builtin("dsv4"), [17_975], 18_039, trace_dir=tmp_path / "t", fix=fix)
+    assert (r.external_tokens, r.verdict, r.terminal_chunk) == (external, verdict, chunk), (
+        r.explain()
+    )
+
+
+@pytest.mark.parametrize(
+    ("geometry", "cpu"), [("dsv4", 100_000), ("small", None)], ids=["dsv4", "small-evicting"]
+)
+def test_eagle_proof_key_on_real_traffic(geometry: str, cpu: int | None, tmp_path: Path) -> None:
+    from keytrace.analysis.diff import diff
+
+    counts = {}
+    for fix in (None, "eagle_proof_key"):
+        spec = WorkloadSpec(geometry=geometry, seed=11, cpu_chunks=cpu, fix=fix)
+        run_workload(spec, str(tmp_path / str(fix)))
+        trace = open_trace(str(tmp_path / str(fix)))
+        assert trace.header["vllm_modified"] == ([f"fix:{fix}"] if fix else [])
+        counts[fix] = diff(trace).counts
+    assert counts[None].get("mismatch", 0) >= 10, counts  # the traffic has the stock bug
+    assert counts["eagle_proof_key"].get("mismatch", 0) == 0, counts
+    assert counts["eagle_proof_key"]["hit"] > counts[None]["hit"], counts

@@ -5,7 +5,8 @@ conftest and without keytrace on the test's import path.
 
 - the live stock miss (17,975 tokens, dsv4): red on stock vLLM;
 - 18,877 tokens: green on stock, red with each historical store bug injected (through
-  keytrace's vLLM plugin and KEYTRACE_INJECT, as a vLLM developer would reintroduce it).
+  keytrace's vLLM plugin and KEYTRACE_INJECT, as a vLLM developer would reintroduce it);
+- the live miss turns green with the candidate fix ``eagle_proof_key`` (KEYTRACE_FIX).
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ def vllm_tree() -> tuple[Path, Path]:
 
 
 def _run_in_vllm(
-    tree: Path, home: Path, text: str, name: str, tmp: Path, inject: str | None = None
+    tree: Path,
+    home: Path,
+    text: str,
+    name: str,
+    tmp: Path,
+    inject: str | None = None,
+    fix: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     target = tree / OFFLOADING_SUITE / name
     target.write_text(text)
@@ -57,9 +64,10 @@ def _run_in_vllm(
         "-p",
         "no:cacheprovider",
     ]
-    if inject:
+    if inject or fix:
         (tmp / "kt_loader.py").write_text(LOADER)
-        env.update(KEYTRACE_DIR=str(tmp / "rec"), KEYTRACE_INJECT=inject, PYTHONPATH=str(tmp))
+        env.update(KEYTRACE_DIR=str(tmp / "rec"), PYTHONPATH=str(tmp))
+        env.update({"KEYTRACE_INJECT": inject} if inject else {"KEYTRACE_FIX": fix or ""})
         cmd += ["-p", "kt_loader"]
     try:
         return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
@@ -83,6 +91,15 @@ def test_live_miss_is_red_on_stock_vllm(vllm_tree: tuple[Path, Path], tmp_path: 
     r = _run_in_vllm(*vllm_tree, text, name, tmp_path)
     assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-2000:]
     assert "assert 0 == 17920" in r.stdout
+
+
+def test_live_miss_is_green_with_the_candidate_fix(
+    vllm_tree: tuple[Path, Path], tmp_path: Path
+) -> None:
+    text, name = _regression(tmp_path, 17_975)
+    r = _run_in_vllm(*vllm_tree, text, name, tmp_path, fix="eagle_proof_key")
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:]
+    assert "candidate fix 'eagle_proof_key'" in r.stdout + r.stderr
 
 
 def test_18877_is_green_on_stock(vllm_tree: tuple[Path, Path], tmp_path: Path) -> None:
