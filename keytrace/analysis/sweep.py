@@ -57,3 +57,50 @@ def parse_lengths(spec: str) -> list[int]:
     if not out:
         raise ValueError("no lengths given")
     return out
+
+
+@dataclass(frozen=True)
+class FixComparison:
+    """The same lengths swept on stock vLLM and with a candidate fix: what the fix closes
+    and what it breaks. ``closed`` are failing lengths that hit with the fix; ``reach_E``
+    those whose external tokens equal the stock sweep's E (a fix may also hit short of it
+    by moving E); ``new`` lengths that did not mismatch on stock and do with the fix."""
+
+    fix: str
+    lengths: int
+    failing: list[int]
+    closed: list[int]
+    reach_E: list[int]
+    new: list[int]
+
+    @property
+    def closes_all(self) -> bool:
+        return bool(self.failing) and len(self.closed) == len(self.failing) and not self.new
+
+    def text(self) -> str:
+        new = (
+            "no new mismatch"
+            if not self.new
+            else f"{len(self.new)} new mismatch(es), e.g. {self.new[:3]}"
+        )
+        return (
+            f"with fix {self.fix}: {len(self.closed)} of {len(self.failing)} failing lengths "
+            f"hit ({len(self.reach_E)} reach E), {new} among {self.lengths} lengths"
+        )
+
+
+def compare_fix(stock: list[SweepRow], fixed: list[SweepRow], fix: str) -> FixComparison:
+    """Pair the two sweeps by length (both must cover the same lengths)."""
+    by_len = {r.length: r for r in fixed}
+    if sorted(by_len) != sorted(r.length for r in stock):
+        raise ValueError("the stock and fixed sweeps cover different lengths")
+    failing = [r.length for r in stock if r.verdict == "mismatch"]
+    closed = [n for n in failing if by_len[n].verdict == "hit"]
+    stock_E = {r.length: r.E for r in stock}
+    reach = [n for n in closed if by_len[n].external == stock_E[n]]
+    new = [
+        r.length
+        for r in stock
+        if r.verdict != "mismatch" and by_len[r.length].verdict == "mismatch"
+    ]
+    return FixComparison(fix, len(stock), failing, closed, reach, new)

@@ -10,6 +10,7 @@ import click
 from keytrace.cli._common import plain_progress_option, subcommand, trace_paths
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH
+from keytrace.vllm.fixes import FIXES
 
 
 @subcommand("report")
@@ -24,6 +25,12 @@ from keytrace.errors import EXIT_MISMATCH
     help="Prompt lengths swept around the case (over two alignment units) for the rule.",
 )
 @click.option("--no-minimize", is_flag=True, help="Skip the minimal case (faster).")
+@click.option(
+    "--fix",
+    type=click.Choice(sorted(FIXES)),
+    default=None,
+    help="Also sweep the lengths with this candidate fix and report what it closes.",
+)
 @plain_progress_option
 def command(
     paths: tuple[str, ...],
@@ -31,6 +38,7 @@ def command(
     request: str | None,
     sweep_points: int,
     no_minimize: bool,
+    fix: str | None,
     progress: bool | None,
 ) -> int:
     """Write an upstream-ready report of a trace's first mismatch into OUT.
@@ -57,11 +65,14 @@ def command(
         request=request,
         sweep_points=sweep_points,
         minimize_case=not no_minimize,
+        fix=fix,
         log=(lambda s: click.echo(s, err=True)) if show else (lambda s: None),
         progress=progress_printer() if show else None,
     )
     click.echo(f"report      {files.markdown}")
     click.echo(f"  rule      {files.rule.text()}")
+    if files.fix is not None:
+        click.echo(f"  fix       {files.fix.text()}")
     click.echo(f"  test      {files.standalone}   (vLLM only: drop into vLLM's tests)")
     click.echo(f"  test      {files.fixture}   (through keytrace)")
     click.echo(f"  chunk map {files.html}")

@@ -7,7 +7,7 @@ import sys
 import click
 
 from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header
-from keytrace.analysis.sweep import SweepRow, parse_lengths
+from keytrace.analysis.sweep import SweepRow, compare_fix, parse_lengths
 from keytrace.cli._common import plain_progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
@@ -63,6 +63,12 @@ def _table(rows: list[SweepRow]) -> None:
     help="Apply a candidate fix to vLLM's offload path first (does it close every failing "
     "length without a new mismatch?).",
 )
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="With --fix: also sweep stock vLLM and say how many failing lengths the fix closes "
+    "and whether it adds a mismatch (twice the time).",
+)
 @click.option("--csv", "csv_path", default=None, help="Also write the table as CSV.")
 @click.option("--parquet", "parquet_path", default=None, help="Also write the table as Parquet.")
 @click.option(
@@ -82,6 +88,7 @@ def command(
     blocks_per_chunk: int | None,
     inject: str | None,
     fix: str | None,
+    compare: bool,
     csv_path: str | None,
     parquet_path: str | None,
     plot_prefix: str | None,
@@ -98,6 +105,8 @@ def command(
     Example: keytrace sweep --lengths 17900:18200 --plot sweep
     Exit status: 0 no mismatch, 1 some length mismatched, 2 trouble.
     """
+    if compare and not fix:
+        raise UsageError("--compare needs --fix NAME (it compares the fix with stock vLLM)")
     try:
         todo = parse_lengths(lengths)
     except ValueError as exc:
@@ -131,6 +140,9 @@ def command(
     if not quiet:
         _table(rows)
     write_rows(rows, csv_path=csv_path, parquet_path=parquet_path)
+    if compare and fix:
+        stock = run_sweep(geo, todo, progress=progress_printer() if show else None)
+        click.echo(compare_fix(stock, rows, fix).text())
     if plot_prefix:
         from keytrace.report.plot import plot_sweep
 

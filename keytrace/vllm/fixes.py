@@ -273,6 +273,17 @@ def _scan(
                     return None
                 case LookupResult.RETRY:
                     defer_lookup = True
+    # vLLM accepts a run that reaches the first queried chunk whole (what lies before it is
+    # computed or the prompt's start): its peek may be proven too
+    peek = consecutive_hits
+    if not (defer_lookup or pending_in_window) and 0 < peek < len(keys):
+        key = proof_for(peek)
+        if key is not None and key != keys[peek]:
+            match sched.manager.lookup(key, req_context):
+                case LookupResult.HIT:
+                    return peek + 1
+                case LookupResult.HIT_PENDING | LookupResult.RETRY:
+                    return None
     return None if defer_lookup or pending_in_window else consecutive_hits
 
 

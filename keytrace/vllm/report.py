@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from keytrace.analysis.lengthrule import LengthRule, length_rule
+from keytrace.analysis.sweep import FixComparison, compare_fix
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -25,6 +26,7 @@ class ReportFiles:
     rule: LengthRule
     plots: list[str] = field(default_factory=list)
     minimal_trace: str | None = None
+    fix: FixComparison | None = None
 
 
 def write_report(
@@ -34,10 +36,13 @@ def write_report(
     request: str | None = None,
     sweep_points: int = 64,
     minimize_case: bool = True,
+    fix: str | None = None,
     log: Callable[[str], None] = lambda s: None,
     progress: ProgressFn | None = None,
 ) -> ReportFiles:
-    """Write the report for the trace's first mismatch (or ``request``'s) into ``out_dir``."""
+    """Write the report for the trace's first mismatch (or ``request``'s) into ``out_dir``.
+    With ``fix`` (a candidate fix's name) the same lengths are swept again with it, and the
+    report says how many failing lengths it closes and whether it adds a mismatch."""
     from keytrace import __version__
     from keytrace.analysis.chunkmap import chunk_maps
     from keytrace.analysis.diff import diff
@@ -52,6 +57,7 @@ def write_report(
     from keytrace.report.templates import render
     from keytrace.report.text import render_episode
     from keytrace.vllm import require_vllm
+    from keytrace.vllm.fixes import FIXES
     from keytrace.vllm.minimize import minimize
     from keytrace.vllm.sweep import run_sweep
 
@@ -90,6 +96,12 @@ def write_report(
     sweep_csv = os.path.join(out_dir, "sweep.csv")
     write_rows(rows, csv_path=sweep_csv)
     rule = length_rule(rows, A)
+    fixed = None
+    if fix is not None:
+        log(f"sweeping them again with candidate fix {fix} ...")
+        fixed_rows = run_sweep(geo, lengths, fix=fix, progress=progress)
+        write_rows(fixed_rows, csv_path=os.path.join(out_dir, "sweep-fix.csv"))
+        fixed = compare_fix(rows, fixed_rows, fix)
     plots: list[str] = []
     try:
         from keytrace.report.plot import plot_sweep
@@ -131,6 +143,8 @@ def write_report(
         fixture=os.path.basename(fixture),
         standalone=os.path.basename(standalone),
         trace=" ".join(paths),
+        fix=fixed,
+        fix_text=FIXES.get(fix or "", ""),
     )
     markdown = os.path.join(out_dir, "report.md")
     with open(markdown, "w") as fh:
@@ -145,6 +159,7 @@ def write_report(
         rule=rule,
         plots=plots,
         minimal_trace=minimal_trace,
+        fix=fixed,
     )
 
 

@@ -31,7 +31,7 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
-from keytrace.analysis.geometry import builtin  # noqa: E402
+from keytrace.analysis.geometry import Geometry, GroupGeom, builtin  # noqa: E402
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.vllm.replay import replay  # noqa: E402
@@ -127,3 +127,27 @@ def test_eagle_proof_key_on_real_traffic(geometry: str, cpu: int | None, tmp_pat
     assert counts[None].get("mismatch", 0) >= 10, counts  # the traffic has the stock bug
     assert counts["eagle_proof_key"].get("mismatch", 0) == 0, counts
     assert counts["eagle_proof_key"]["hit"] > counts[None]["hit"], counts
+
+
+# Found by `keytrace fuzz --fix eagle_proof_key` (seed 1) and shrunk: the MTP group's run
+# reaches the first chunk (its window, with extra retained tokens, is longer than the
+# prefix), which vLLM accepts whole; its peek needs the proof there too.
+SHORT_PREFIX = Geometry(
+    name="fuzz-short-prefix",
+    groups=(
+        GroupGeom("full_attention", 16),
+        GroupGeom("sliding_window", 4, sliding_window=4),
+        GroupGeom("sliding_window", 4, sliding_window=4),
+        GroupGeom("sliding_window", 16, sliding_window=32, eagle=True, extra_retained_tokens=16),
+    ),
+    blocks_per_chunk=1,
+    max_num_batched_tokens=32,
+    max_model_len=1137,
+    cpu_chunks=100_000,
+)
+
+
+@pytest.mark.parametrize(("fix", "external"), [(None, 0), ("eagle_proof_key", 32)])
+def test_peek_of_a_run_from_the_first_chunk(fix: str | None, external: int, tmp_path: Path) -> None:
+    r = replay(SHORT_PREFIX, [33], 49, trace_dir=tmp_path / "t", fix=fix)
+    assert (r.external_tokens, r.expected_E) == (external, 32), r.explain()

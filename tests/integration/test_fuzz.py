@@ -56,3 +56,15 @@ def test_cli_reports_the_minimal_case_and_exit_1(tmp_path: Path, capsys) -> None
     assert code == 1
     assert text.startswith("MISMATCH, shrunk to: 2 groups [") and " MTP]" in text
     assert f"next: keytrace diff {out / 'minimal-trace'}" in text
+
+
+def test_with_the_candidate_fix_the_same_search_finds_nothing(tmp_path: Path) -> None:
+    """The search that finds the MTP peek miss above, with eagle_proof_key applied."""
+    res = fuzz(
+        str(tmp_path / "f"),
+        seed=1,
+        max_examples=120,
+        aligned_windows=True,
+        fix="eagle_proof_key",
+    )
+    assert res.failure is None and res.cases >= 100, res

@@ -47,3 +47,20 @@ def test_report_of_the_17975_miss(tmp_path: Path, capsys: pytest.CaptureFixture[
     replay(builtin("dsv4"), [18_000], 18_000, trace_dir=hit)
     assert main(["report", str(hit), "-o", str(tmp_path / "r2"), "--no-minimize"]) == 2
     assert "no mismatch" in capsys.readouterr().err
+
+
+def test_report_with_a_candidate_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--fix sweeps the same lengths again with the fix: eagle_proof_key closes every
+    failing one at E and breaks none."""
+    d = tmp_path / "t"
+    replay(builtin("dsv4"), [17_975], 17_975, trace_dir=d)
+    out = tmp_path / "r"
+    args = ["report", str(d), "-o", str(out), "--sweep-points", "16", "--no-minimize"]
+    assert main([*args, "--fix", "eagle_proof_key"]) == 1
+    printed = capsys.readouterr().out
+    line = "with fix eagle_proof_key: 4 of 4 failing lengths hit (4 reach E), no new mismatch among 16 lengths"
+    assert f"  fix       {line}" in printed
+    md = (out / "report.md").read_text()
+    assert "## Candidate fix `eagle_proof_key`" in md
+    assert "**4 of 4 failing lengths hit** (4 reach E), no new mismatch." in md
+    assert (out / "sweep-fix.csv").stat().st_size > 0
