@@ -1,7 +1,13 @@
-"""Merge a trace directory's parts into one file per row kind, header kept."""
+"""Merge a trace directory's parts into one file per row kind, header kept.
+
+Streaming: one part in memory at a time, written as its own row group(s) in the order the
+directory form reads them, so a compacted trace is read with the same memory as the
+directory (a 150M-row trace compacted in one table needed > 22 GB and diffing one 10M-row
+row group 1.2 GB) and gives the differ the same rows in the same order."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -9,7 +15,7 @@ from keytrace._version import __version__
 from keytrace.errors import TraceError
 from keytrace.format.reader import open_trace
 from keytrace.format.schema import SCHEMAS_BY_VERSION, part_metadata
-from keytrace.format.writer import write_parquet
+from keytrace.format.writer import parquet_writer, write_row_groups
 
 
 @dataclass(frozen=True)
@@ -29,17 +35,24 @@ def compact(paths: list[str], out_dir: str, *, force: bool = False) -> CompactRe
         dest = os.path.join(out_dir, f"{kind}.parquet")
         if os.path.exists(dest) and not force:
             raise TraceError(f"{dest}: already exists; pass --force to overwrite")
-        schema = SCHEMAS_BY_VERSION[trace.version][kind]
-        table = trace.frame(kind).sort("seq").collect().to_arrow().cast(schema)
         sources = sorted({p.source.get("instance", "?") for p in trace.parts_of(kind)})
         meta = part_metadata(
             kind, trace.header, {"compacted_from": sources}, __version__, version=trace.version
         )
-        table = table.replace_schema_metadata(meta)
+        schema = SCHEMAS_BY_VERSION[trace.version][kind].with_metadata(meta)
         tmp = dest + ".tmp"
-        with open(tmp, "wb") as fh:
-            write_parquet(table, fh)
+        n = 0
+        try:
+            with open(tmp, "wb") as fh, parquet_writer(fh, schema) as w:
+                for part in trace.batches(kind, 0):  # one part each
+                    table = part.frame(kind).collect().to_arrow().cast(schema)
+                    write_row_groups(w, table)
+                    n += table.num_rows
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         os.replace(tmp, dest)
         files[kind] = dest
-        rows[kind] = table.num_rows
+        rows[kind] = n
     return CompactResult(files=files, rows=rows, skipped=list(trace.skipped))

@@ -498,20 +498,31 @@ def write_parquet(table: pa.Table, fh: Any) -> None:
     """One closed Parquet file. Lookup parts (v2) get one row group per group id, sorted, so
     a reader asking for one group (the differ's full-attention keys) skips the others by
     their statistics."""
-    opts: dict[str, Any] = {
-        "compression": "zstd",
-        "use_dictionary": [c for c in table.column_names if c not in _PLAIN],
-    }
+    with parquet_writer(fh, table.schema) as w:
+        write_row_groups(w, table)
+
+
+def parquet_writer(fh: Any, schema: pa.Schema) -> pq.ParquetWriter:
+    """A Parquet writer with the trace's encoding: zstd, dictionaries except for hashes."""
+    return pq.ParquetWriter(
+        fh,
+        schema,
+        compression="zstd",
+        use_dictionary=[c for c in schema.names if c not in _PLAIN],
+    )
+
+
+def write_row_groups(w: pq.ParquetWriter, table: pa.Table) -> None:
+    """``table`` as one row group, or for lookup rows (v2) one per group id."""
     if "scan" not in table.column_names or len(table) == 0:
-        pq.write_table(table, fh, row_group_size=max(len(table), 1), **opts)
+        w.write_table(table, row_group_size=max(len(table), 1))
         return
     table = table.sort_by([("group_id", "ascending")])
     gid = table.column("group_id").to_numpy(zero_copy_only=False)
     gid = np.where(np.isnan(gid.astype(np.float64)), -1, gid).astype(np.int64)
     bounds = np.flatnonzero(np.diff(gid)) + 1
-    with pq.ParquetWriter(fh, table.schema, **opts) as w:
-        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(table)], strict=True):
-            w.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(table)], strict=True):
+        w.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
 
 
 def _lengths(lists: pa.Array[Any]) -> np.ndarray[Any, Any]:
