@@ -4,7 +4,7 @@ A fix is a row of the same patch table as the injections (`keytrace.vllm.patches
 sweep, a workload or a generated regression can run with it and show "with this fix: N of N
 failing lengths hit, no new mismatch" on the real scheduler, before anyone patches vLLM.
 
-Both target the stock 0.33.0 MTP peek miss (docs/findings.md): vLLM's EAGLE/MTP store tail
+All three target the stock 0.33.0 MTP peek miss (docs/findings.md): vLLM's EAGLE/MTP store tail
 for a boundary ``b`` is the window shifted one chunk right, ``[b/tpc + 1 - need, b/tpc +
 1)``, because a lookup at ``b`` queries the *peek* chunk ``[b, b + tpc)`` and pops it. When
 the prompt ends before ``b + tpc`` the peek chunk is never keyed, so never stored.
@@ -17,15 +17,16 @@ the prompt ends before ``b + tpc`` the peek chunk is never keyed, so never store
 - ``unkeyable_peek_fallback`` makes the boundary before, ``b - A``, reachable too (every
   group keeps its tail there, the MTP group with its peek chunk, which the prompt keys), so
   the lookup's pop settles there: ``b - A`` external tokens instead of 0.
-
 - ``eagle_proof_key`` reaches ``b`` itself, on both sides. What the peek proves is that the
   draft KV of the boundary's last position was computed with the same *next token*: that
-  position's draft input is token ``b``. A full peek chunk proves it with 63 tokens too
-  many; the fix adds a *proof key* that proves exactly that: the chain hash at ``b`` and
-  token ``b``, under the group's id. Store writes it (the partial peek block's bytes, never
-  loaded) where vLLM's own store mask keeps a peek the prompt cannot key; lookup accepts it
-  where the full peek misses. Measured: every failing length reaches ``b``, nothing else
-  changes (docs/findings.md).
+  position's draft input is token ``b``. A full peek chunk proves it with ``tpc - 1``
+  tokens too many; the fix adds a *proof key* that proves exactly that: the chain hash at
+  ``b`` and token ``b``, under the group's id. Store writes it for every peek vLLM's own
+  mask keeps (from the peek's GPU block, never loaded: lookup pops a peek), including the
+  one the prompt cannot key; lookup accepts it where the full peek misses. That also
+  closes junction misses: a shared prefix's peek is otherwise keyed by one conversation's
+  continuation. Measured: every failing length reaches ``b``, no new mismatch, and none on
+  realistic traffic (docs/findings.md).
 
 Testing tool: a fix is written into every trace header, and logs a WARNING naming itself.
 """
@@ -54,7 +55,7 @@ FIXES: dict[str, str] = {
         "writes it, lookup accepts it where the full peek misses"
     ),
 }
-"""Fix name -> what it changes in vLLM's store path (shown in warnings and ``--help``)."""
+"""Fix name -> what it changes in vLLM's offload path (shown in warnings and ``--help``)."""
 
 
 def mtp_left_chunk(

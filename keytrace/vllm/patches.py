@@ -3,7 +3,8 @@
 A row (`Patch`) names
 
 - its *feature*: ``record`` (the recorder's observers), ``inject:<name>`` (a historical store
-  bug, `keytrace.vllm.inject`), ``harness`` (the CPU harness's own observers);
+  bug, `keytrace.vllm.inject`), ``fix:<name>`` (a candidate fix, `keytrace.vllm.fixes`),
+  ``harness`` (the CPU harness's own observers);
 - its *target*: ``scheduler`` is a class attribute of ``OffloadingConnectorScheduler``,
   applied when the feature is enabled; ``manager`` and ``connector`` are attributes of one
   *instance*, applied as each instance appears (the manager when a recorded scheduler is
