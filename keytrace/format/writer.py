@@ -504,12 +504,9 @@ def write_parquet(table: pa.Table, fh: Any) -> None:
 
 def parquet_writer(fh: Any, schema: pa.Schema) -> pq.ParquetWriter:
     """A Parquet writer with the trace's encoding: zstd, dictionaries except for hashes."""
-    return pq.ParquetWriter(
-        fh,
-        schema,
-        compression="zstd",
-        use_dictionary=[c for c in schema.names if c not in _PLAIN],
-    )
+    # a list of columns is what pyarrow accepts; its stubs only know the bool form
+    opts: dict[str, Any] = {"use_dictionary": [c for c in schema.names if c not in _PLAIN]}
+    return pq.ParquetWriter(fh, schema, compression="zstd", **opts)
 
 
 def write_row_groups(w: pq.ParquetWriter, table: pa.Table) -> None:
