@@ -146,6 +146,11 @@ def fuzz(
     failures: list[tuple[Case, dict[str, Any]]] = []
     t0 = time.monotonic()
 
+    # Every case's outcome, so a replay is never a fresh run: Hypothesis replays cases it
+    # has seen (the minimal failure at the end, and others), and a replay that differs
+    # (rejected for the budget, say) is reported as a "flaky" test instead of the result.
+    seen: dict[str, dict[str, Any] | None] = {}  # by repr: a Geometry holds a dict
+
     @hseed(seed)
     @settings(
         max_examples=max_examples,
@@ -157,20 +162,17 @@ def fuzz(
     )
     @given(_case_strategy(aligned_windows))
     def prop(case: Case) -> None:
-        # the budget stops the search, never the shrinking of a failure already found:
-        # Hypothesis replays the minimal case at the end, and a rejection there is "flaky"
-        if not failures and budget_seconds is not None and time.monotonic() - t0 > budget_seconds:
-            res.stopped_by_budget = True
+        key = repr(case)
+        if key not in seen:
+            # the budget stops the search, never a shrink of a failure already found
+            over = budget_seconds is not None and time.monotonic() - t0 > budget_seconds
+            if over and not failures:
+                res.stopped_by_budget = True
+                reject()
+            seen[key] = _outcome(case, res, progress, max_examples)
+        v = seen[key]
+        if v is None:  # a configuration vLLM does not build
             reject()
-        try:
-            v = run_case(case)
-        except Exception as exc:  # a configuration vLLM does not build
-            res.rejected += 1
-            res.first_rejection = res.first_rejection or f"{type(exc).__name__}: {exc}"[:300]
-            reject()
-        res.cases += 1
-        if progress is not None:
-            progress("cases", res.cases, max_examples)
         if v["verdict"] == "mismatch":
             failures.append((case, v))
             raise AssertionError(case.describe())
@@ -189,6 +191,22 @@ def fuzz(
     with open(os.path.join(out_dir, "fuzz.json"), "w") as fh:
         json.dump(_jsonable(res), fh, indent=2)
     return res
+
+
+def _outcome(
+    case: Case, res: FuzzResult, progress: ProgressFn | None, max_examples: int
+) -> dict[str, Any] | None:
+    """One case on the real scheduler, counted; None when vLLM refuses the configuration."""
+    try:
+        v = run_case(case)
+    except Exception as exc:
+        res.rejected += 1
+        res.first_rejection = res.first_rejection or f"{type(exc).__name__}: {exc}"[:300]
+        return None
+    res.cases += 1
+    if progress is not None:
+        progress("cases", res.cases, max_examples)
+    return v
 
 
 def _jsonable(res: FuzzResult) -> dict[str, Any]:
