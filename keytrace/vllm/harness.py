@@ -347,9 +347,10 @@ class Harness:
         request_prefix: str = "r",
     ) -> None:
         require_vllm()
-        from keytrace.vllm.patches import inject_from_env
+        from keytrace.vllm.patches import fix_from_env, inject_from_env
 
         inject_from_env()  # KEYTRACE_INJECT=name: a generated regression's red run
+        fix_from_env()  # KEYTRACE_FIX=name: the same regression with a candidate fix
         self.geometry = geometry
         self.seed = seed
         probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
