@@ -63,4 +63,5 @@ def test_report_with_a_candidate_fix(tmp_path: Path, capsys: pytest.CaptureFixtu
     md = (out / "report.md").read_text()
     assert "## Candidate fix `eagle_proof_key`" in md
     assert "**4 of 4 failing lengths hit** (4 reach E), no new mismatch." in md
+    assert "is green with it: `KEYTRACE_FIX=eagle_proof_key python -m pytest test_keytrace_" in md
     assert (out / "sweep-fix.csv").stat().st_size > 0
