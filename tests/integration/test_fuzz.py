@@ -10,6 +10,7 @@ disagreements from a seed and shrinks each to a two-group case.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.conftest import require_vllm
@@ -68,3 +69,11 @@ def test_with_the_candidate_fix_the_same_search_finds_nothing(tmp_path: Path) ->
         fix="eagle_proof_key",
     )
     assert res.failure is None and res.cases >= 100, res
+
+
+def test_a_spent_budget_stops_the_search_at_once(tmp_path: Path) -> None:
+    """A rejection after the budget made Hypothesis draw and reject until its own limit
+    (minutes); the budget now ends the search at the next case."""
+    res = fuzz(str(tmp_path / "f"), seed=1, max_examples=100_000, budget_seconds=0.0)
+    assert res.stopped_by_budget and res.cases == 0 and res.failure is None
+    assert json.loads((tmp_path / "f" / "fuzz.json").read_text())["stopped_by_budget"] is True
