@@ -51,6 +51,8 @@ class Part:
     header_json: str
     source: dict[str, Any]
     version: int = SCHEMA_VERSION
+    row_slice: tuple[int, int] | None = None
+    """(offset, rows): only these rows of the file (a batch of a big file's row groups)."""
 
 
 @dataclass
@@ -83,7 +85,16 @@ class Trace:
         schema = _polars_schema(kind, self.version)
         if not paths:
             return pl.LazyFrame(schema=schema)
-        return pl.scan_parquet(paths, schema=schema, hive_partitioning=False)
+        parts = self.parts_of(kind)
+        if all(p.row_slice is None for p in parts):
+            return pl.scan_parquet(paths, schema=schema, hive_partitioning=False)
+        # a slice reaches the Parquet reader: only the row groups it covers are read
+        return pl.concat(
+            pl.scan_parquet(p.path, schema=schema, hive_partitioning=False).slice(*p.row_slice)
+            if p.row_slice is not None
+            else pl.scan_parquet(p.path, schema=schema, hive_partitioning=False)
+            for p in parts
+        )
 
     def collect(self, kind: str) -> pl.DataFrame:
         return self.frame(kind).collect()
@@ -98,17 +109,42 @@ class Trace:
         batches: list[list[Part]] = [[]]
         size = 0
         for part in self.parts_of(kind):
-            n = os.path.getsize(part.path)
-            if batches[-1] and size + n > max_bytes:
-                batches.append([])
-                size = 0
-            batches[-1].append(part)
-            size += n
+            for piece, n in _pieces(part, max_bytes):
+                if batches[-1] and size + n > max_bytes:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(piece)
+                size += n
         return [dataclasses.replace(self, parts=b) for b in batches]
 
     @property
     def kinds(self) -> list[str]:
         return [k for k in KINDS if self.parts_of(k)]
+
+
+def _pieces(part: Part, max_bytes: int) -> list[tuple[Part, int]]:
+    """``part`` with its on-disk size, or, when it is bigger than ``max_bytes`` (a compacted
+    file), runs of its row groups of at most ``max_bytes`` each (a bigger row group is a
+    run of its own)."""
+    size = os.path.getsize(part.path)
+    if size <= max_bytes or part.row_slice is not None:
+        return [(part, size)]
+    meta = pq.ParquetFile(part.path).metadata
+    runs: list[list[int]] = []  # [offset, rows, bytes]
+    offset = 0
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        n = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+        if not runs or runs[-1][2] + n > max_bytes:
+            runs.append([offset, 0, 0])
+        runs[-1][1] += rg.num_rows
+        runs[-1][2] += n
+        offset += rg.num_rows
+    if len(runs) <= 1:
+        return [(part, size)]
+    return [
+        (dataclasses.replace(part, rows=rows, row_slice=(off, rows)), n) for off, rows, n in runs
+    ]
 
 
 def _polars_schema(kind: str, version: int) -> dict[str, pl.DataType]:

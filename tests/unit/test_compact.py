@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
@@ -74,3 +75,29 @@ def test_existing_output_needs_force(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="already exists"):
         compact([str(d)], str(tmp_path / "c"))
     assert compact([str(d)], str(tmp_path / "c"), force=True).rows
+
+
+def test_a_compacted_file_is_read_in_batches_of_row_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One big file is cut into runs of row groups (a slice the Parquet reader prunes by),
+    so the per-batch queries stay bounded on the compacted form too, with the same report."""
+    from keytrace.analysis import frames
+
+    d = _multi_part_trace(tmp_path / "t")
+    res = compact([str(d)], str(tmp_path / "c"))
+    trace = open_trace([res.files["store"], res.files["lookup"]])
+    batches = trace.batches("lookup", 1)
+    groups = pq.ParquetFile(res.files["lookup"]).metadata.num_row_groups
+    assert len(batches) == groups > 1
+    slices = [b.parts_of("lookup")[0].row_slice for b in batches]
+    assert slices[0] == (0, slices[0][1]) and all(s is not None for s in slices)
+    assert sum(s[1] for s in slices) == res.rows["lookup"]  # type: ignore[index]
+    # the rows of the batches are the file's rows, in order
+    whole = trace.frame("lookup").collect()
+    pieces = [b.frame("lookup").collect() for b in batches]
+    assert pl.concat(pieces).equals(whole)
+    report = diff(trace, all_episodes=True)
+    monkeypatch.setattr(frames, "LOOKUP_BATCH_BYTES", 1)
+    assert diff(trace, all_episodes=True) == report
+    assert len(trace.batches("lookup", 1 << 30)) == 1
