@@ -16,18 +16,23 @@ from keytrace.vllm.fixes import FIXES
 from keytrace.vllm.inject import INJECTIONS
 
 
-def _table(rows: list[SweepRow]) -> None:
+def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
+    """The sweep's table; with ``stock`` (a --compare run) stock vLLM's outcome as a column."""
+    extra = f" {'stock':>16}" if stock is not None else ""
     click.echo(
-        f"{'length':>8} {'budget':>7} {'bpc':>3} {'E':>8} {'external':>9} {'verdict':<10} "
-        f"{'group':>5} {'chunk':>7}  cause"
+        f"{'length':>8} {'budget':>7} {'bpc':>3} {'E':>8} {'external':>9} {'verdict':<10}"
+        f"{extra} {'group':>5} {'chunk':>7}  cause"
     )
+    before = {r.length: r for r in stock or ()}
     for r in rows:
         e = "-" if r.E is None else f"{r.E:,}"
         g = "" if r.binding_group is None else str(r.binding_group)
         c = "" if r.terminal_chunk is None else f"{r.terminal_chunk:,}"
+        was = before.get(r.length)
+        col = f" {f'{was.external:,} {was.verdict}':>16}" if was is not None else extra
         click.echo(
             f"{r.length:>8,} {r.budget:>7,} {r.blocks_per_chunk:>3} {e:>8} {r.external:>9,} "
-            f"{r.verdict:<10} {g:>5} {c:>7}  {r.cause or ''}"
+            f"{r.verdict:<10}{col} {g:>5} {c:>7}  {r.cause or ''}"
         )
 
 
@@ -134,14 +139,18 @@ def command(
     show = progress if progress is not None else sys.stderr.isatty()
     from keytrace.vllm.sweep import run_sweep
 
+    stock = (
+        run_sweep(geo, todo, inject=inject, progress=progress_printer() if show else None)
+        if compare
+        else None
+    )
     rows = run_sweep(
         geo, todo, inject=inject, fix=fix, progress=progress_printer() if show else None
     )
     if not quiet:
-        _table(rows)
+        _table(rows, stock)
     write_rows(rows, csv_path=csv_path, parquet_path=parquet_path)
-    if compare and fix:
-        stock = run_sweep(geo, todo, progress=progress_printer() if show else None)
+    if stock is not None and fix:
         click.echo(compare_fix(stock, rows, fix).text())
     if plot_prefix:
         from keytrace.report.plot import plot_sweep
