@@ -66,4 +66,8 @@ def command(out_dir: str | None) -> int:
     for p in res.plots:
         click.echo(f"  plot        {os.path.relpath(p, out)}")
     click.echo(f"\nnext: keytrace diff {res.runs[2].trace_dir} --all")
+    click.echo(
+        f"      keytrace report {res.runs[2].trace_dir} -o report --fix eagle_proof_key"
+        "   (an upstream-ready report, with a candidate fix measured)"
+    )
     return 0

@@ -64,6 +64,8 @@ def test_demo_whole_loop(tmp_path: Path) -> None:
         f"sweep of stock vLLM: {bad} of 63 lengths mismatch, binding group 2 (SWA, MTP), "
         "cause never_offered" in text
     )
+    # the next steps name commands that exist, on the demo's own 17,975 trace
+    assert f"keytrace report {out}/trace-dsv4-17975-stock -o report --fix eagle_proof_key" in text
 
 
 def test_demo_refuses_a_non_empty_folder(
