@@ -156,11 +156,18 @@ def command(
         from keytrace.report.plot import plot_sweep
 
         bad = sum(r.verdict == "mismatch" for r in rows)
-        title = (
+        where = (
             f"{geo.name}: budget {geo.max_num_batched_tokens:,}, blocks_per_chunk {geo.blocks_per_chunk}"
-            f"{', inject ' + inject if inject else ''}{', fix ' + fix if fix else ''}: "
-            f"{bad} of {len(rows)} lengths mismatch"
+            f"{', inject ' + inject if inject else ''}"
         )
-        for p in plot_sweep(rows, [plot_prefix + ".png", plot_prefix + ".svg"], title=title):
+        paths = [plot_prefix + ".png", plot_prefix + ".svg"]
+        if stock is not None and fix:  # stock as the series, the fix drawn over it
+            was = sum(r.verdict == "mismatch" for r in stock)
+            title = f"{where}: {was} of {len(rows)} lengths mismatch; with fix {fix}: {bad}"
+            made = plot_sweep(stock, paths, title=title, fixed=(fix, rows))
+        else:
+            title = f"{where}{', fix ' + fix if fix else ''}: {bad} of {len(rows)} lengths mismatch"
+            made = plot_sweep(rows, paths, title=title)
+        for p in made:
             click.echo(f"plot: {p}", err=True)
     return EXIT_MISMATCH if any(r.verdict == "mismatch" for r in rows) else EXIT_OK

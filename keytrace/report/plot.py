@@ -11,8 +11,15 @@ from keytrace.analysis.sweep import SweepRow
 from keytrace.errors import KeytraceError
 
 
-def plot_sweep(rows: Sequence[SweepRow], paths: Sequence[str], *, title: str = "") -> list[str]:
-    """Write the plot to every path (format from the suffix, e.g. .png and .svg)."""
+def plot_sweep(
+    rows: Sequence[SweepRow],
+    paths: Sequence[str],
+    *,
+    title: str = "",
+    fixed: tuple[str, Sequence[SweepRow]] | None = None,
+) -> list[str]:
+    """Write the plot to every path (format from the suffix, e.g. .png and .svg).
+    ``fixed``: (fix name, the same lengths swept with that candidate fix), drawn over it."""
     try:
         import matplotlib
 
@@ -53,11 +60,23 @@ def plot_sweep(rows: Sequence[SweepRow], paths: Sequence[str], *, title: str = "
             zorder=3,
             label=f"mismatch ({len(bad)} of {len(rows)})",
         )
+    if fixed is not None:
+        name, frows = fixed
+        ax.scatter(
+            [r.length for r in frows],
+            [r.external for r in frows],
+            facecolors="none",
+            edgecolors="#2ca02c",
+            marker="o",
+            s=22,
+            zorder=2,
+            label=f"external tokens with fix {name}",
+        )
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("tokens")
     ax.set_title(title or "keytrace sweep")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="center left", fontsize=8)  # hits sit at E, misses at 0: the middle is free
     fig.tight_layout()
     for p in paths:
         fig.savefig(p)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from keytrace.analysis.lengthrule import LengthRule, length_rule
-from keytrace.analysis.sweep import FixComparison, compare_fix
+from keytrace.analysis.sweep import FixComparison, SweepRow, compare_fix
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -97,6 +97,7 @@ def write_report(
     write_rows(rows, csv_path=sweep_csv)
     rule = length_rule(rows, A)
     fixed = None
+    fixed_rows = None
     if fix is not None:
         log(f"sweeping them again with candidate fix {fix} ...")
         fixed_rows = run_sweep(geo, lengths, fix=fix, progress=progress)
@@ -109,7 +110,9 @@ def write_report(
         plots = plot_sweep(
             rows,
             [os.path.join(out_dir, "sweep.png")],
-            title=f"{rule.mismatches} of {rule.lengths} lengths mismatch",
+            title=f"{rule.mismatches} of {rule.lengths} lengths mismatch"
+            + _with_fix(fixed_rows, fix),
+            fixed=(fix, fixed_rows) if fix is not None and fixed_rows is not None else None,
         )
     except Exception as exc:  # the plot is optional (matplotlib is an extra)
         log(f"no plot: {exc}")
@@ -161,6 +164,12 @@ def write_report(
         minimal_trace=minimal_trace,
         fix=fixed,
     )
+
+
+def _with_fix(rows: list[SweepRow] | None, fix: str | None) -> str:
+    if rows is None or fix is None:
+        return ""
+    return f"; with fix {fix}: {sum(r.verdict == 'mismatch' for r in rows)}"
 
 
 def _traffic(primes: Sequence[int], episode: int) -> str:

@@ -71,10 +71,11 @@ def test_sweep_from_trace_and_inject(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "bad range" in capsys.readouterr().err
 
 
-def test_sweep_compare_a_fix_with_stock(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sweep_compare_a_fix_with_stock(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # small: A = 64, MTP chunk 16; P mod 64 in 1..15 fails on stock: 1,028, 1,032, 1,036
     args = ["sweep", "--geometry", "small", "--lengths", "1020:1044:4", "--quiet"]
-    assert main([*args[:-1], "--fix", "eagle_proof_key", "--compare"]) == 0
+    plot = ["--plot", str(tmp_path / "cmp")]
+    assert main([*args[:-1], "--fix", "eagle_proof_key", "--compare", *plot]) == 0
     out = capsys.readouterr().out
     assert (
         "with fix eagle_proof_key: 3 of 3 failing lengths hit (3 reach E), no new mismatch "
@@ -82,6 +83,10 @@ def test_sweep_compare_a_fix_with_stock(capsys: pytest.CaptureFixture[str]) -> N
     )
     # the table has stock vLLM's outcome next to the fix's
     assert "   1,028     512   1    1,024     1,024 hit              0 mismatch" in out
+    # the plot: stock vLLM's sweep with the fix's external tokens drawn over it
+    svg = (tmp_path / "cmp.svg").read_text()
+    assert "<!-- external tokens with fix eagle_proof_key -->" in svg
+    assert "3 of 7 lengths mismatch; with fix eagle_proof_key: 0 -->" in svg
     assert main([*args, "--fix", "mtp_left_chunk", "--compare"]) == 1
     assert "with fix mtp_left_chunk: 0 of 3 failing lengths hit" in capsys.readouterr().out
     assert main([*args, "--compare"]) == 2  # --compare without a fix
