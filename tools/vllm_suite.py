@@ -1,6 +1,6 @@
 """vLLM's own offloading-connector suite, without and with keytrace recording: same results?
 
-    python tools/vllm_suite.py [--version 0.33.0] [--cache DIR] [--keep DIR]
+    python tools/vllm_suite.py [--version 0.33.0] [--cache DIR] [--keep DIR] [--fix NAME]
 
 Runs ``tests/v1/kv_connector/unit/offloading_connector/`` from vLLM's sdist (see
 ``tools/vllm_sdist.py``) twice, on a CPU, offline:
@@ -13,6 +13,9 @@ Runs ``tests/v1/kv_connector/unit/offloading_connector/`` from vLLM's sdist (see
 Prints both results, the per-test differences and the number of parts written. Exit 0
 only when every test has the same outcome in both runs and recording wrote parts; 1
 otherwise. ``.ci/run`` runs it.
+
+``--fix NAME`` records with a candidate fix applied (``KEYTRACE_FIX``): which of vLLM's own
+tests does the fix change? (Evidence for an upstream report, not a transparency check.)
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 
 def run_suite(
-    tree: Path, home: Path, work: Path, record_dir: Path | None
+    tree: Path, home: Path, work: Path, record_dir: Path | None, fix: str | None = None
 ) -> tuple[dict[str, str], float]:
     junit = work / ("recording.xml" if record_dir else "plain.xml")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
@@ -79,6 +82,8 @@ def run_suite(
     ]
     if record_dir is not None:
         env["KEYTRACE_DIR"] = str(record_dir)
+        if fix:
+            env["KEYTRACE_FIX"] = fix
         env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
         )
@@ -104,6 +109,7 @@ def main() -> int:
     ap.add_argument("--version", default=DEFAULT_VERSION)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--keep", type=Path, default=None, help="Keep the recorded trace here.")
+    ap.add_argument("--fix", default=None, help="Record with this candidate fix applied.")
     args = ap.parse_args()
 
     tree, home = prepare(args.version, args.cache)
@@ -112,12 +118,13 @@ def main() -> int:
         (work / "keytrace_suite_loader.py").write_text(LOADER)
         record_dir = args.keep or work / "trace"
         plain, t_plain = run_suite(tree, home, work, None)
-        recorded, t_rec = run_suite(tree, home, work, record_dir)
+        recorded, t_rec = run_suite(tree, home, work, record_dir, args.fix)
         parts = sorted(record_dir.rglob("*.parquet")) if record_dir.exists() else []
 
     print(f"vLLM {args.version} {OFFLOADING_SUITE}")
     print(f"  without keytrace:        {summary(plain)}  ({t_plain:.0f} s)")
-    print(f"  recording (KEYTRACE_DIR): {summary(recorded)}  ({t_rec:.0f} s)")
+    label = f"recording, fix {args.fix}" if args.fix else "recording (KEYTRACE_DIR)"
+    print(f"  {label}: {summary(recorded)}  ({t_rec:.0f} s)")
     print(f"  parts written while recording: {len(parts)}")
     differ = sorted(t for t in plain.keys() | recorded.keys() if plain.get(t) != recorded.get(t))
     for t in differ[:20]:

@@ -138,10 +138,13 @@ def proof_key(req: Any, group_config: Any, chunk_idx: int, tokens_per_hash: int)
 
 
 def _proof_groups(sched: Any) -> dict[int, Any]:
-    """Group id -> config of the EAGLE/MTP sliding-window groups a proof applies to."""
+    """Group id -> config of the EAGLE/MTP sliding-window groups a proof applies to; none
+    for a scheduler built without a config (vLLM's own unit tests call the scan helpers on
+    bare instances: the fix then leaves every call to vLLM)."""
+    configs = getattr(getattr(sched, "config", None), "kv_group_configs", None) or ()
     return {
         g.group_idx: g
-        for g in sched.config.kv_group_configs
+        for g in configs
         if getattr(g, "is_eagle_group", False)
         and g.sliding_window_size_in_chunks is not None
         and not g.requires_cow_source
@@ -195,7 +198,8 @@ def scan_with_proof(
     a = dict(zip(_SCAN_ARGS, args, strict=False))
     a.update(kwargs)
     keys: Sequence[Any] = a["keys"]
-    group = _proof_groups(instance).get(int.from_bytes(keys[0][-4:], "big")) if keys else None
+    keyed = bool(keys) and isinstance(keys[0], bytes)
+    group = _proof_groups(instance).get(int.from_bytes(keys[0][-4:], "big")) if keyed else None
     if group is None or a["sliding_window_size"] != group.sliding_window_size_in_chunks + 1:
         return wrapped(*args, **kwargs)
     ctx = a["req_context"]

@@ -151,3 +151,32 @@ SHORT_PREFIX = Geometry(
 def test_peek_of_a_run_from_the_first_chunk(fix: str | None, external: int, tmp_path: Path) -> None:
     r = replay(SHORT_PREFIX, [33], 49, trace_dir=tmp_path / "t", fix=fix)
     assert (r.external_tokens, r.expected_E) == (external, 32), r.explain()
+
+
+def test_the_fix_leaves_calls_it_cannot_serve_to_vllm() -> None:
+    """vLLM's own unit tests call the scan helper on a bare scheduler (no config) with
+    integer keys; with the fix applied that call is vLLM's, unchanged."""
+    from unittest.mock import MagicMock
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.v1.kv_offload.base import LookupResult, make_offload_key
+
+    from keytrace.vllm.patches import fixed
+
+    sched = OffloadingConnectorScheduler.__new__(OffloadingConnectorScheduler)
+    sched.manager = MagicMock()
+    sched.manager.lookup.side_effect = lambda key, ctx: (
+        LookupResult.HIT if key in (1, 2, 3) else LookupResult.MISS
+    )
+    with fixed("eagle_proof_key"):
+        assert sched._sliding_window_lookup([0, 1, 2, 3], 2, MagicMock()) == 4
+        assert sched._sliding_window_lookup([1, 2, 3], 4, MagicMock()) == 3
+        # real OffloadKeys on a scheduler without a config: still vLLM's call
+        keys = [make_offload_key(str(i).encode(), 0) for i in range(4)]
+        hits = set(keys[1:])
+        sched.manager.lookup.side_effect = lambda key, ctx: (
+            LookupResult.HIT if key in hits else LookupResult.MISS
+        )
+        assert sched._sliding_window_lookup(keys, 2, MagicMock()) == 4
