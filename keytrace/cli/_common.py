@@ -98,6 +98,20 @@ plain_progress_option = _progress("on for a terminal")
 """``--progress/--no-progress`` for a command without ``--json``."""
 
 
+def inject_option(help: str) -> Callable[[Any], Any]:
+    """``--inject NAME``: one of `keytrace.vllm.inject.INJECTIONS` (vLLM-free to import)."""
+    from keytrace.vllm.inject import INJECTIONS
+
+    return click.option("--inject", type=click.Choice(sorted(INJECTIONS)), default=None, help=help)
+
+
+def fix_option(help: str) -> Callable[[Any], Any]:
+    """``--fix NAME``: one of `keytrace.vllm.fixes.FIXES` (vLLM-free to import)."""
+    from keytrace.vllm.fixes import FIXES
+
+    return click.option("--fix", type=click.Choice(sorted(FIXES)), default=None, help=help)
+
+
 def echo_trace_warnings(trace: Trace) -> None:
     """Warnings and notes from reading go to stderr, one line each."""
     for w in trace.warnings:

@@ -7,11 +7,9 @@ import sys
 
 import click
 
-from keytrace.cli._common import json_option, progress_option, subcommand
+from keytrace.cli._common import fix_option, inject_option, json_option, progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
-from keytrace.vllm.fixes import FIXES
-from keytrace.vllm.inject import INJECTIONS
 
 
 @subcommand("fuzz")
@@ -43,15 +41,8 @@ from keytrace.vllm.inject import INJECTIONS
     is_flag=True,
     help="Only sliding windows that are whole blocks (skip the k*block+1 window class).",
 )
-@click.option(
-    "--inject",
-    type=click.Choice(sorted(INJECTIONS)),
-    default=None,
-    help="Reintroduce a historical store-side bug first.",
-)
-@click.option(
-    "--fix", type=click.Choice(sorted(FIXES)), default=None, help="Apply a candidate fix first."
-)
+@inject_option("Reintroduce a historical store-side bug first.")
+@fix_option("Apply a candidate fix first.")
 @json_option
 @progress_option
 def command(

@@ -7,10 +7,9 @@ import sys
 
 import click
 
-from keytrace.cli._common import plain_progress_option, subcommand, trace_paths
+from keytrace.cli._common import fix_option, plain_progress_option, subcommand, trace_paths
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH
-from keytrace.vllm.fixes import FIXES
 
 
 @subcommand("report")
@@ -25,12 +24,7 @@ from keytrace.vllm.fixes import FIXES
     help="Prompt lengths swept around the case (over two alignment units) for the rule.",
 )
 @click.option("--no-minimize", is_flag=True, help="Skip the minimal case (faster).")
-@click.option(
-    "--fix",
-    type=click.Choice(sorted(FIXES)),
-    default=None,
-    help="Also sweep the lengths with this candidate fix and report what it closes.",
-)
+@fix_option("Also sweep the lengths with this candidate fix and report what it closes.")
 @plain_progress_option
 def command(
     paths: tuple[str, ...],

@@ -8,12 +8,10 @@ import click
 
 from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header
 from keytrace.analysis.sweep import SweepRow, compare_fix, parse_lengths
-from keytrace.cli._common import plain_progress_option, subcommand
+from keytrace.cli._common import fix_option, inject_option, plain_progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.report.table import write_rows
-from keytrace.vllm.fixes import FIXES
-from keytrace.vllm.inject import INJECTIONS
 
 
 def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
@@ -55,18 +53,10 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     "--retention-interval", type=int, default=None, help="prefix_cache_retention_interval."
 )
 @click.option("--blocks-per-chunk", type=int, default=None, help="Offload chunk size in blocks.")
-@click.option(
-    "--inject",
-    type=click.Choice(sorted(INJECTIONS)),
-    default=None,
-    help="Reintroduce a historical store-side bug (testing keytrace itself).",
-)
-@click.option(
-    "--fix",
-    type=click.Choice(sorted(FIXES)),
-    default=None,
-    help="Apply a candidate fix to vLLM's offload path first (does it close every failing "
-    "length without a new mismatch?).",
+@inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
+@fix_option(
+    "Apply a candidate fix to vLLM's offload path first (does it close every failing "
+    "length without a new mismatch?)."
 )
 @click.option(
     "--compare",

@@ -7,11 +7,9 @@ import tempfile
 
 import click
 
-from keytrace.cli._common import plain_progress_option, subcommand
+from keytrace.cli._common import fix_option, inject_option, plain_progress_option, subcommand
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, KeytraceError, UsageError
-from keytrace.vllm.fixes import FIXES
-from keytrace.vllm.inject import INJECTIONS
 
 
 def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
@@ -118,18 +116,10 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
 @click.option(
     "--budget", type=int, default=None, help="max_num_batched_tokens [default: the geometry's]."
 )
-@click.option(
-    "--inject",
-    type=click.Choice(sorted(INJECTIONS)),
-    default=None,
-    help="Reintroduce a historical store-side bug (testing keytrace itself).",
-)
-@click.option(
-    "--fix",
-    type=click.Choice(sorted(FIXES)),
-    default=None,
-    help="Apply a candidate fix to vLLM's offload path for the whole run (does it hold on "
-    "real traffic?).",
+@inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
+@fix_option(
+    "Apply a candidate fix to vLLM's offload path for the whole run (does it hold on "
+    "real traffic?)."
 )
 @click.option(
     "--oracle",
