@@ -168,17 +168,10 @@ def lookup_with_unkeyable_peek(
     added: list[list[Any]] = []
     for gid, g in _proof_groups(instance).items():
         keys = req_status.group_states[gid].offload_keys
-        n = len(keys)
-        if n * g.tokens_per_chunk >= req.num_tokens or not _aligned(
-            instance, n * g.tokens_per_chunk
-        ):
-            continue
-        key = proof_key(req, g, n, instance.config.tokens_per_hash)
-        if key is None:
-            continue
-        req_status.req_context.set_offload_key_position(key, (n + 1) * g.tokens_per_chunk)
-        keys.append(key)
-        added.append(keys)
+        key = _peek_proof(instance, req, g, len(keys), req_status.req_context)
+        if key is not None:  # None too when the prompt ends at the keyed chunks
+            keys.append(key)
+            added.append(keys)
     try:
         return wrapped(*args, **kwargs)
     finally:
@@ -225,6 +218,9 @@ def scan_with_proof(
 
 
 def _peek_proof(sched: Any, req: Any, group: Any, chunk_idx: int, ctx: Any) -> Any:
+    """The proof key of the peek at chunk ``chunk_idx`` (None unless its left edge is an
+    aligned boundary the request can prove), registered at the chunk's end token as vLLM
+    registers every key it looks up or stores (the recorder reads positions from there)."""
     if not _aligned(sched, chunk_idx * group.tokens_per_chunk):
         return None
     key = proof_key(req, group, chunk_idx, sched.config.tokens_per_hash)
@@ -266,12 +262,9 @@ def _scan(
                 required_window = sliding_window_size
         if consecutive_hits == required_window:
             return None if defer_lookup or pending_in_window else idx + required_window
-        peek = idx + consecutive_hits  # the chunk right of this run, which did not hit
-        if consecutive_hits == required_window - 1 and peek < len(keys):
-            key = proof_for(peek)
-            if key is None or key == keys[peek]:
-                continue
-            match sched.manager.lookup(key, req_context):
+        if consecutive_hits == required_window - 1:
+            # the chunk right of this run did not hit: is it proven instead?
+            match _proven(sched, keys, idx + consecutive_hits, req_context, proof_for):
                 case LookupResult.HIT:
                     return None if defer_lookup or pending_in_window else idx + required_window
                 case LookupResult.HIT_PENDING:
@@ -280,16 +273,24 @@ def _scan(
                     defer_lookup = True
     # vLLM accepts a run that reaches the first queried chunk whole (what lies before it is
     # computed or the prompt's start): its peek may be proven too
-    peek = consecutive_hits
-    if not (defer_lookup or pending_in_window) and 0 < peek < len(keys):
-        key = proof_for(peek)
-        if key is not None and key != keys[peek]:
-            match sched.manager.lookup(key, req_context):
-                case LookupResult.HIT:
-                    return peek + 1
-                case LookupResult.HIT_PENDING | LookupResult.RETRY:
-                    return None
+    if not (defer_lookup or pending_in_window) and consecutive_hits > 0:
+        match _proven(sched, keys, consecutive_hits, req_context, proof_for):
+            case LookupResult.HIT:
+                return consecutive_hits + 1
+            case LookupResult.HIT_PENDING | LookupResult.RETRY:
+                return None
     return None if defer_lookup or pending_in_window else consecutive_hits
+
+
+def _proven(sched: Any, keys: Sequence[Any], peek: int, req_context: Any, proof_for: Any) -> Any:
+    """The lookup result of the proof of ``keys[peek]`` (a queried chunk that did not
+    hit), or None when there is none to look up."""
+    if peek >= len(keys):
+        return None
+    key = proof_for(peek)
+    if key is None or key == keys[peek]:
+        return None
+    return sched.manager.lookup(key, req_context)
 
 
 def store_peek_proofs(
@@ -354,11 +355,8 @@ def _kept_peek_proof(sched: Any, status: Any, g: Any, j: int) -> tuple[Any, list
     gpu = status.group_states[g.group_idx].block_ids[j * bpc : (j + 1) * bpc]
     if not gpu or gpu[0] == 0:
         return None  # the block holding token b is gone (or was never there)
-    key = proof_key(req, g, j, sched.config.tokens_per_hash)
-    if key is None:
-        return None
-    status.req_context.set_offload_key_position(key, (j + 1) * g.tokens_per_chunk)
-    return key, [bid for bid in gpu if bid != 0]
+    key = _peek_proof(sched, req, g, j, status.req_context)
+    return None if key is None else (key, [bid for bid in gpu if bid != 0])
 
 
 def _store_proofs(
