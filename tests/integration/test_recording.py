@@ -361,20 +361,8 @@ def test_unqueried_keys_cover_every_windowed_group_vllm_did_not_scan(tmp_path: P
         .collect()
         .iter_rows()
     }
-    looked = {
-        (i, s, g, c)
-        for i, s, g, c in frames.lookups(trace)
-        .select("inst", "s", "gid", "chunk")
-        .collect()
-        .iter_rows()
-    }
-    listed = {
-        (i, s, g, c)
-        for i, s, g, c in frames.unqueried(trace)
-        .select("inst", "s", "gid", "chunk")
-        .collect()
-        .iter_rows()
-    }
+    looked = _chunks(frames.lookups(trace))
+    listed = _chunks(frames.unqueried(trace))
     checked = 0
     for r in eps.iter_rows(named=True):
         i, s, S = r["inst"], r["s"], r["S"]
@@ -393,3 +381,8 @@ def test_unqueried_keys_cover_every_windowed_group_vllm_did_not_scan(tmp_path: P
                     assert (i, s, g.gid, c) in listed, (r["req_id"], g.gid, c)
                     checked += 1
     assert checked > 0
+
+
+def _chunks(rows: pl.LazyFrame) -> set[tuple[int, int, int, int]]:
+    """(inst, s, gid, chunk) of every row."""
+    return set(rows.select("inst", "s", "gid", "chunk").collect().iter_rows())
