@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ INJECTED = [
 
 
 def _pytest(
-    folder: Path, inject: str | None, fix: str | None = None
+    folder: Path, inject: str | None, fix: str | None = None, junit: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KEYTRACE_INJECT", "KEYTRACE_FIX")}
     if inject:
@@ -58,6 +59,7 @@ def _pytest(
             "no:cacheprovider",
             "--rootdir",
             str(folder),
+            *([f"--junitxml={junit}"] if junit else []),
         ],
         capture_output=True,
         text=True,
@@ -180,14 +182,28 @@ def test_committed_regressions_regenerate_byte_identically() -> None:
         assert name.endswith(f"_{hashlib.sha256(text.encode()).hexdigest()[:8]}.py")
 
 
+def _failure_messages(junit: Path) -> dict[str, str]:
+    """Each failed test's name and the first word of its failure message, from pytest's
+    JUnit XML (the terminal layout of a strict XPASS differs between pytest versions)."""
+    return {
+        case.get("name", ""): (failure.get("message") or "").split(" ", 1)[0]
+        for case in ET.parse(junit).getroot().iter("testcase")
+        for failure in case.findall("failure")
+    }
+
+
 def test_committed_regressions_pass_with_the_candidate_fix(tmp_path: Path) -> None:
     """The two strict-xfail regressions of the stock MTP peek miss (17,975: the resend;
     18,000: the next turn keying the peek the previous turn could not) pass under
     KEYTRACE_FIX=eagle_proof_key, which strict xfail reports as XPASS(strict)."""
     folder = tmp_path / "regressions"
     shutil.copytree(Path(__file__).resolve().parents[1] / "regressions", folder)
-    r = _pytest(folder, None, fix="eagle_proof_key")
-    assert r.stdout.count("XPASS(strict)") == 2, r.stdout[-3000:]
-    assert "2 failed" in r.stdout
+    junit = tmp_path / "fixed.xml"
+    r = _pytest(folder, None, fix="eagle_proof_key", junit=junit)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert _failure_messages(junit) == {
+        "test_offload_hit_recorded_17975": "[XPASS(strict)]",
+        "test_offload_hit_recorded_18000": "[XPASS(strict)]",
+    }, r.stdout[-3000:]
     stock = _pytest(folder, None)
     assert stock.returncode == 0 and "2 xfailed" in stock.stdout, stock.stdout[-3000:]
