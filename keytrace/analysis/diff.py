@@ -13,7 +13,7 @@ per *reported* episode only, to build the result objects.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import polars as pl
@@ -80,11 +80,8 @@ def _diff(
     # the routing account's keys (boundary keys) ride along the causes' pass over the store
     explained, keyed = _explain_shortfalls(trace, groups, sf, also=offers["key"])
     tick("shortfalls", 2, 4)
-    judged = eps.join(
-        explained.select(*KEY, "verdict2", "decisive", "term_result", "bind_gid"),
-        on=KEY,
-        how="left",
-    ).with_columns(pl.coalesce("verdict2", "verdict").alias("verdict"))
+    judged = _with_explanations(eps, explained)
+    del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().sort("verdict").iter_rows())
     lost_tokens = _lost_tokens(trace, groups, judged, offers, keyed)
     reported = (
@@ -109,6 +106,21 @@ def _diff(
     )
 
 
+def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFrame:
+    """``eps`` with the shortfall columns and the final verdict. The explanation is joined to
+    the key columns alone and set beside ``eps``'s own columns, which are shared, not copied:
+    a join of the whole frame copied every column of every episode, held until the end."""
+    extra = eps.select(KEY).join(
+        explained.select(*KEY, "verdict2", "decisive", "term_result", "bind_gid"),
+        on=KEY,
+        how="left",
+        maintain_order="left",
+    )
+    return eps.hstack(extra.drop(KEY)).with_columns(
+        pl.coalesce("verdict2", "verdict").alias("verdict")
+    )
+
+
 def _lost_tokens(
     trace: Trace,
     groups: list[Group],
@@ -130,10 +142,13 @@ def _lost_tokens(
         .then(first_cause)
         .alias("cause"),
     )
-    cold = j.filter(pl.col("verdict") == "cold")
+    # the columns each part reads, selected before any filter copies rows: a filter of the
+    # whole frame copies every column of the rows it keeps
+    cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(pl.col("verdict") == "cold")
     routing = lost.routing_boundaries(cold, frames.stores(trace), offers, groups, keyed=keyed)
-    counted = j.filter(pl.col("verdict") != "deferred").select("engine", "N")
-    return lost.summarize(lost.account(j, routing), counted)
+    counted = j.select("engine", "N", "verdict").filter(pl.col("verdict") != "deferred")
+    per_episode = j.select(*KEY, "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid")
+    return lost.summarize(lost.account(per_episode, routing), counted.drop("verdict"))
 
 
 # ------------------------------------------------------------------ episodes
@@ -460,8 +475,8 @@ def _with_causes(
 def _build(
     trace: Trace, groups: list[Group], reported: pl.DataFrame, explained: pl.DataFrame
 ) -> EpisodeList:
-    """The reported episodes: columns for all, objects only for the shortfalls (the only
-    per-episode Python)."""
+    """The reported episodes: columns for all; a shortfall's full verdict (the only
+    per-episode Python) is built when it is read (`_ShortfallDetail`)."""
     by_gid = {g.gid: g for g in groups}
     rows = reported.select(
         "verdict",
@@ -485,29 +500,55 @@ def _build(
     if explained.height == 0:
         return EpisodeList(rows, {})
     stored = _stored_near(trace, reported, explained, by_gid)
-    detail = {(r["inst"], r["s"]): r for r in explained.drop("needed").iter_rows(named=True)}
-    # the needed chunks as tuples straight into NeededChunk: a dict per chunk (iter_rows of
-    # the nested lists) was the largest transient of a fleet-sized report
-    needed_of: dict[tuple[int, int], list[NeededChunk]] = {}
-    flat = explained.select(*KEY, "needed").explode("needed").drop_nulls("needed")
-    for inst, s, *fields in flat.unnest("needed").iter_rows():
-        needed_of.setdefault((inst, s), []).append(NeededChunk(*fields))
-    detailed: dict[int, EpisodeVerdict] = {}
-    keys = reported.select(KEY).with_row_index("i").join(explained.select(KEY), on=KEY)
-    for i, inst, s in keys.iter_rows():
-        d = detail[(inst, s)]
-        base = verdict_from_row(rows.row(i, named=True))
-        g = by_gid[d["bind_gid"]] if d["bind_gid"] is not None else None
-        detailed[i] = dataclasses.replace(
+    positions = dict(
+        reported.select(KEY)
+        .with_row_index("i")
+        .join(explained.select(KEY).with_row_index("j"), on=KEY)
+        .select(pl.col("i").cast(pl.Int64), pl.col("j").cast(pl.Int64))
+        .iter_rows()
+    )
+    return EpisodeList(rows, _ShortfallDetail(rows, explained, positions, stored, by_gid))
+
+
+class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
+    """The full verdict of each reported shortfall (by its position in the report), built
+    when read. Built up front they were the differ's largest Python transient: 81 MB of
+    objects at 150M rows (7,513 shortfalls, 172,799 needed chunks); the JSON writer reads
+    each once and lets it go, so only the columns stay."""
+
+    def __init__(
+        self,
+        rows: pl.DataFrame,
+        explained: pl.DataFrame,
+        positions: dict[int, int],
+        stored: dict[tuple[int, int], list[tuple[int, int]]],
+        by_gid: dict[int, Group],
+    ) -> None:
+        self._rows, self._explained, self._positions = rows, explained, positions
+        self._stored, self._by_gid = stored, by_gid
+
+    def __getitem__(self, i: int) -> EpisodeVerdict:
+        d = self._explained.row(self._positions[i], named=True)
+        base = verdict_from_row(self._rows.row(i, named=True))
+        g = self._by_gid[d["bind_gid"]] if d["bind_gid"] is not None else None
+        return dataclasses.replace(
             base,
             binding_group=d["bind_gid"],
             binding_label=g.label if g else None,
             terminal=_terminal(d, g),
-            needed=needed_of.get((inst, s), []),
-            stored_chunks=stored.get((inst, s), []),
+            needed=[NeededChunk(**c) for c in d["needed"] or []],
+            stored_chunks=self._stored.get((d["inst"], d["s"]), []),
             reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
         )
-    return EpisodeList(rows, detailed)
+
+    def __contains__(self, i: object) -> bool:
+        return i in self._positions
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._positions)
+
+    def __len__(self) -> int:
+        return len(self._positions)
 
 
 def _plain_reason(reported: pl.DataFrame) -> pl.Expr:

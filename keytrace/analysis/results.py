@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -130,7 +130,7 @@ class EpisodeList(Sequence[EpisodeVerdict]):
     they stay small, and `keytrace.report.jsonout` encodes them without building them.
     """
 
-    def __init__(self, rows: pl.DataFrame, detailed: dict[int, EpisodeVerdict]) -> None:
+    def __init__(self, rows: pl.DataFrame, detailed: Mapping[int, EpisodeVerdict]) -> None:
         self.rows = rows
         self.detailed = detailed
 
