@@ -623,8 +623,12 @@ def _stored_near(
     )
     if span_df.height == 0:
         return {}
+    # the reader keeps just these requests' chunks before decoding the rest of a row
+    at = span_df.select(
+        "req_id", pl.int_ranges(pl.max_horizontal("lo", 0), pl.col("hi") + 1).alias("chunk")
+    ).explode("chunk")
     got = (
-        frames.stores(trace)
+        frames.stores(trace, at=at)
         .filter(pl.col("event") == "completed")
         .join(span_df.lazy(), on=["inst", "gid", "req_id"])
         .filter(pl.col("chunk").is_between("lo", "hi") & (pl.col("seq") < pl.col("s")))
