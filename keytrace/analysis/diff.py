@@ -541,6 +541,10 @@ class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
             reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
         )
 
+    def get(self, i: int, default: Any = None) -> Any:
+        # EpisodeList asks for every position: most are plain, and a KeyError each is slow
+        return self[i] if i in self._positions else default
+
     def __contains__(self, i: object) -> bool:
         return i in self._positions
 
