@@ -31,7 +31,14 @@ from keytrace.analysis.results import (
     hex_key,
     verdict_from_row,
 )
-from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range, unit
+from keytrace.analysis.rules import (
+    CAUSE_ORDER,
+    Group,
+    groups_from_header,
+    lookup_cap,
+    needed_range,
+    unit,
+)
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, reason, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
 from keytrace.format.reader import Trace, raise_unknown_results
@@ -257,7 +264,10 @@ def _explain_shortfalls(
         frames.collect
     )
     tph = int(trace.header.get("tokens_per_hash") or 1)
-    needed = _needed(sf, groups, tph).join(bind.select(*KEY, "bind_gid"), on=KEY, how="left")
+    proofs = _recorded_proofs(trace, keys)
+    needed = _needed(sf, groups, tph, proofs).join(
+        bind.select(*KEY, "bind_gid"), on=KEY, how="left"
+    )
     ranges = needed.group_by(*KEY, "gid").agg(
         pl.col("chunk").min().alias("lo"), (pl.col("chunk").max() + 1).alias("hi")
     )
@@ -274,6 +284,7 @@ def _explain_shortfalls(
     needed = _recorded_unqueried(trace, needed, keys)
     needed = unknown.derive_keys(trace, needed, sf)
     needed = unknown.settle_offers(trace, needed, sf)
+    needed = needed.join(proofs, on=[*KEY, "gid", "chunk"], how="left")
     with_cause, keyed = _with_causes(trace, needed, bind, sf, groups, also)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     # decisive causes in (group, chunk) order: the first one names an episode's shortfall
@@ -302,6 +313,23 @@ def _explain_shortfalls(
         )
     )
     return out.join(needed_lists, on=KEY, how="left"), keyed
+
+
+def _proof_if_better() -> list[pl.Expr]:
+    """``key`` and ``cause`` of a needed chunk, from its proof where the proof's cause is
+    better (`keytrace.analysis.rules.better_cause`): a chunk the lookup may find under its
+    own key or its proof is as available as the better of the two, and the evidence names
+    the key that decided."""
+    rank = {c: i for i, c in enumerate(CAUSE_ORDER)}
+
+    def ranked(col: str) -> pl.Expr:
+        return pl.col(col).replace_strict(rank, default=len(rank), return_dtype=pl.Int32)
+
+    better = pl.col("proof_cause").is_not_null() & (ranked("proof_cause") < ranked("cause"))
+    return [
+        pl.when(better).then(pl.col("proof")).otherwise(pl.col("key")).alias("key"),
+        pl.when(better).then(pl.col("proof_cause")).otherwise(pl.col("cause")).alias("cause"),
+    ]
 
 
 def _terminal_within_needed(bind: pl.DataFrame, needed: pl.DataFrame) -> pl.DataFrame:
@@ -356,17 +384,44 @@ def _recorded_unqueried(trace: Trace, needed: pl.DataFrame, keys: pl.DataFrame) 
     )
 
 
-def _needed(sf: pl.DataFrame, groups: list[Group], tph: int) -> pl.DataFrame:
+def _recorded_proofs(trace: Trace, keys: pl.DataFrame) -> pl.DataFrame:
+    """Proof keys the recorder listed for the episodes ``keys`` (a trace recorded under the
+    candidate fix ``eagle_proof_key``; empty otherwise): KEY, gid, chunk, proof."""
+    return (
+        frames.proofs(trace)
+        .join(keys.lazy(), on=KEY, how="semi")
+        .group_by(*KEY, "gid", "chunk")
+        .agg(pl.col("key").first().alias("proof"))
+        .pipe(frames.collect)
+    )
+
+
+def _needed(
+    sf: pl.DataFrame, groups: list[Group], tph: int, proofs: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """One row per (episode, windowed group, needed chunk). Full-attention chunks in
-    [S, E) are resident by construction (E <= F), so only windowed groups are listed."""
+    [S, E) are resident by construction (E <= F), so only windowed groups are listed.
+    ``proofs`` (`_recorded_proofs`): a proof of the chunk just past a group's keyed ones
+    was in the lookup's key list too (`keytrace.analysis.rules.needed_range`)."""
     parts = []
     for g in groups:
         if g.full_attention:
             continue
         keyed = pl.col("H") * tph // g.tpc
+        frame = sf
+        if g.eagle and proofs is not None and proofs.height:
+            tail = (
+                proofs.filter(pl.col("gid") == g.gid)
+                .join(sf.select(*KEY, "H"), on=KEY)
+                .filter(pl.col("chunk") == keyed)
+                .select(*KEY, pl.lit(1).alias("tail_proof"))
+                .unique(KEY)
+            )
+            frame = sf.join(tail, on=KEY, how="left")
+            keyed = keyed + pl.col("tail_proof").fill_null(0)
         lo, hi = needed_range(g, pl.col("S"), pl.col("E"), keyed)
         parts.append(
-            sf.select(
+            frame.select(
                 *KEY,
                 pl.lit(g.gid, dtype=pl.Int32).alias("gid"),
                 pl.int_ranges(lo, hi).alias("chunk"),
@@ -431,8 +486,20 @@ def _with_causes(
             "keyable_end",
         )
     )
+    probe_proof = (
+        needed.filter(pl.col("proof").is_not_null() & (pl.col("result") != "HIT").fill_null(True))
+        .join(ep, on=KEY)
+        .select(
+            *KEY,
+            "t",
+            pl.col("proof").alias("key"),
+            "gid",
+            ((pl.col("chunk") + 1) * pl.col("tpc")).alias("token_end"),
+            "keyable_end",
+        )
+    )
     probes = (
-        pl.concat([probe_needed, probe_term])
+        pl.concat([probe_needed, probe_proof, probe_term])
         .unique()
         .with_row_index("pid")
         .with_columns(pl.col("pid").cast(pl.Int64))
@@ -461,6 +528,13 @@ def _with_causes(
             .alias("cause")
         )
         .drop("keyable_end")
+        .join(
+            judged.rename({"key": "proof", "cause": "proof_cause"}),
+            on=[*KEY, "proof", "gid"],
+            how="left",
+        )
+        .with_columns(_proof_if_better())
+        .drop("proof", "proof_cause")
     )
     terminal = (
         bind.select(*KEY, pl.col("term_key").alias("key"), pl.col("bind_gid").alias("gid"))

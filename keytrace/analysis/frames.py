@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from keytrace.errors import UnknownResultError
 from keytrace.format.reader import Trace
-from keytrace.format.schema import LOOKUP_RESULTS, SCAN_EPISODE, SCAN_UNQUERIED
+from keytrace.format.schema import LOOKUP_RESULTS, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
 
 
 def collect(lf: pl.LazyFrame) -> pl.DataFrame:
@@ -283,6 +283,17 @@ def _ranges_v2(trace: Trace, want: pl.DataFrame, episodes: pl.Series) -> pl.Lazy
 def unqueried(trace: Trace) -> pl.LazyFrame:
     """Keys an episode needed in groups vLLM never scanned (v2; none in v1): inst, s,
     req_id, gid, chunk, end_token, key."""
+    return _listed(trace, SCAN_UNQUERIED)
+
+
+def proofs(trace: Trace) -> pl.LazyFrame:
+    """Proof keys of chunks an episode needed, listed under a candidate fix that accepts
+    them (v2, ``eagle_proof_key`` only; none otherwise), in `unqueried`'s columns."""
+    return _listed(trace, SCAN_PROOF)
+
+
+def _listed(trace: Trace, scan: int) -> pl.LazyFrame:
+    """The keys of the listing rows ``scan`` (a negative code of `keytrace.format.schema`)."""
     if trace.version == 1:
         return pl.LazyFrame(
             schema={
@@ -295,7 +306,7 @@ def unqueried(trace: Trace) -> pl.LazyFrame:
                 "key": pl.Binary,
             }
         )
-    rows = trace.frame("lookup").filter(pl.col("scan") == SCAN_UNQUERIED)
+    rows = trace.frame("lookup").filter(pl.col("scan") == scan)
     return _explode(rows, "head").select("inst", "s", "req_id", "gid", "chunk", "end_token", "key")
 
 

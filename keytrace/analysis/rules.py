@@ -29,6 +29,31 @@ EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
 these is not a rule bug (``docs/diff.md``; the offline differ and the live alarm)."""
 RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
 """Causes where the store path and the lookup path disagree about a key."""
+CAUSE_ORDER = (
+    "resident",
+    "in_flight",
+    "evicted",
+    "other_engine",
+    "store_failed",
+    "rejected",
+    "other_group",
+    "never_offered",
+    "not_keyable",
+)
+"""The causes of `keytrace.analysis.history.causes` in its precedence, the most available
+first. A chunk the lookup may find under either of two keys (an EAGLE peek chunk and its
+proof key under the candidate fix ``eagle_proof_key``) is as available as the better one:
+`better_cause`."""
+
+
+def better_cause(a: str | None, b: str | None) -> str | None:
+    """Of two causes for one chunk's two keys, the one earlier in `CAUSE_ORDER` (a cause
+    outside it, e.g. ``not_looked_up``, or None yields to any known cause)."""
+    rank = {c: i for i, c in enumerate(CAUSE_ORDER)}
+    ra, rb = rank.get(a or "", len(rank)), rank.get(b or "", len(rank))
+    return a if ra <= rb else b
+
+
 OFFER_EVENTS = ("prepared", "rejected", "failed")
 """Store events by which the store path decided about a key (a completion follows one)."""
 STORE_OFFERS = (*OFFER_EVENTS, "completed")
@@ -183,6 +208,11 @@ def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, 
     right-to-left scan must find, ending at the end of its query slice. An unverified
     EAGLE/MTP group queries one extra *peek* chunk past ``E`` when that chunk is keyed,
     needs one more consecutive hit, then pops the peek (``SCH:935-996``).
+
+    ``keyed_chunks``: the keys in the lookup's list for the group; the request's block
+    hashes give ``H * tokens_per_hash // tpc``, and under the candidate fix
+    ``eagle_proof_key`` an EAGLE group's list has one more, the proof of the peek chunk the
+    prompt cannot key, where the recorder listed one (a proof row at that chunk).
     """
     tpc = g.tpc
     start = local // tpc

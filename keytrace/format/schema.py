@@ -135,6 +135,10 @@ SCAN_EPISODE = -1
 """``scan`` of the one lookup row per episode that carries the episode's facts."""
 SCAN_UNQUERIED = -2
 """``scan`` of a row listing keys the episode needed in a group vLLM never scanned."""
+SCAN_PROOF = -3
+"""``scan`` of a row listing *proof keys*: under a candidate fix that lets a lookup accept a
+second key for a chunk (``eagle_proof_key``: an EAGLE peek proven by the chain hash and the
+next token), the keys that would have served for the chunks an episode needed."""
 HEAD = 64
 """Raw entries of a scan kept in its ``head_*`` lists; the rest go to ``tail_*``. vLLM
 starts every scan where a hit would end, so what a verdict needs is at the head."""

@@ -45,6 +45,7 @@ from keytrace.analysis.rules import (
     STORE_OFFERS,
     Group,
     align_down,
+    better_cause,
     lookup_cap,
     needed_range,
     store_boundary,
@@ -291,10 +292,12 @@ class Alarm:
         scans: Sequence[Any],
         unqueried: Mapping[int, Mapping[int, bytes]],
         tpc: Mapping[int, int],
+        proofs: Mapping[int, Mapping[int, bytes]],
     ) -> Judged:
         """The verdict of episode ``ep`` (the recorder's `_Episode`, external set) from its
-        ``scans`` (the recorder's `_Scan` objects, in call order) and the keys it needed in
-        groups vLLM never scanned (gid -> chunk -> key)."""
+        ``scans`` (the recorder's `_Scan` objects, in call order), the keys it needed in
+        groups vLLM never scanned and the proof keys listed under a candidate fix (both
+        gid -> chunk -> key)."""
         st = self._inst[inst]
         with self._lock:
             for sc in scans:
@@ -302,7 +305,7 @@ class Alarm:
                 for result, n in sc.counts.items():
                     if n:
                         self.looked_up[(st.engine, g, result)] += n
-            j = self._judge(st, ep, scans, unqueried, tpc)
+            j = self._judge(st, ep, scans, unqueried, tpc, proofs)
             self.episodes[(st.engine, j.verdict)] += 1
             if self.judged is not None:
                 self.judged.append(j)
@@ -322,6 +325,7 @@ class Alarm:
         scans: Sequence[Any],
         unqueried: Mapping[int, Mapping[int, bytes]],
         tpc: Mapping[int, int],
+        proofs: Mapping[int, Mapping[int, bytes]],
     ) -> Judged:
         S, X, s = ep.local, ep.external, ep.seq
         base = {"instance": st.name, "req_id": ep.req_id, "episode": s, "S": S, "external": X}
@@ -332,7 +336,7 @@ class Alarm:
             return Judged("cold", E=None, **base)
         if X >= E - S:
             return Judged("hit", E=E, **base)
-        return self._shortfall(st, ep, scans, unqueried, tpc, E, chain_P, base)
+        return self._shortfall(st, ep, scans, unqueried, tpc, proofs, E, chain_P, base)
 
     def _expected(
         self, st: _Instance, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
@@ -376,6 +380,7 @@ class Alarm:
         scans: Sequence[Any],
         unqueried: Mapping[int, Mapping[int, bytes]],
         tpc: Mapping[int, int],
+        proofs: Mapping[int, Mapping[int, bytes]],
         E: int,
         chain_P: int | None,
         base: dict[str, Any],
@@ -404,7 +409,9 @@ class Alarm:
         for g in self.groups:
             if g.full_attention:
                 continue
-            lo, hi = needed_range(g, S, E, ep.hashes * self.tph // g.tpc)
+            keyed = ep.hashes * self.tph // g.tpc
+            proven = proofs.get(g.gid, {})
+            lo, hi = needed_range(g, S, E, keyed + (keyed in proven))
             for chunk in range(lo, hi):
                 hit = seen.get((g.gid, chunk))
                 if hit is not None:
@@ -428,13 +435,17 @@ class Alarm:
         unknown = False
         causes: list[tuple[int, str]] = []  # (gid, cause) in (gid, chunk) order
         for gid, chunk, key, result, _seq in needed:
+            end = (chunk + 1) * self.by_gid[gid].tpc
+            proof = proofs.get(gid, {}).get(chunk)
             if result == "HIT":
-                cause = "resident"
-            elif key is None:
+                cause: str | None = "resident"
+            elif key is None and proof is None:
                 cause, unknown = "not_looked_up", True
             else:
-                cause = self._cause(st, key, gid, s, t, (chunk + 1) * self.by_gid[gid].tpc, chain_P)
-            causes.append((gid, cause))
+                cause = None if key is None else self._cause(st, key, gid, s, t, end, chain_P)
+            if proof is not None and cause != "resident":
+                cause = better_cause(cause, self._cause(st, proof, gid, s, t, end, chain_P))
+            causes.append((gid, cause or "not_looked_up"))
         term_cause = None
         if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
             term_cause = self._cause(

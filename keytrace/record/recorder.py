@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from keytrace.format.schema import HEAD, SCAN_EPISODE, SCAN_UNQUERIED
+from keytrace.format.schema import HEAD, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
 
 
@@ -58,6 +58,7 @@ class Alarm(Protocol):
         scans: Sequence[Any],
         unqueried: Mapping[int, Mapping[int, bytes]],
         tpc: Mapping[int, int],
+        proofs: Mapping[int, Mapping[int, bytes]],
     ) -> Any: ...
     def report(self, inst: int, j: Any) -> None: ...
     def expected(
@@ -115,6 +116,7 @@ class Recorder:
         self._tpc = dict(tokens_per_chunk)
         self._ep_scans: dict[str, list[_Scan]] = {}
         self._ep_unqueried: dict[str, dict[int, dict[int, bytes]]] = {}
+        self._ep_proofs: dict[str, dict[int, dict[int, bytes]]] = {}
         self._judged: dict[str, Any] = {}
         if alarm is not None:
             alarm.add_instance(w.instance_id, w.instance, engine_id, dp_rank, directory, self)
@@ -180,6 +182,7 @@ class Recorder:
         if self.alarm is not None:
             self._ep_scans[req_id] = []
             self._ep_unqueried.pop(req_id, None)
+            self._ep_proofs.pop(req_id, None)
             self._feed("episode_begin", req_id, num_prompt_tokens, shared_prefix_boundary)
 
     def episode_end(self, req_id: str, external: int | None, load_async: bool | None) -> None:
@@ -215,7 +218,8 @@ class Recorder:
         """The alarm's verdict on an episode that just ended; its warning, if any."""
         scans = self._ep_scans.pop(ep.req_id, [])
         unqueried = self._ep_unqueried.pop(ep.req_id, {})
-        judged = self._feed("judge", ep, scans, unqueried, self._tpc)
+        proofs = self._ep_proofs.pop(ep.req_id, {})
+        judged = self._feed("judge", ep, scans, unqueried, self._tpc, proofs)
         if judged is not None:
             self._judged[ep.req_id] = judged
             self._feed("report", judged)
@@ -264,12 +268,33 @@ class Recorder:
     ) -> None:
         """Keys the current episode needed in a group vLLM never scanned (the hook reads them
         from vLLM's own per-group key list), so the differ knows them exactly."""
+        self._listed(SCAN_UNQUERIED, self._ep_unqueried, req_id, group_id, ends, keys)
+
+    def proofs(
+        self, req_id: str, group_id: int, ends: Sequence[int], keys: Sequence[bytes]
+    ) -> None:
+        """Proof keys (``SCAN_PROOF``) of chunks the current episode needed: under a
+        candidate fix, a second key the lookup accepts for the chunk ending at each of
+        ``ends``, so the differ and the alarm judge the chunk by the better of the two."""
+        self._listed(SCAN_PROOF, self._ep_proofs, req_id, group_id, ends, keys)
+
+    def _listed(
+        self,
+        scan: int,
+        for_alarm: dict[str, dict[int, dict[int, bytes]]],
+        req_id: str,
+        group_id: int,
+        ends: Sequence[int],
+        keys: Sequence[bytes],
+    ) -> None:
+        """One row of keys listed (not looked up) for the current episode: ``scan`` says
+        what they are; the alarm gets them as group -> chunk -> key."""
         if not keys:
             return
         if self.alarm is not None:
             tpc = self._tpc.get(group_id)
             if tpc:
-                got = self._ep_unqueried.setdefault(req_id, {}).setdefault(group_id, {})
+                got = for_alarm.setdefault(req_id, {}).setdefault(group_id, {})
                 for end, key in zip(ends, keys, strict=True):
                     if end % tpc == 0:
                         got[end // tpc - 1] = key
@@ -278,7 +303,7 @@ class Recorder:
             time.time_ns(),
             self.step,
             self.episode,
-            SCAN_UNQUERIED,
+            scan,
             req_id,
             group_id=group_id,
             head_seqs=[None] * len(keys),

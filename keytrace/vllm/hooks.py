@@ -167,6 +167,35 @@ def record_unqueried(
         if missing:
             ends = [(c + 1) * g.tpc for c in missing]
             rec.unqueried(request.request_id, g.gid, ends, [bytes(keys[c]) for c in missing])
+    if "fix:eagle_proof_key" in (rec.writer.header.get("vllm_modified") or ()):
+        record_proofs(rec, sched, request, hits, keyed)
+
+
+def record_proofs(rec: Recorder, sched: Any, request: Any, hits: Sequence[int], keyed: int) -> None:
+    """Under the candidate fix ``eagle_proof_key``: the proof key of each EAGLE peek chunk a
+    hit at one of ``hits`` would query, including the one just past the keyed chunks that
+    only its proof keys (``keytrace.vllm.fixes``; the same function the fix looks up with)."""
+    from keytrace.vllm import fixes
+
+    tph = int(rec.writer.header.get("tokens_per_hash") or 1)
+    for g in fixes._proof_groups(sched).values():
+        tpc = g.tokens_per_chunk
+        chunks = sorted(
+            {end // tpc for end in hits if end % tpc == 0 and end // tpc <= keyed // tpc}
+        )
+        proven = [
+            (c, key)
+            for c in chunks
+            if fixes._aligned(sched, c * tpc)
+            and (key := fixes.proof_key(request, g, c, tph)) is not None
+        ]
+        if proven:
+            rec.proofs(
+                request.request_id,
+                g.group_idx,
+                [(c + 1) * tpc for c, _ in proven],
+                [bytes(key) for _, key in proven],
+            )
 
 
 def accepted(

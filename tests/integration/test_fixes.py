@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from tests.conftest import require_vllm
@@ -112,15 +113,32 @@ def test_next_turn_after_an_unkeyable_peek(
 
 
 @pytest.mark.parametrize(
-    ("geometry", "cpu"), [("dsv4", 100_000), ("small", None)], ids=["dsv4", "small-evicting"]
+    ("geometry", "cpu"),
+    [("dsv4", 100_000), ("dsv4", None), ("small", None)],
+    ids=["dsv4", "dsv4-evicting", "small-evicting"],
 )
-def test_eagle_proof_key_on_real_traffic(geometry: str, cpu: int | None, tmp_path: Path) -> None:
-    from keytrace.analysis.diff import diff
+def test_eagle_proof_key_on_real_traffic(
+    geometry: str, cpu: int | None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the fix no rule mismatch, and the live alarm agrees with the differ episode by
+    episode (with evictions, a needed peek whose group vLLM never scanned is judged by the
+    proof key the recorder listed)."""
+    import logging
 
+    from keytrace.analysis.diff import diff
+    from keytrace.live.alarm import alarms
+    from tests.alarm_checks import SETTINGS, assert_alarm_agrees
+
+    caplog.set_level(logging.WARNING, logger="keytrace")
     counts = {}
     for fix in (None, "eagle_proof_key"):
         spec = WorkloadSpec(geometry=geometry, seed=11, cpu_chunks=cpu, fix=fix)
-        run_workload(spec, str(tmp_path / str(fix)))
+        caplog.clear()
+        run_workload(spec, str(tmp_path / str(fix)), alarm=SETTINGS)
+        warnings = [
+            m.getMessage() for m in caplog.records if "write-only offload" in m.getMessage()
+        ]
+        assert_alarm_agrees(str(tmp_path / str(fix)), alarms(), warnings)
         trace = open_trace(str(tmp_path / str(fix)))
         assert trace.header["vllm_modified"] == ([f"fix:{fix}"] if fix else [])
         counts[fix] = diff(trace).counts
@@ -180,3 +198,48 @@ def test_the_fix_leaves_calls_it_cannot_serve_to_vllm() -> None:
             LookupResult.HIT if key in hits else LookupResult.MISS
         )
         assert sched._sliding_window_lookup(keys, 2, MagicMock()) == 4
+
+
+def test_under_eagle_proof_key_an_evicted_proof_is_capacity_not_a_rule_bug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """small (A = 64, MTP group 2 with 16-token chunks, W = 2), 1,033 tokens: E = 1,024 and
+    the peek chunk 64 ([1,024, 1,040)) is past the prompt, so under the fix the store keeps
+    chunks 62, 63 and the *proof* of 64, and the lookup queries exactly those (its key list
+    has the proof as a 65th key). A second conversation then evicts part of them from a
+    40-chunk CPU tier. The resend falls short for capacity: judged with stock rules it
+    would need 61-63 and call 61 never offered (a false rule mismatch, exit 1); keytrace
+    reads the proof rows the recorder lists and judges 62-64, the proof by its own store
+    history. The live alarm agrees episode by episode."""
+    import dataclasses
+    import logging
+
+    from keytrace.analysis import frames
+    from keytrace.analysis.diff import diff
+    from keytrace.live.alarm import alarms
+    from keytrace.vllm.harness import Harness
+    from keytrace.vllm.patches import fixed, recording
+    from tests.alarm_checks import SETTINGS, assert_alarm_agrees
+
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    d = str(tmp_path / "t")
+    with fixed("eagle_proof_key"), recording(d, SETTINGS):
+        h = Harness(dataclasses.replace(builtin("small"), cpu_chunks=40), max_prompt_tokens=1_100)
+        h.submit(1_033, chain=0)
+        h.run_until_idle()
+        h.submit(1_033, chain=1)  # another conversation: evicts part of the first
+        h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        resend = h.submit(1_033, chain=0)
+        h.run_until_idle()
+    trace = open_trace(d)
+    v = diff(trace, request=resend, all_episodes=True).episodes[-1]
+    assert (v.verdict, v.E, v.external_tokens) == ("explained", 1_024, 0), v.reason
+    mtp = {n.chunk: n for n in v.needed if n.group_id == 2}
+    assert sorted(mtp) == [62, 63, 64]
+    proofs = frames.collect(frames.proofs(trace).filter(pl.col("req_id") == resend))
+    proof_64 = proofs.filter((pl.col("gid") == 2) & (pl.col("chunk") == 64))["key"].to_list()
+    assert [mtp[64].key] == [bytes(k).hex() for k in proof_64]
+    assert mtp[64].cause == "evicted" and mtp[63].cause == "evicted"
+    warnings = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
+    assert_alarm_agrees(d, alarms(), warnings)

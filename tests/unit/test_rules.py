@@ -10,8 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keytrace.analysis.rules import (
+    CAUSE_ORDER,
+    EXPLAINED_CAUSES,
+    RULE_CAUSES,
     Group,
     align_down,
+    better_cause,
     cdiv,
     eagle_peek_unkeyable,
     greatest,
@@ -175,3 +179,37 @@ def test_polars_and_int_evaluations_agree(
     for g in groups:
         if g.window is not None:
             assert (row[f"lo{g.gid}"], row[f"hi{g.gid}"]) == needed_range(g, local, E, keyed)
+
+
+def test_better_cause_follows_the_history_precedence() -> None:
+    """A chunk with two keys (an EAGLE peek and its proof) is as available as the better
+    one; the differ's polars form and the alarm's Python form pick the same for every
+    pair, and a cause outside the order (not looked up) yields to any known one."""
+    from keytrace.analysis.diff import _proof_if_better
+
+    explained = [c for c in CAUSE_ORDER if c in EXPLAINED_CAUSES]
+    assert explained == list(EXPLAINED_CAUSES)
+    assert [c for c in CAUSE_ORDER if c in RULE_CAUSES] == list(RULE_CAUSES)
+    assert CAUSE_ORDER.index("resident") == 0 and CAUSE_ORDER[-1] == "not_keyable"
+    assert better_cause("never_offered", "evicted") == "evicted"
+    assert better_cause("evicted", "never_offered") == "evicted"
+    assert better_cause("not_looked_up", "never_offered") == "never_offered"
+    assert better_cause(None, "rejected") == "rejected"
+    assert better_cause("in_flight", None) == "in_flight"
+    causes = [*CAUSE_ORDER, "not_looked_up"]
+    pairs = [(a, b) for a in causes for b in [*causes, None]]
+    frame = pl.DataFrame(
+        {
+            "key": [b"own"] * len(pairs),
+            "cause": [a for a, _ in pairs],
+            "proof": [b"proof"] * len(pairs),
+            "proof_cause": [b for _, b in pairs],
+        }
+    ).with_columns(_proof_if_better())
+    want = [better_cause(a, b) for a, b in pairs]
+    assert frame["cause"].to_list() == want
+    # the evidence names the key that decided: the proof only where it was strictly better
+    assert frame["key"].to_list() == [
+        b"proof" if b is not None and w == b and w != a else b"own"
+        for (a, b), w in zip(pairs, want, strict=True)
+    ]
