@@ -42,6 +42,7 @@ from keytrace.analysis.rules import (
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, reason, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
 from keytrace.format.reader import Trace, raise_unknown_results
+from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
 
@@ -264,7 +265,7 @@ def _explain_shortfalls(
         frames.collect
     )
     tph = int(trace.header.get("tokens_per_hash") or 1)
-    proofs = _recorded_proofs(trace, keys)
+    unqueried, proofs = _recorded(trace, keys)
     needed = _needed(sf, groups, tph, proofs).join(
         bind.select(*KEY, "bind_gid"), on=KEY, how="left"
     )
@@ -281,7 +282,7 @@ def _explain_shortfalls(
         (pl.col("gid") == pl.col("bind_gid")).fill_null(False).alias("binding")
     )
     bind = _terminal_within_needed(bind, needed)
-    needed = _recorded_unqueried(trace, needed, keys)
+    needed = _with_unqueried(needed, unqueried)
     needed = unknown.derive_keys(trace, needed, sf)
     needed = unknown.settle_offers(trace, needed, sf)
     needed = needed.join(proofs, on=[*KEY, "gid", "chunk"], how="left")
@@ -365,34 +366,32 @@ def _terminal_within_needed(bind: pl.DataFrame, needed: pl.DataFrame) -> pl.Data
     )
 
 
-def _recorded_unqueried(trace: Trace, needed: pl.DataFrame, keys: pl.DataFrame) -> pl.DataFrame:
-    """Needed keys the recorder took from vLLM's own key lists for groups it never scanned
-    (trace format v2): exact, no derivation needed."""
+def _recorded(trace: Trace, keys: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The keys the recorder listed for the episodes ``keys`` (trace format v2), in one
+    pass: (unqueried, proofs), each KEY, gid, chunk and its key (``ukey``, ``proof``).
+    Unqueried: needed keys taken from vLLM's own key lists for groups it never scanned,
+    exact. Proofs: under the candidate fix ``eagle_proof_key`` only, the proof key of
+    each needed peek (`keytrace.analysis.rules.better_cause`)."""
     got = (
-        frames.unqueried(trace)
+        frames.listed(trace)
         .join(keys.lazy(), on=KEY, how="semi")
-        .group_by(*KEY, "gid", "chunk")
-        .agg(pl.col("key").first().alias("ukey"))
+        .group_by(*KEY, "scan", "gid", "chunk")
+        .agg(pl.col("key").first())
         .pipe(frames.collect)
     )
-    if got.height == 0:
+    unqueried = got.filter(pl.col("scan") == SCAN_UNQUERIED).drop("scan")
+    proofs = got.filter(pl.col("scan") == SCAN_PROOF).drop("scan")
+    return unqueried.rename({"key": "ukey"}), proofs.rename({"key": "proof"})
+
+
+def _with_unqueried(needed: pl.DataFrame, unqueried: pl.DataFrame) -> pl.DataFrame:
+    """``needed`` with the recorder's unqueried keys where no lookup gave one."""
+    if unqueried.height == 0:
         return needed
     return (
-        needed.join(got, on=[*KEY, "gid", "chunk"], how="left")
+        needed.join(unqueried, on=[*KEY, "gid", "chunk"], how="left")
         .with_columns(pl.coalesce("key", "ukey").alias("key"))
         .drop("ukey")
-    )
-
-
-def _recorded_proofs(trace: Trace, keys: pl.DataFrame) -> pl.DataFrame:
-    """Proof keys the recorder listed for the episodes ``keys`` (a trace recorded under the
-    candidate fix ``eagle_proof_key``; empty otherwise): KEY, gid, chunk, proof."""
-    return (
-        frames.proofs(trace)
-        .join(keys.lazy(), on=KEY, how="semi")
-        .group_by(*KEY, "gid", "chunk")
-        .agg(pl.col("key").first().alias("proof"))
-        .pipe(frames.collect)
     )
 
 

@@ -283,17 +283,18 @@ def _ranges_v2(trace: Trace, want: pl.DataFrame, episodes: pl.Series) -> pl.Lazy
 def unqueried(trace: Trace) -> pl.LazyFrame:
     """Keys an episode needed in groups vLLM never scanned (v2; none in v1): inst, s,
     req_id, gid, chunk, end_token, key."""
-    return _listed(trace, SCAN_UNQUERIED)
+    return listed(trace).filter(pl.col("scan") == SCAN_UNQUERIED).drop("scan")
 
 
 def proofs(trace: Trace) -> pl.LazyFrame:
     """Proof keys of chunks an episode needed, listed under a candidate fix that accepts
     them (v2, ``eagle_proof_key`` only; none otherwise), in `unqueried`'s columns."""
-    return _listed(trace, SCAN_PROOF)
+    return listed(trace).filter(pl.col("scan") == SCAN_PROOF).drop("scan")
 
 
-def _listed(trace: Trace, scan: int) -> pl.LazyFrame:
-    """The keys of the listing rows ``scan`` (a negative code of `keytrace.format.schema`)."""
+def listed(trace: Trace) -> pl.LazyFrame:
+    """Every key the recorder *listed* rather than looked up, in one pass: `unqueried`'s
+    columns plus ``scan`` (`SCAN_UNQUERIED` or `SCAN_PROOF`) saying which kind it is."""
     if trace.version == 1:
         return pl.LazyFrame(
             schema={
@@ -304,10 +305,13 @@ def _listed(trace: Trace, scan: int) -> pl.LazyFrame:
                 "chunk": pl.Int64,
                 "end_token": pl.Int64,
                 "key": pl.Binary,
+                "scan": pl.Int32,
             }
         )
-    rows = trace.frame("lookup").filter(pl.col("scan") == scan)
-    return _explode(rows, "head").select("inst", "s", "req_id", "gid", "chunk", "end_token", "key")
+    rows = trace.frame("lookup").filter(pl.col("scan").is_in([SCAN_UNQUERIED, SCAN_PROOF]))
+    return _explode(rows, "head").select(
+        "inst", "s", "req_id", "gid", "chunk", "end_token", "key", "scan"
+    )
 
 
 def _explode(
