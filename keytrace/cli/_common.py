@@ -105,11 +105,37 @@ def inject_option(help: str) -> Callable[[Any], Any]:
     return click.option("--inject", type=click.Choice(sorted(INJECTIONS)), default=None, help=help)
 
 
+class FixSpec(click.ParamType):  # type: ignore[type-arg]  # not generic at runtime in older click
+    """One candidate fix, or several joined by commas (``eagle_proof_key,window_minus_one``),
+    each one of `keytrace.vllm.fixes.FIXES`; the value stays the string."""
+
+    name = "NAME[,NAME]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from keytrace.vllm.fixes import FIXES
+
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        unknown = [n for n in names if n not in FIXES]
+        if not names or unknown:
+            self.fail(
+                f"unknown fix {(unknown or [value])[0]!r}; known: {', '.join(sorted(FIXES))}",
+                param,
+                ctx,
+            )
+        return ",".join(dict.fromkeys(names))
+
+
 def fix_option(help: str) -> Callable[[Any], Any]:
-    """``--fix NAME``: one of `keytrace.vllm.fixes.FIXES` (vLLM-free to import)."""
+    """``--fix NAME[,NAME]``: candidate fixes of `keytrace.vllm.fixes.FIXES` (vLLM-free to
+    import), several joined by commas."""
     from keytrace.vllm.fixes import FIXES
 
-    return click.option("--fix", type=click.Choice(sorted(FIXES)), default=None, help=help)
+    return click.option(
+        "--fix",
+        type=FixSpec(),
+        default=None,
+        help=f"{help} Known: {', '.join(sorted(FIXES))}; several joined by commas.",
+    )
 
 
 def echo_trace_warnings(trace: Trace) -> None:

@@ -12,6 +12,16 @@ from typing import Any
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 SCHEDULER_CLASS = "OffloadingConnectorScheduler"
 BASE_MODULE = "vllm.v1.kv_offload.base"
+CONFIG_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config"
+"""Where the offloading config is built (module functions; a candidate fix patches one)."""
+
+
+def config_module() -> Any:
+    """The offloading config module, or None when this vLLM has none."""
+    try:
+        return importlib.import_module(CONFIG_MODULE)
+    except Exception:
+        return None
 
 
 def load_targets() -> tuple[Any, Any, list[str]]:

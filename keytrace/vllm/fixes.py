@@ -4,9 +4,9 @@ A fix is a row of the same patch table as the injections (`keytrace.vllm.patches
 sweep, a workload or a generated regression can run with it and show "with this fix: N of N
 failing lengths hit, no new mismatch" on the real scheduler, before anyone patches vLLM.
 
-All three target the stock 0.33.0 MTP peek miss (docs/findings.md): vLLM's EAGLE/MTP store tail
-for a boundary ``b`` is the window shifted one chunk right, ``[b/tpc + 1 - need, b/tpc +
-1)``, because a lookup at ``b`` queries the *peek* chunk ``[b, b + tpc)`` and pops it. When
+The first three target the stock 0.33.0 MTP peek miss (docs/findings.md): vLLM's EAGLE/MTP
+store tail for a boundary ``b`` is the window shifted one chunk right, ``[b/tpc + 1 - need,
+b/tpc + 1)``, because a lookup at ``b`` queries the *peek* chunk ``[b, b + tpc)`` and pops it. When
 the prompt ends before ``b + tpc`` the peek chunk is never keyed, so never stored.
 
 - ``mtp_left_chunk`` keeps the chunk left of such a tail, which the MTP group's scan needs
@@ -28,7 +28,12 @@ the prompt ends before ``b + tpc`` the peek chunk is never keyed, so never store
   continuation. Measured: every failing length reaches ``b``, no new mismatch, and none on
   realistic traffic (docs/findings.md).
 
-Testing tool: a fix is written into every trace header, and logs a WARNING naming itself.
+``window_minus_one`` targets the second disagreement `keytrace fuzz` found, windows of
+``k * tpc + 1`` tokens: the lookup asks for ``cdiv(w, tpc)`` chunks where the store keeps the
+``w - 1`` tokens of context a query attends to; with it the lookup asks for those.
+
+Fixes combine (``--fix eagle_proof_key,window_minus_one``). Testing tool: a fix is written
+into every trace header, and logs a WARNING naming itself.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from typing import Any
 
 from keytrace.vllm import hooks
 from keytrace.vllm.inject import _mask_args
+
+STORE_MASK_FIXES = ("mtp_left_chunk", "unkeyable_peek_fallback")
+"""The fixes that replace the store path's mask (one patch-table row each)."""
 
 FIXES: dict[str, str] = {
     "mtp_left_chunk": (
@@ -53,6 +61,11 @@ FIXES: dict[str, str] = {
         "both sides, EAGLE/MTP sliding-window groups: a peek chunk the prompt cannot key is "
         "proven by a key of the chain hash at the boundary and the token after it; store "
         "writes it, lookup accepts it where the full peek misses"
+    ),
+    "window_minus_one": (
+        "lookup side, sliding-window groups: ask for the chunks the window's w - 1 tokens of "
+        "context cover, cdiv(w - 1 + extra, tpc), as the store side (and vLLM's GPU prefix "
+        "cache) keep, not cdiv(w, tpc): one chunk fewer when w - 1 is a multiple of a chunk"
     ),
 }
 """Fix name -> what it changes in vLLM's offload path (shown in warnings and ``--help``)."""
@@ -411,3 +424,25 @@ def _store_proofs(
         src_spec=m.GPULoadStoreSpec(src, group_sizes=sizes, block_indices=starts),
         dst_spec=stored.store_spec,
     )
+
+
+# ------------------------------------------------------------------ window_minus_one
+def window_minus_one(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``get_sliding_window_size_in_chunks(kv_cache_spec, tokens_per_chunk)`` for the
+    window-plus-one class (docs/findings.md): vLLM's own answer is ``max(cdiv(w, tpc),
+    cdiv(w - 1 + extra, tpc))``; a query at a boundary attends to the ``w - 1`` tokens
+    before it, which is what the store side keeps (``SlidingWindowManager``), so the
+    first term asks for one chunk more exactly when ``(w - 1) mod tpc == 0``. The load
+    window (``load_window_size_in_chunks``) already counts ``w - 1``. Other specs: vLLM's
+    answer."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = args[0] if args else kwargs["kv_cache_spec"]
+    tpc = args[1] if len(args) > 1 else kwargs["tokens_per_chunk"]
+    out = wrapped(*args, **kwargs)
+    if out is None or not isinstance(spec, SlidingWindowSpec):
+        return out
+    context = spec.sliding_window - 1 + spec.extra_retained_tokens
+    return max(1, -(-context // tpc))

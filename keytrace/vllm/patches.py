@@ -6,7 +6,9 @@ A row (`Patch`) names
   bug, `keytrace.vllm.inject`), ``fix:<name>`` (a candidate fix, `keytrace.vllm.fixes`),
   ``harness`` (the CPU harness's own observers);
 - its *target*: ``scheduler`` is a class attribute of ``OffloadingConnectorScheduler``,
-  applied when the feature is enabled; ``manager`` and ``connector`` are attributes of one
+  applied when the feature is enabled; ``config`` a function of vLLM's offloading config
+  module (read when a connector is built), applied the same way; ``manager`` and
+  ``connector`` are attributes of one
   *instance*, applied as each instance appears (the manager when a recorded scheduler is
   built, the connector when a harness is built). The manager is never patched at class
   level: tiering managers alias ``prepare_write = self.prepare_store`` on their primary
@@ -44,7 +46,7 @@ from keytrace.vllm import fixes, hooks, inject
 
 log = logging.getLogger("keytrace")
 
-Target = Literal["scheduler", "manager", "connector"]
+Target = Literal["scheduler", "config", "manager", "connector"]
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 Binding = Any  # None for class rows; what the instance rows need, e.g. (recorder, scheduler)
 Observer = Callable[..., Any]
@@ -364,7 +366,7 @@ TABLE: tuple[Patch, ...] = (
             "mtp_left_chunk": fixes.mtp_left_chunk,
             "unkeyable_peek_fallback": fixes.unkeyable_peek_fallback,
         },
-        {k: v for k, v in fixes.FIXES.items() if k != "eagle_proof_key"},
+        {k: v for k, v in fixes.FIXES.items() if k in fixes.STORE_MASK_FIXES},
     ),
     # a fix on both sides: lookup accepts a proof key for a peek, store writes it
     Patch(
@@ -381,6 +383,13 @@ TABLE: tuple[Patch, ...] = (
     ),
     Patch(
         "fix:eagle_proof_key", "scheduler", "_build_store_jobs", _replace(fixes.store_peek_proofs)
+    ),
+    # a lookup-side fix of the window in chunks, where vLLM computes it for every group
+    Patch(
+        "fix:window_minus_one",
+        "config",
+        "get_sliding_window_size_in_chunks",
+        _replace(fixes.window_minus_one),
     ),
     # the CPU harness's own observers on the connector instance it builds
     Patch("harness", "connector", "get_num_new_matched_tokens", _notify("on_lookup")),
@@ -517,11 +526,22 @@ def missing_hooks(feature: str) -> list[str]:
         release = vllm_version().split("+")[0]
         if release not in RECORDING_VLLM:
             return [f"release {release} is not one keytrace records"]
-    return problems + [
-        f"hook point {cls.__name__}.{p.attr} is missing"
-        for p in _rows(feature, "scheduler")
-        if p.essential and _resolve(cls, p.attr) is None
-    ]
+    from keytrace.vllm.compat import CONFIG_MODULE, config_module
+
+    config = config_module()
+    return (
+        problems
+        + [
+            f"hook point {cls.__name__}.{p.attr} is missing"
+            for p in _rows(feature, "scheduler")
+            if p.essential and _resolve(cls, p.attr) is None
+        ]
+        + [
+            f"hook point {CONFIG_MODULE}.{p.attr} is missing"
+            for p in _rows(feature, "config")
+            if config is None or _resolve(config, p.attr) is None
+        ]
+    )
 
 
 def enable(feature: str) -> bool:
@@ -550,6 +570,11 @@ def enable(feature: str) -> bool:
         _STATE.applied[feature] = []
         for row in _rows(feature, "scheduler"):
             _apply(feature, cls, row, None)
+        if _rows(feature, "config"):
+            from keytrace.vllm.compat import config_module
+
+            for row in _rows(feature, "config"):
+                _apply(feature, config_module(), row, None)
         if feature == "record":
             _STATE.exact_scans = all(
                 _resolve(cls, p.attr) is not None for p in _rows(feature, "scheduler")
@@ -685,6 +710,12 @@ def check_fix(name: str) -> str:
     return name
 
 
+def fix_names(spec: str | None) -> list[str]:
+    """The candidate fixes of ``spec``: one name, or several joined by commas (each
+    checked, `check_fix`); none for None or an empty string."""
+    return [check_fix(n.strip()) for n in (spec or "").split(",") if n.strip()]
+
+
 def apply_fix(name: str) -> None:
     """Switch candidate fix ``name`` on for the rest of the process.
 
@@ -696,17 +727,23 @@ def apply_fix(name: str) -> None:
         raise VllmUnavailableError(f"cannot apply fix {name}: this vLLM lacks the hook point")
 
 
-def fixed(name: str | None) -> contextlib.AbstractContextManager[None]:
-    """Apply candidate fix ``name`` inside the block (no-op for None)."""
-    return _scoped("fix", apply_fix, name)
+@contextlib.contextmanager
+def fixed(spec: str | None) -> Iterator[None]:
+    """Apply the candidate fixes of ``spec`` (`fix_names`) inside the block (no-op for
+    None)."""
+    with contextlib.ExitStack() as stack:
+        for name in fix_names(spec):
+            stack.enter_context(_scoped("fix", apply_fix, name))
+        yield
 
 
 def fix_from_env() -> str | None:
-    """Apply ``KEYTRACE_FIX`` if set (a generated regression's green run with the fix)."""
-    name = os.environ.get(ENV_FIX)
-    if name:
+    """Apply ``KEYTRACE_FIX`` if set (a generated regression's green run with the fix; one
+    name or several joined by commas)."""
+    spec = os.environ.get(ENV_FIX)
+    for name in fix_names(spec):
         apply_fix(name)
-    return name or None
+    return spec or None
 
 
 def injected(name: str | None) -> contextlib.AbstractContextManager[None]:

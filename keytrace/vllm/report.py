@@ -59,6 +59,7 @@ def write_report(
     from keytrace.vllm import require_vllm
     from keytrace.vllm.fixes import FIXES
     from keytrace.vllm.minimize import minimize
+    from keytrace.vllm.patches import fix_names
     from keytrace.vllm.sweep import run_sweep
 
     require_vllm()
@@ -147,7 +148,7 @@ def write_report(
         standalone=os.path.basename(standalone),
         trace=" ".join(paths),
         fix=fixed,
-        fix_text=FIXES.get(fix or "", ""),
+        fix_text="; ".join(FIXES[n] for n in fix_names(fix)),
     )
     markdown = os.path.join(out_dir, "report.md")
     with open(markdown, "w") as fh:

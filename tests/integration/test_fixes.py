@@ -243,3 +243,55 @@ def test_under_eagle_proof_key_an_evicted_proof_is_capacity_not_a_rule_bug(
     assert mtp[64].cause == "evicted" and mtp[63].cause == "evicted"
     warnings = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
     assert_alarm_agrees(d, alarms(), warnings)
+
+
+# The second disagreement (docs/findings.md), as `keytrace fuzz` shrank it: full attention
+# block 16 + a sliding window of 5 tokens in 4-token blocks, a 32-token resend. The store
+# keeps the w - 1 = 4 tokens of context (one chunk) before E = 16; stock lookup asks for
+# cdiv(5, 4) = 2 chunks, the fix for cdiv(4, 4) = 1.
+WINDOW_PLUS_ONE = Geometry(
+    name="fuzz-window-plus-one",
+    groups=(GroupGeom("full_attention", 16), GroupGeom("sliding_window", 4, sliding_window=5)),
+)
+
+
+@pytest.mark.parametrize(
+    ("fix", "external", "verdict", "window"),
+    [
+        (None, 0, "mismatch", 2),
+        ("window_minus_one", 16, "hit", 1),
+        ("eagle_proof_key,window_minus_one", 16, "hit", 1),
+        ("eagle_proof_key", 0, "mismatch", 2),
+    ],
+)
+def test_window_minus_one_closes_the_window_plus_one_class(
+    fix: str | None, external: int, verdict: str, window: int, tmp_path: Path
+) -> None:
+    d = tmp_path / "t"
+    r = replay(WINDOW_PLUS_ONE, [32], 32, trace_dir=d, fix=fix)
+    assert (r.external_tokens, r.verdict, r.expected_E) == (external, verdict, 16), r.explain()
+    header = open_trace(str(d)).header
+    assert [g["window_chunks"] for g in header["groups"]] == [None, window]
+    assert header["vllm_modified"] == [f"fix:{n}" for n in (fix or "").split(",") if n]
+
+
+def test_window_minus_one_on_a_sweep(tmp_path: Path) -> None:
+    """docs/findings.md's table: full attention 64 + SWA block 16, window 33: every length
+    misses on stock vLLM, every length hits with the fix (window 32 hits either way)."""
+    from keytrace.vllm.sweep import run_sweep
+
+    lengths = list(range(1_000, 1_061, 20))
+    for window, fix, want in [
+        (33, None, "mismatch"),
+        (33, "window_minus_one", "hit"),
+        (32, "window_minus_one", "hit"),
+    ]:
+        geo = Geometry(
+            name=f"w{window}",
+            groups=(
+                GroupGeom("full_attention", 64),
+                GroupGeom("sliding_window", 16, sliding_window=window),
+            ),
+        )
+        rows = run_sweep(geo, lengths, fix=fix)
+        assert [r.verdict for r in rows] == [want] * len(lengths), (window, fix, rows)

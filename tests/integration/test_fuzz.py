@@ -71,6 +71,13 @@ def test_with_the_candidate_fix_the_same_search_finds_nothing(tmp_path: Path) ->
     assert res.failure is None and res.cases >= 100, res
 
 
+def test_with_both_candidate_fixes_the_any_window_search_finds_nothing(tmp_path: Path) -> None:
+    """The search that finds the window-plus-one class above (any window), with
+    eagle_proof_key and window_minus_one applied together."""
+    res = fuzz(str(tmp_path / "f"), seed=3, max_examples=80, fix="eagle_proof_key,window_minus_one")
+    assert res.failure is None and res.cases >= 60, res
+
+
 def test_a_spent_budget_stops_the_search_at_once(tmp_path: Path) -> None:
     """A rejection after the budget made Hypothesis draw and reject until its own limit
     (minutes); the budget now ends the search at the next case."""

@@ -47,6 +47,7 @@ def _one_clean_line(stderr: str) -> str:
         ["sweep", "--lengths", "100"],
         ["sweep", "--lengths", "100", "--inject", "pre48911"],
         ["sweep", "--lengths", "100", "--fix", "unkeyable_peek_fallback"],
+        ["sweep", "--lengths", "100", "--fix", "eagle_proof_key,window_minus_one"],
         ["fuzz", "-o", "{tmp}/fuzz", "--max-examples", "1"],
         ["minimize", "{bad}", "-o", "{tmp}/min"],
         ["report", "{bad}", "-o", "{tmp}/report"],
@@ -111,3 +112,13 @@ def test_an_unexpected_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     for argv in (["--debug", "summary", trace], ["summary", trace, "--debug"]):
         r = run_blocked("vllm,torch", UNEXPECTED, *argv)
         assert r.returncode == 2 and "Traceback" in r.stderr and "a bug in keytrace" in r.stderr
+
+
+@pytest.mark.parametrize("spec", ["nope", "eagle_proof_key,nope", ","])
+def test_an_unknown_fix_in_a_list_is_a_usage_error(spec: str) -> None:
+    """``--fix`` takes names joined by commas; one unknown name refuses the whole option
+    (exit 2, naming it and the known ones) before anything is run."""
+    r = run_blocked("vllm,torch", MAIN, "sweep", "--lengths", "100", "--fix", spec)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Invalid value for '--fix'" in r.stderr and "window_minus_one" in r.stderr
+    assert "pip install" not in r.stderr  # refused as input, not for missing vLLM
