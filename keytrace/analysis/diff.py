@@ -32,7 +32,7 @@ from keytrace.analysis.results import (
     verdict_from_row,
 )
 from keytrace.analysis.rules import (
-    CAUSE_ORDER,
+    CAUSE_RANK,
     Group,
     groups_from_header,
     lookup_cap,
@@ -321,10 +321,11 @@ def _proof_if_better() -> list[pl.Expr]:
     better (`keytrace.analysis.rules.better_cause`): a chunk the lookup may find under its
     own key or its proof is as available as the better of the two, and the evidence names
     the key that decided."""
-    rank = {c: i for i, c in enumerate(CAUSE_ORDER)}
 
     def ranked(col: str) -> pl.Expr:
-        return pl.col(col).replace_strict(rank, default=len(rank), return_dtype=pl.Int32)
+        return pl.col(col).replace_strict(
+            CAUSE_RANK, default=len(CAUSE_RANK), return_dtype=pl.Int32
+        )
 
     better = pl.col("proof_cause").is_not_null() & (ranked("proof_cause") < ranked("cause"))
     return [
@@ -400,7 +401,7 @@ def _needed(
 ) -> pl.DataFrame:
     """One row per (episode, windowed group, needed chunk). Full-attention chunks in
     [S, E) are resident by construction (E <= F), so only windowed groups are listed.
-    ``proofs`` (`_recorded_proofs`): a proof of the chunk just past a group's keyed ones
+    ``proofs`` (`_recorded`): a proof of the chunk just past a group's keyed ones
     was in the lookup's key list too (`keytrace.analysis.rules.needed_range`)."""
     parts = []
     for g in groups:

@@ -44,14 +44,16 @@ CAUSE_ORDER = (
 first. A chunk the lookup may find under either of two keys (an EAGLE peek chunk and its
 proof key under the candidate fix ``eagle_proof_key``) is as available as the better one:
 `better_cause`."""
+CAUSE_RANK = {c: i for i, c in enumerate(CAUSE_ORDER)}
+"""A cause's position in `CAUSE_ORDER`; a cause outside it ranks after all of them."""
 
 
 def better_cause(a: str | None, b: str | None) -> str | None:
     """Of two causes for one chunk's two keys, the one earlier in `CAUSE_ORDER` (a cause
-    outside it, e.g. ``not_looked_up``, or None yields to any known cause)."""
-    rank = {c: i for i, c in enumerate(CAUSE_ORDER)}
-    ra, rb = rank.get(a or "", len(rank)), rank.get(b or "", len(rank))
-    return a if ra <= rb else b
+    outside it, e.g. ``not_looked_up``, or None yields to any known cause; a tie keeps
+    ``a``)."""
+    last = len(CAUSE_RANK)
+    return a if CAUSE_RANK.get(a or "", last) <= CAUSE_RANK.get(b or "", last) else b
 
 
 OFFER_EVENTS = ("prepared", "rejected", "failed")
