@@ -459,17 +459,19 @@ def _with_causes(
     of ``also``, returned for the caller)."""
     tpc = {g.gid: g.tpc for g in groups}
     ep = sf.select(*KEY, "t", pl.col("chain_P").alias("keyable_end"))
-    probe_needed = (
-        needed.filter(pl.col("key").is_not_null() & (pl.col("result") != "HIT").fill_null(True))
-        .join(ep, on=KEY)
-        .select(
+    # a needed chunk that did not hit is probed under its key and, under a candidate fix
+    # that accepts one, its proof key
+    missed = needed.filter((pl.col("result") != "HIT").fill_null(True)).join(ep, on=KEY)
+    probe_needed, probe_proof = (
+        missed.filter(pl.col(col).is_not_null()).select(
             *KEY,
             "t",
-            "key",
+            pl.col(col).alias("key"),
             "gid",
             ((pl.col("chunk") + 1) * pl.col("tpc")).alias("token_end"),
             "keyable_end",
         )
+        for col in ("key", "proof")
     )
     probe_term = (
         bind.filter(pl.col("term_key").is_not_null())
@@ -483,18 +485,6 @@ def _with_causes(
                 (pl.col("term_chunk") + 1)
                 * pl.col("bind_gid").replace_strict(tpc, return_dtype=pl.Int64)
             ).alias("token_end"),
-            "keyable_end",
-        )
-    )
-    probe_proof = (
-        needed.filter(pl.col("proof").is_not_null() & (pl.col("result") != "HIT").fill_null(True))
-        .join(ep, on=KEY)
-        .select(
-            *KEY,
-            "t",
-            pl.col("proof").alias("key"),
-            "gid",
-            ((pl.col("chunk") + 1) * pl.col("tpc")).alias("token_end"),
             "keyable_end",
         )
     )

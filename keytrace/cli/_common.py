@@ -112,16 +112,13 @@ class FixSpec(click.ParamType):  # type: ignore[type-arg]  # not generic at runt
     name = "NAME[,NAME]"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from keytrace.vllm.fixes import FIXES
+        from keytrace.errors import UsageError
+        from keytrace.vllm.fixes import check_fix, fix_names
 
-        names = [n.strip() for n in str(value).split(",") if n.strip()]
-        unknown = [n for n in names if n not in FIXES]
-        if not names or unknown:
-            self.fail(
-                f"unknown fix {(unknown or [value])[0]!r}; known: {', '.join(sorted(FIXES))}",
-                param,
-                ctx,
-            )
+        try:
+            names = fix_names(str(value)) or [check_fix(str(value))]
+        except UsageError as exc:
+            self.fail(str(exc), param, ctx)
         return ",".join(dict.fromkeys(names))
 
 

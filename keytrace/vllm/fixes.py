@@ -71,6 +71,22 @@ FIXES: dict[str, str] = {
 """Fix name -> what it changes in vLLM's offload path (shown in warnings and ``--help``)."""
 
 
+def check_fix(name: str) -> str:
+    """``name`` if it is a known candidate fix, else `UsageError` listing the known ones."""
+    from keytrace.errors import UsageError
+
+    if name not in FIXES:
+        raise UsageError(f"unknown fix {name!r}; known: {', '.join(sorted(FIXES))}")
+    return name
+
+
+def fix_names(spec: str | None) -> list[str]:
+    """The candidate fixes of ``spec``: one name, or several joined by commas (each
+    checked, `check_fix`); none for None or an empty string. The one parser of ``--fix``
+    and ``KEYTRACE_FIX``."""
+    return [check_fix(n.strip()) for n in (spec or "").split(",") if n.strip()]
+
+
 def mtp_left_chunk(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -230,13 +246,19 @@ def scan_with_proof(
     )
 
 
-def _peek_proof(sched: Any, req: Any, group: Any, chunk_idx: int, ctx: Any) -> Any:
-    """The proof key of the peek at chunk ``chunk_idx`` (None unless its left edge is an
-    aligned boundary the request can prove), registered at the chunk's end token as vLLM
-    registers every key it looks up or stores (the recorder reads positions from there)."""
+def peek_proof_key(sched: Any, req: Any, group: Any, chunk_idx: int) -> Any:
+    """The proof key of the peek at chunk ``chunk_idx``, or None unless its left edge is an
+    aligned boundary the request can prove: what the fix looks up and stores, and what the
+    recorder lists for the differ (`keytrace.vllm.hooks.record_proofs`)."""
     if not _aligned(sched, chunk_idx * group.tokens_per_chunk):
         return None
-    key = proof_key(req, group, chunk_idx, sched.config.tokens_per_hash)
+    return proof_key(req, group, chunk_idx, sched.config.tokens_per_hash)
+
+
+def _peek_proof(sched: Any, req: Any, group: Any, chunk_idx: int, ctx: Any) -> Any:
+    """`peek_proof_key`, registered at the chunk's end token as vLLM registers every key it
+    looks up or stores (the recorder reads positions from there)."""
+    key = peek_proof_key(sched, req, group, chunk_idx)
     if key is not None:
         ctx.set_offload_key_position(key, (chunk_idx + 1) * group.tokens_per_chunk)
     return key

@@ -177,7 +177,6 @@ def record_proofs(rec: Recorder, sched: Any, request: Any, hits: Sequence[int], 
     only its proof keys (``keytrace.vllm.fixes``; the same function the fix looks up with)."""
     from keytrace.vllm import fixes
 
-    tph = int(rec.writer.header.get("tokens_per_hash") or 1)
     for g in fixes._proof_groups(sched).values():
         tpc = g.tokens_per_chunk
         chunks = sorted(
@@ -186,8 +185,7 @@ def record_proofs(rec: Recorder, sched: Any, request: Any, hits: Sequence[int], 
         proven = [
             (c, key)
             for c in chunks
-            if fixes._aligned(sched, c * tpc)
-            and (key := fixes.proof_key(request, g, c, tph)) is not None
+            if (key := fixes.peek_proof_key(sched, request, g, c)) is not None
         ]
         if proven:
             rec.proofs(

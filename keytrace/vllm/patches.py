@@ -701,21 +701,6 @@ def remove_injections() -> None:
         disable(feature)
 
 
-def check_fix(name: str) -> str:
-    """``name`` if it is a known candidate fix, else `UsageError` listing the known ones."""
-    from keytrace.errors import UsageError
-
-    if name not in fixes.FIXES:
-        raise UsageError(f"unknown fix {name!r}; known: {', '.join(fixes.FIXES)}")
-    return name
-
-
-def fix_names(spec: str | None) -> list[str]:
-    """The candidate fixes of ``spec``: one name, or several joined by commas (each
-    checked, `check_fix`); none for None or an empty string."""
-    return [check_fix(n.strip()) for n in (spec or "").split(",") if n.strip()]
-
-
 def apply_fix(name: str) -> None:
     """Switch candidate fix ``name`` on for the rest of the process.
 
@@ -723,16 +708,16 @@ def apply_fix(name: str) -> None:
     fixed store path, as a bug reintroduced on top of a fix would."""
     from keytrace.errors import VllmUnavailableError
 
-    if not enable(f"fix:{check_fix(name)}"):
+    if not enable(f"fix:{fixes.check_fix(name)}"):
         raise VllmUnavailableError(f"cannot apply fix {name}: this vLLM lacks the hook point")
 
 
 @contextlib.contextmanager
 def fixed(spec: str | None) -> Iterator[None]:
-    """Apply the candidate fixes of ``spec`` (`fix_names`) inside the block (no-op for
+    """Apply the candidate fixes of ``spec`` (`keytrace.vllm.fixes.fix_names`) inside the block (no-op for
     None)."""
     with contextlib.ExitStack() as stack:
-        for name in fix_names(spec):
+        for name in fixes.fix_names(spec):
             stack.enter_context(_scoped("fix", apply_fix, name))
         yield
 
@@ -741,7 +726,7 @@ def fix_from_env() -> str | None:
     """Apply ``KEYTRACE_FIX`` if set (a generated regression's green run with the fix; one
     name or several joined by commas)."""
     spec = os.environ.get(ENV_FIX)
-    for name in fix_names(spec):
+    for name in fixes.fix_names(spec):
         apply_fix(name)
     return spec or None
 

@@ -57,9 +57,8 @@ def write_report(
     from keytrace.report.templates import render
     from keytrace.report.text import render_episode
     from keytrace.vllm import require_vllm
-    from keytrace.vllm.fixes import FIXES
+    from keytrace.vllm.fixes import FIXES, fix_names
     from keytrace.vllm.minimize import minimize
-    from keytrace.vllm.patches import fix_names
     from keytrace.vllm.sweep import run_sweep
 
     require_vllm()
