@@ -4,15 +4,19 @@ shortfall, the binding group, the terminal key and the cause of every needed chu
 ``docs/diff.md`` states the definitions in prose; the code that decides them is split by
 concern: vLLM's arithmetic in `rules`, per-scan facts in `scans`, intended boundaries in
 `boundaries`, the store history and causes in `history`, verdicts in `verdict`. This
-module only wires them together over lazy polars frames, in a fixed number of passes:
-per-scan summaries, the anchor group's lookups for the chain, and, for shortfall episodes
-only, their needed chunks' lookups and the store history of just those keys. Python runs
-per *reported* episode only, to build the result objects.
+module only wires them together over lazy polars frames. Once per trace: the boundary
+offers (one row per request boundary). Then per batch of episodes (`BATCH_EPISODES`), a
+fixed number of passes: the batch's per-scan summaries, its anchor-group lookups for the
+chain, and, for its shortfall episodes only, their needed chunks' lookups and the store
+history (up to the batch's end) of just those keys. Python runs per *reported* episode
+only, to build the result objects.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -20,8 +24,7 @@ import polars as pl
 
 from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, boundary_offers, chain
-from keytrace.analysis.history import causes, store_rows, wanted_keys
-from keytrace.analysis.lost import LostTokens
+from keytrace.analysis.history import causes
 from keytrace.analysis.results import (
     DiffReport,
     EpisodeList,
@@ -50,6 +53,15 @@ ProgressFn = Callable[[str, int, int], None]
 KEY = ["inst", "s"]
 
 
+BATCH_EPISODES = 65_536
+"""Episodes judged together. The differ's working memory grows with the episodes it judges
+at once, not with the key rows it reads, so a long trace is judged in consecutive batches of
+at most this many episodes (by sequence number): what is held from one batch to the next is
+one row per request and per reported episode. Measured with tools/bench_diff.py at 150M key
+rows (145,823 episodes): one batch peaked at 455 MB, three at 367-388 MB; the 50M-row
+trace's one batch of 48,433 at 297-320 MB (docs/diff.md)."""
+
+
 def diff(
     trace: Trace,
     *,
@@ -58,17 +70,29 @@ def diff(
     rank: int | None = None,
     all_episodes: bool = False,
     progress: ProgressFn | None = None,
+    batch_episodes: int = BATCH_EPISODES,
 ) -> DiffReport:
     """Judge every selected episode; see the module docstring. Returns data, never prints.
 
     ``all_episodes=False`` reports the shortfall episodes (explained and mismatch) with the
     earliest mismatch in sequence order as ``first_mismatch``; ``True`` reports every
     episode (hit, cold and deferred too). Counts always cover every selected episode.
+    ``batch_episodes``: see `BATCH_EPISODES` (the verdicts do not depend on it).
     """
     try:
-        return _diff(trace, request, engine, rank, all_episodes, progress)
+        return _diff(trace, request, engine, rank, all_episodes, progress, batch_episodes)
     except UnknownResultError:
         raise_unknown_results(trace)  # names the part
+
+
+@dataclasses.dataclass
+class _Batch:
+    """What one batch of episodes contributes to the report (`_judge`)."""
+
+    counts: dict[str, int]
+    lost: lost.Partial | None
+    reported: EpisodeList | None
+    selected: int
 
 
 def _diff(
@@ -78,40 +102,128 @@ def _diff(
     rank: int | None,
     all_episodes: bool,
     progress: ProgressFn | None,
+    batch_episodes: int,
 ) -> DiffReport:
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
+    # whole-trace facts every batch reads: one row per request boundary (not per key row)
     offers = boundary_offers(trace, groups)
-    eps = _episodes(trace, groups, offers, request, engine, rank)
-    tick("episodes", 1, 4)
+    own = lost.boundary_key_offers(frames.stores(trace), offers, groups)
+    sel = _selection(request, engine, rank)
+    ranges = _episode_ranges(trace, batch_episodes)
+    batches: list[_Batch] = []
+    done, total = 0, sum(n for _, _, n in ranges)
+    tick("episodes", 0, total)
+    for lo, hi, n in ranges:
+        batches.append(_judge(trace, lo, hi, groups, (offers, own), sel, all_episodes))
+        done += n
+        tick("episodes", done, total)
+    if sum(b.selected for b in batches) == 0:
+        raise TraceError("no episode matches the given --request/--engine/--rank")
+    verdicts = _concat([b.reported for b in batches if b.reported is not None])
+    # found in the column: iterating the report to it built an object per episode before it
+    # (with no mismatch, one per episode of the trace)
+    mismatches = (verdicts.rows.get_column("verdict") == "mismatch").arg_true()
+    first = verdicts[int(mismatches[0])] if len(mismatches) else None
+    counts: dict[str, int] = {}
+    for b in batches:
+        for k, v in b.counts.items():
+            counts[k] = counts.get(k, 0) + v
+    return DiffReport(
+        verdict="mismatch" if first else "agree",
+        first_mismatch=first,
+        episodes=verdicts,
+        counts=dict(sorted(counts.items())),
+        evidence_incomplete=trace.incomplete,
+        warnings=list(trace.warnings),
+        header=trace.header,
+        all_episodes=all_episodes,
+        lost=lost.summarize([b.lost for b in batches if b.lost is not None]),
+    )
+
+
+def _judge(
+    trace: Trace,
+    lo: int | None,
+    hi: int | None,
+    groups: list[Group],
+    offered: tuple[pl.DataFrame, pl.DataFrame],
+    sel: pl.Expr,
+    all_episodes: bool,
+) -> _Batch:
+    """The episodes ``lo <= s < hi``: their own lookup rows are read from ``view``
+    (`Trace.episode_range`), the store history from ``past`` (the rows before the batch's
+    end), what needs other episodes' lookups (a request's earlier ones) from ``trace``.
+    ``offered``: `boundary_offers` and `lost.boundary_key_offers`, of the whole trace."""
+    offers, own = offered
+    view = trace.episode_range(lo, hi)
+    eps = _episodes(view, groups, offers, sel)
+    if eps.height == 0:
+        return _Batch({}, None, None, 0)
+    t_max = eps.get_column("t").max()
+    before = _before(hi, t_max if isinstance(t_max, int) else None)
+    past = _stores(trace, before)
     sf = eps.filter(pl.col("verdict") == "shortfall")
-    # the routing account's keys (boundary keys) ride along the causes' pass over the store
-    explained, keyed = _explain_shortfalls(trace, groups, sf, also=offers["key"])
-    tick("shortfalls", 2, 4)
+    explained = _explain_shortfalls(trace, view, past, groups, sf)
     judged = _with_explanations(eps, explained)
+    selected = eps.height
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
-    counts = dict(judged.group_by("verdict").len().sort("verdict").iter_rows())
-    lost_tokens = _lost_tokens(trace, groups, judged, offers, keyed)
+    counts = dict(judged.group_by("verdict").len().iter_rows())
+    partial = _lost_tokens(groups, judged, offers, own)
     reported = (
         judged
         if all_episodes
         else judged.filter(pl.col("verdict").is_in(["explained", "mismatch"]))
     )
-    verdicts = _build(trace, groups, reported, explained)
-    tick("report", 3, 4)
-    first = next((v for v in verdicts if v.verdict == "mismatch"), None)
-    tick("report", 4, 4)
-    return DiffReport(
-        verdict="mismatch" if first else "agree",
-        first_mismatch=first,
-        episodes=verdicts,
-        counts=counts,
-        evidence_incomplete=trace.incomplete,
-        warnings=list(trace.warnings),
-        header=trace.header,
-        all_episodes=all_episodes,
-        lost=lost_tokens,
-    )
+    verdicts = _build(trace, before, groups, reported, explained)
+    return _Batch(counts, partial, verdicts, selected)
+
+
+def _before(hi: int | None, t_max: int | None) -> pl.Expr | None:
+    """The store rows a batch of episodes can need: an episode ``(inst, s, t)`` reads its
+    own instance's rows before ``s`` and other instances' rows before ``t`` (`history`),
+    so no row from ``hi`` on that is also after the batch's last wall clock. The bound
+    reaches the Parquet reader (parts are written in sequence order): an early batch reads
+    only the store's early parts. None: every row (the last batch)."""
+    if hi is None or t_max is None:
+        return None
+    return (pl.col("seq") < hi) | (pl.col("ts") <= t_max)
+
+
+def _stores(trace: Trace, before: pl.Expr | None, at: pl.DataFrame | None = None) -> pl.LazyFrame:
+    """`frames.stores` within ``before`` (`_before`)."""
+    stores = frames.stores(trace, at=at)
+    return stores if before is None else stores.filter(before)
+
+
+def _selection(request: str | None, engine: str | None, rank: int | None) -> pl.Expr:
+    sel = pl.lit(True)
+    if request is not None:
+        sel &= pl.col("req_id") == request
+    if engine is not None:
+        sel &= (pl.col("engine_id") == engine) | (pl.col("instance") == engine)
+    if rank is not None:
+        sel &= pl.col("dp_rank") == rank
+    return sel
+
+
+def _episode_ranges(trace: Trace, size: int) -> list[tuple[int | None, int | None, int]]:
+    """``(lo, hi, n)``: consecutive ranges of episode sequence numbers ``[lo, hi)`` holding
+    about ``size`` episodes each (``n``); the first and last are open-ended. Episodes of
+    several recorder instances share a range by sequence number."""
+    s = frames.collect(frames.episodes(trace).select("s")).get_column("s").sort()
+    k = max(1, -(-len(s) // max(1, size)))
+    cuts = sorted({int(s[i * len(s) // k]) for i in range(1, k)})
+    bounds: list[int | None] = [None, *cuts, None]
+    out = []
+    for lo, hi in itertools.pairwise(bounds):
+        n = len(s)
+        if lo is not None:
+            n -= int(s.search_sorted(lo, side="left"))
+        if hi is not None:
+            n -= len(s) - int(s.search_sorted(hi, side="left"))
+        out.append((lo, hi, n))
+    return out
 
 
 def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFrame:
@@ -130,13 +242,10 @@ def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFra
 
 
 def _lost_tokens(
-    trace: Trace,
-    groups: list[Group],
-    judged: pl.DataFrame,
-    offers: pl.DataFrame,
-    keyed: pl.DataFrame | None,
-) -> LostTokens:
-    """The per-engine account of every prompt token (`keytrace.analysis.lost`)."""
+    groups: list[Group], judged: pl.DataFrame, offers: pl.DataFrame, own: pl.DataFrame
+) -> lost.Partial:
+    """The per-engine account of every prompt token (`keytrace.analysis.lost`), folded
+    over these episodes."""
     first_cause = (
         pl.when(pl.col("decisive").list.len() > 0)
         .then(pl.col("decisive").list.first())
@@ -153,10 +262,10 @@ def _lost_tokens(
     # the columns each part reads, selected before any filter copies rows: a filter of the
     # whole frame copies every column of the rows it keeps
     cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(pl.col("verdict") == "cold")
-    routing = lost.routing_boundaries(cold, frames.stores(trace), offers, groups, keyed=keyed)
+    routing = lost.routing_boundaries(cold, offers, groups, own)
     counted = j.select("engine", "N", "verdict").filter(pl.col("verdict") != "deferred")
     per_episode = j.select(*KEY, "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid")
-    return lost.summarize(lost.account(per_episode, routing), counted.drop("verdict"))
+    return lost.fold(lost.account(per_episode, routing), counted.drop("verdict"))
 
 
 # ------------------------------------------------------------------ episodes
@@ -176,22 +285,11 @@ def _groups(trace: Trace) -> list[Group]:
 
 
 def _episodes(
-    trace: Trace,
-    groups: list[Group],
-    offers: pl.DataFrame,
-    request: str | None,
-    engine: str | None,
-    rank: int | None,
+    trace: Trace, groups: list[Group], offers: pl.DataFrame, sel: pl.Expr
 ) -> pl.DataFrame:
-    """Every selected episode with L, F, its intended boundaries, E and the base verdict."""
+    """Every episode of ``trace`` that ``sel`` selects, with L, F, its intended boundaries,
+    E and the base verdict."""
     eps = frames.episodes(trace)
-    sel = pl.lit(True)
-    if request is not None:
-        sel &= pl.col("req_id") == request
-    if engine is not None:
-        sel &= (pl.col("engine_id") == engine) | (pl.col("instance") == engine)
-    if rank is not None:
-        sel &= pl.col("dp_rank") == rank
     summaries = frames.scans(trace)
     # each piece is collected on its own (small: one row per episode): composed in one lazy
     # plan, the chain's whole-trace pass ran under the joins and _expected_boundary's
@@ -206,12 +304,9 @@ def _episodes(
         base.join(F, on=KEY, how="left").join(B, on=KEY, how="left").with_columns(top.alias("top"))
     )
     out = out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left")
-    df = out.with_columns(base_verdict().alias("verdict")).sort("s").pipe(frames.collect)
-    selected = df.filter(sel)
-    if selected.height == 0:
-        raise TraceError("no episode matches the given --request/--engine/--rank")
-    # the full set stays available to the shortfall work through this frame's rows
-    return selected
+    return (
+        out.with_columns(base_verdict().alias("verdict")).filter(sel).sort("s").pipe(frames.collect)
+    )
 
 
 def _expected_boundary(
@@ -242,11 +337,11 @@ def _expected_boundary(
 
 # ---------------------------------------------------------------- shortfalls
 def _explain_shortfalls(
-    trace: Trace, groups: list[Group], sf: pl.DataFrame, also: pl.Series
-) -> tuple[pl.DataFrame, pl.DataFrame | None]:
-    """Per shortfall episode: the binding scan, needed chunks with causes, the verdict; and
-    the store rows read for the causes, which hold every row of the keys ``also`` too (None
-    when there was no shortfall to explain)."""
+    trace: Trace, view: Trace, past: pl.LazyFrame, groups: list[Group], sf: pl.DataFrame
+) -> pl.DataFrame:
+    """Per shortfall episode: the binding scan, needed chunks with causes, the verdict.
+    The episodes' own lookup rows are read from ``view``, the store history from ``past``
+    (`_judge`), a request's other lookups from ``trace``."""
     empty = pl.DataFrame(
         schema={
             "inst": pl.Int64,
@@ -259,13 +354,13 @@ def _explain_shortfalls(
         }
     )
     if sf.height == 0:
-        return empty, None
+        return empty
     keys = sf.select(KEY)
-    bind = scans.binding(frames.scans(trace).join(keys.lazy(), on=KEY, how="semi")).pipe(
+    bind = scans.binding(frames.scans(view).join(keys.lazy(), on=KEY, how="semi")).pipe(
         frames.collect
     )
     tph = int(trace.header.get("tokens_per_hash") or 1)
-    unqueried, proofs = _recorded(trace, keys)
+    unqueried, proofs = _recorded(view, keys)
     needed = _needed(sf, groups, tph, proofs).join(
         bind.select(*KEY, "bind_gid"), on=KEY, how="left"
     )
@@ -273,7 +368,7 @@ def _explain_shortfalls(
         pl.col("chunk").min().alias("lo"), (pl.col("chunk").max() + 1).alias("hi")
     )
     seen = (
-        frames.lookups_in(trace, ranges.lazy())
+        frames.lookups_in(view, ranges.lazy())
         .group_by(*KEY, "gid", "chunk")
         .agg(pl.col("key", "result", "seq").sort_by("seq").last())
         .pipe(frames.collect)
@@ -286,7 +381,7 @@ def _explain_shortfalls(
     needed = unknown.derive_keys(trace, needed, sf)
     needed = unknown.settle_offers(trace, needed, sf)
     needed = needed.join(proofs, on=[*KEY, "gid", "chunk"], how="left")
-    with_cause, keyed = _with_causes(trace, needed, bind, sf, groups, also)
+    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     # decisive causes in (group, chunk) order: the first one names an episode's shortfall
     # tokens in the account, so it must not depend on the order joins left the rows in
@@ -295,8 +390,9 @@ def _explain_shortfalls(
         bind.select(*KEY, "bind_gid", "term_seq", "term_chunk", "term_key"), on=KEY, how="left"
     )
     out = out.join(with_cause["terminal"], on=KEY, how="left")
-    # the fields of `NeededChunk`, in its order, sorted: no per-chunk Python but its making
-    ch, tpc = pl.col("chunk"), pl.col("tpc")
+    # what `NeededChunk` holds but its tokens (the group's tpc gives them) with the key as
+    # bytes, sorted; made into objects (key in hex) only when read (`_ShortfallDetail`):
+    # the shortfalls' details are held until the report is written, half the size so
     needed_lists = (
         with_cause["needed"]
         .sort(*KEY, "gid", "chunk")
@@ -304,16 +400,14 @@ def _explain_shortfalls(
         .agg(
             pl.struct(
                 pl.col("gid").alias("group_id"),
-                ch,
-                (ch * tpc).alias("token_start"),
-                ((ch + 1) * tpc).alias("token_end"),
-                pl.col("key").bin.encode("hex"),
+                "chunk",
+                "key",
                 pl.col("result").alias("lookup_result"),
                 "cause",
             ).alias("needed")
         )
     )
-    return out.join(needed_lists, on=KEY, how="left"), keyed
+    return out.join(needed_lists, on=KEY, how="left")
 
 
 def _proof_if_better() -> list[pl.Expr]:
@@ -447,16 +541,15 @@ def _needed(
 
 
 def _with_causes(
-    trace: Trace,
+    header: dict[str, Any],
+    stores: pl.LazyFrame,
     needed: pl.DataFrame,
     bind: pl.DataFrame,
     sf: pl.DataFrame,
     groups: list[Group],
-    also: pl.Series,
-) -> tuple[dict[str, pl.DataFrame], pl.DataFrame]:
+) -> dict[str, pl.DataFrame]:
     """Causes for the needed chunks (HIT: resident; never looked up: not_looked_up) and for
-    each episode's terminal key, from one pass over the store rows of just those keys (and
-    of ``also``, returned for the caller)."""
+    each episode's terminal key, from one pass over ``stores`` for just those keys' rows."""
     tpc = {g.gid: g.tpc for g in groups}
     ep = sf.select(*KEY, "t", pl.col("chain_P").alias("keyable_end"))
     # a needed chunk that did not hit is probed under its key and, under a candidate fix
@@ -494,10 +587,9 @@ def _with_causes(
         .with_row_index("pid")
         .with_columns(pl.col("pid").cast(pl.Int64))
     )
-    group_ids = [g["group_id"] for g in trace.header["groups"]]
-    keyed = store_rows(frames.stores(trace), pl.concat([wanted_keys(probes, group_ids), also]))
+    group_ids = [g["group_id"] for g in header["groups"]]
     judged = (
-        causes(probes, frames.stores(trace), group_ids, rows=keyed)
+        causes(probes, stores, group_ids)
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )
@@ -532,23 +624,31 @@ def _with_causes(
         .select(*KEY, pl.col("cause").alias("term_cause"))
         .unique(KEY)
     )
-    return {"needed": needed, "terminal": terminal}, keyed
+    return {"needed": needed, "terminal": terminal}
 
 
 # ------------------------------------------------------------------ results
 def _build(
-    trace: Trace, groups: list[Group], reported: pl.DataFrame, explained: pl.DataFrame
+    trace: Trace,
+    before: pl.Expr | None,
+    groups: list[Group],
+    reported: pl.DataFrame,
+    explained: pl.DataFrame,
 ) -> EpisodeList:
     """The reported episodes: columns for all; a shortfall's full verdict (the only
     per-episode Python) is built when it is read (`_ShortfallDetail`)."""
     by_gid = {g.gid: g for g in groups}
+    # text columns categorical: the rows are held until the report is written, and a
+    # fleet's episodes repeat a few verdicts, engines and reasons (150M trace rows: 23 MB
+    # of rows as strings, 12 MB so); they read back as str
+    text = pl.Categorical
     rows = reported.select(
-        "verdict",
-        "instance",
+        pl.col("verdict").cast(text),
+        pl.col("instance").cast(text),
         pl.col("inst").alias("instance_id"),
-        "engine_id",
+        pl.col("engine_id").cast(text),
         "dp_rank",
-        "req_id",
+        pl.col("req_id").cast(text),
         pl.col("s").alias("episode"),
         "step",
         pl.col("P").alias("num_prompt_tokens"),
@@ -557,13 +657,13 @@ def _build(
         "E",
         pl.col("X").alias("external_tokens"),
         pl.col("A").alias("accepted_tokens"),
-        _plain_reason(reported).alias("reason"),
-        pl.col("chain").fill_null([]).cast(pl.List(pl.String)),
+        _plain_reason(reported).cast(text).alias("reason"),
+        pl.col("chain").fill_null([]).cast(pl.List(text)),
         "F",
     )
     if explained.height == 0:
         return EpisodeList(rows, {})
-    stored = _stored_near(trace, reported, explained, by_gid)
+    stored = _stored_near(trace, before, reported, explained, by_gid)
     positions = dict(
         reported.select(KEY)
         .with_row_index("i")
@@ -572,6 +672,51 @@ def _build(
         .iter_rows()
     )
     return EpisodeList(rows, _ShortfallDetail(rows, explained, positions, stored, by_gid))
+
+
+def _concat(lists: list[EpisodeList]) -> EpisodeList:
+    """The batches' reported episodes as one list, in batch (so sequence) order."""
+    if len(lists) == 1:
+        return lists[0]
+    rows = pl.concat([e.rows for e in lists], how="vertical_relaxed", rechunk=False)
+    offsets, start = [], 0
+    for e in lists:
+        offsets.append(start)
+        start += len(e)
+    return EpisodeList(rows, _Pieces(offsets, [e.detailed for e in lists]))
+
+
+class _Pieces(Mapping[int, EpisodeVerdict]):
+    """Consecutive batches' detail mappings as one, by position in the joined report: the
+    batch holding position ``i`` answers for its own position ``i - offset``."""
+
+    def __init__(self, offsets: list[int], pieces: list[Mapping[int, EpisodeVerdict]]) -> None:
+        self._offsets, self._pieces = offsets, pieces
+
+    def _locate(self, i: int) -> tuple[Mapping[int, EpisodeVerdict], int]:
+        k = max(0, bisect.bisect_right(self._offsets, i) - 1)
+        return self._pieces[k], i - self._offsets[k]
+
+    def __getitem__(self, i: int) -> EpisodeVerdict:
+        piece, j = self._locate(i)
+        return piece[j]
+
+    def get(self, i: int, default: Any = None) -> Any:
+        piece, j = self._locate(i)
+        return piece.get(j, default)
+
+    def __contains__(self, i: object) -> bool:
+        if not isinstance(i, int):
+            return False
+        piece, j = self._locate(i)
+        return j in piece
+
+    def __iter__(self) -> Iterator[int]:
+        for offset, piece in zip(self._offsets, self._pieces, strict=True):
+            yield from (offset + j for j in piece)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._pieces)
 
 
 class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
@@ -600,9 +745,21 @@ class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
             binding_group=d["bind_gid"],
             binding_label=g.label if g else None,
             terminal=_terminal(d, g),
-            needed=[NeededChunk(**c) for c in d["needed"] or []],
+            needed=[self._needed_chunk(c) for c in d["needed"] or []],
             stored_chunks=self._stored.get((d["inst"], d["s"]), []),
             reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
+        )
+
+    def _needed_chunk(self, c: dict[str, Any]) -> NeededChunk:
+        tpc = self._by_gid[c["group_id"]].tpc
+        return NeededChunk(
+            group_id=c["group_id"],
+            chunk=c["chunk"],
+            token_start=c["chunk"] * tpc,
+            token_end=(c["chunk"] + 1) * tpc,
+            key=hex_key(c["key"]),
+            lookup_result=c["lookup_result"],
+            cause=c["cause"],
         )
 
     def get(self, i: int, default: Any = None) -> Any:
@@ -651,7 +808,11 @@ def _terminal(d: dict[str, Any], g: Group | None) -> TerminalKey | None:
 
 
 def _stored_near(
-    trace: Trace, reported: pl.DataFrame, explained: pl.DataFrame, by_gid: dict[int, Group]
+    trace: Trace,
+    before: pl.Expr | None,
+    reported: pl.DataFrame,
+    explained: pl.DataFrame,
+    by_gid: dict[int, Group],
 ) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """One query for all reported shortfalls: which binding-group chunks the chain's
     requests had completed near the needed chunks, before the episode."""
@@ -696,7 +857,7 @@ def _stored_near(
         "req_id", pl.int_ranges(pl.max_horizontal("lo", 0), pl.col("hi") + 1).alias("chunk")
     ).explode("chunk")
     got = (
-        frames.stores(trace, at=at)
+        _stores(trace, before, at=at)
         .filter(pl.col("event") == "completed")
         .join(span_df.lazy(), on=["inst", "gid", "req_id"])
         .filter(pl.col("chunk").is_between("lo", "hi") & (pl.col("seq") < pl.col("s")))

@@ -111,21 +111,46 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.LazyFrame:
     ).select("engine", "cause", "bind_gid", *CATEGORIES)
 
 
-def summarize(per_episode: pl.LazyFrame, prompt: pl.DataFrame) -> LostTokens:
-    """Fold `account`'s episodes into per-engine totals and an ``all`` total: per category,
-    the tokens and the number of episodes with any; ``short`` rows per cause and group.
+@dataclass(frozen=True)
+class Partial:
+    """`fold`'s totals over some episodes; `summarize` adds up any number of them (every
+    total is a sum or a count, so a trace judged in batches gets the account of the whole)."""
+
+    per_cause: pl.DataFrame
+    """(engine, cause, bind_gid): per category its tokens and ``n_<category>``, the number
+    of episodes with any."""
+    prompts: pl.DataFrame
+    """(engine, N, episodes): the tokens the engine's counted episodes had to prefill."""
+
+
+def fold(per_episode: pl.LazyFrame, prompt: pl.DataFrame) -> Partial:
+    """`account`'s episodes folded into per-engine, per-cause totals.
 
     Aggregated before anything is unpivoted: one row per episode and category would be
     six times the episodes (measured: +145 MB at 150M trace rows).
     ``prompt``: (engine, N) per counted episode, for the totals the rows must add up to.
     """
-    # collected once (a few rows): the unpivot below reads it once per category
     per_cause = frames.collect(
         per_episode.group_by("engine", "cause", "bind_gid").agg(
             *(pl.col(c).sum().alias(c) for c in CATEGORIES),
-            *((pl.col(c) > 0).sum().alias(f"n_{c}") for c in CATEGORIES),
+            *((pl.col(c) > 0).sum().cast(pl.Int64).alias(f"n_{c}") for c in CATEGORIES),
         )
-    ).lazy()
+    )
+    prompts = prompt.group_by("engine").agg(pl.col("N").sum(), pl.len().alias("episodes"))
+    return Partial(per_cause, prompts.with_columns(pl.col("episodes").cast(pl.Int64)))
+
+
+def summarize(partials: list[Partial]) -> LostTokens:
+    """Per-engine totals and an ``all`` total from `fold`'s partials: per category, the
+    tokens and the number of episodes with any; ``short`` rows per cause and group."""
+    if not partials:
+        return LostTokens(prompt_tokens={}, episodes={}, rows=[])
+    per_cause = (
+        pl.concat([p.per_cause for p in partials], how="vertical_relaxed")
+        .group_by("engine", "cause", "bind_gid")
+        .agg(pl.all().sum())
+        .lazy()
+    )
     long = pl.concat(
         [
             per_cause.select(
@@ -155,10 +180,11 @@ def summarize(per_episode: pl.LazyFrame, prompt: pl.DataFrame) -> LostTokens:
             key=lambda r: (r[0] == "all", str(r[0]), order[r[1]], str(r[2]), r[3] or -1),
         )
     ]
+    prompts = pl.concat([p.prompts for p in partials], how="vertical_relaxed")
     totals = (
-        pl.concat([prompt, prompt.with_columns(every)])
+        pl.concat([prompts, prompts.with_columns(every)])
         .group_by("engine")
-        .agg(pl.col("N").sum(), pl.len())
+        .agg(pl.col("N").sum(), pl.col("episodes").sum())
         .sort(pl.col("engine") == "all", "engine")  # engines by name, then all: stable output
     )
     return LostTokens(
@@ -168,46 +194,46 @@ def summarize(per_episode: pl.LazyFrame, prompt: pl.DataFrame) -> LostTokens:
     )
 
 
+def boundary_key_offers(
+    stores: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]
+) -> pl.DataFrame:
+    """(inst, req_id, key): every request's offers of a boundary key (a key some request
+    offered for the chunk ending at one of its boundaries: `boundary_offers`), at any time.
+    One pass for the whole trace; `routing_boundaries` reads it for each batch of episodes.
+    Empty when the anchor group is not full attention (no routing account then)."""
+    from keytrace.analysis.boundaries import anchor, anchor_offers
+
+    if offers.height == 0 or not anchor(groups).full_attention:
+        return pl.DataFrame(schema={"inst": pl.Int64, "req_id": pl.String, "key": pl.Binary})
+    return frames.collect(
+        anchor_offers(stores, groups)
+        .filter(pl.col("key").is_in(offers["key"].unique().implode()))
+        .select("inst", "req_id", "key")
+        .unique()
+    )
+
+
 def routing_boundaries(
-    cold: pl.DataFrame,
-    stores: pl.LazyFrame,
-    offers: pl.DataFrame,
-    groups: list[Group],
-    *,
-    keyed: pl.DataFrame | None = None,
+    cold: pl.DataFrame, offers: pl.DataFrame, groups: list[Group], own: pl.DataFrame
 ) -> pl.DataFrame:
     """(inst, s, E_other) for cold episodes: the largest boundary ``b`` in (S, L] of a
     request on *another* instance that offered, before the episode's wall clock, the same
     full-attention key for the chunk ending at ``b`` as this episode's request offered (its
     prompt shares that prefix). Keys are content-addressed, so the request's own
-    full-attention store rows name its prefix even though its lookup stopped early.
-    ``offers``: `keytrace.analysis.boundaries.boundary_offers`; ``keyed``: store rows
-    already fetched that hold every row of the offers' keys (else one pass fetches them)."""
+    full-attention store rows name its prefix even though its lookup stopped early (and
+    they may come after the episode: ``own`` is `boundary_key_offers`, of the whole trace).
+    ``offers``: `keytrace.analysis.boundaries.boundary_offers`."""
     empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_other": pl.Int64})
-    if cold.height == 0:
-        return empty
-    from keytrace.analysis.boundaries import anchor, anchor_offers
-
-    a = anchor(groups)
-    if not a.full_attention:
+    if cold.height == 0 or own.height == 0:
         return empty
     elsewhere = (
         offers.group_by("inst", "key", "b").agg(pl.col("first_ts").min()).rename({"inst": "other"})
     )
-    # the cold requests' own offers of those boundary keys only (not all their keys)
-    boundary_keys = elsewhere["key"].unique()
-    source = keyed.lazy() if keyed is not None else stores
-    own = frames.collect(
-        anchor_offers(source, groups)
-        .filter(pl.col("key").is_in(boundary_keys.implode()))
-        .join(cold.select("inst", "req_id").lazy(), on=["inst", "req_id"])
-        .select("inst", "req_id", "key")
-        .unique()
-    ).lazy()
+    mine = own.join(cold.select("inst", "req_id").unique(), on=["inst", "req_id"])
     return (
         cold.select("inst", "s", "req_id", "t", "S", "L")
         .lazy()
-        .join(own, on=["inst", "req_id"])
+        .join(mine.lazy(), on=["inst", "req_id"])
         .join(elsewhere.lazy(), on="key")
         .filter(
             (pl.col("other") != pl.col("inst"))

@@ -65,6 +65,9 @@ class Trace:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    episodes: tuple[int | None, int | None] | None = None
+    """``[lo, hi)``: only the lookup-side rows (kinds in `EPISODE_KINDS`) of episodes whose
+    sequence number is in this range (a bound of None: open); see `episode_range`."""
 
     @property
     def incomplete(self) -> bool:
@@ -87,14 +90,25 @@ class Trace:
             return pl.LazyFrame(schema=schema)
         parts = self.parts_of(kind)
         if all(p.row_slice is None for p in parts):
-            return pl.scan_parquet(paths, schema=schema, hive_partitioning=False)
-        # a slice reaches the Parquet reader: only the row groups it covers are read
-        return pl.concat(
-            pl.scan_parquet(p.path, schema=schema, hive_partitioning=False).slice(*p.row_slice)
-            if p.row_slice is not None
-            else pl.scan_parquet(p.path, schema=schema, hive_partitioning=False)
-            for p in parts
-        )
+            frame = pl.scan_parquet(paths, schema=schema, hive_partitioning=False)
+        else:
+            # a slice reaches the Parquet reader: only the row groups it covers are read
+            frame = pl.concat(
+                pl.scan_parquet(p.path, schema=schema, hive_partitioning=False).slice(*p.row_slice)
+                if p.row_slice is not None
+                else pl.scan_parquet(p.path, schema=schema, hive_partitioning=False)
+                for p in parts
+            )
+        if self.episodes is not None and kind in EPISODE_KINDS:
+            frame = frame.filter(_within("episode", *self.episodes))
+        return frame
+
+    def episode_range(self, lo: int | None, hi: int | None) -> Trace:
+        """This trace with only the lookup-side rows of episodes ``lo <= episode < hi``
+        (None: no bound); store rows stay whole (an episode's causes read the store history
+        before it). The filter reaches the Parquet reader, which skips the row groups
+        outside the range by their statistics (parts are written in sequence order)."""
+        return dataclasses.replace(self, episodes=(lo, hi))
 
     def collect(self, kind: str) -> pl.DataFrame:
         return self.frame(kind).collect()
@@ -196,6 +210,19 @@ def _expand_one(path: str) -> list[str]:
                     found.append(os.path.join(root, f))
         return found
     return [path]
+
+
+EPISODE_KINDS = ("lookup", "episode")
+"""Kinds whose rows belong to one lookup episode (column ``episode``)."""
+
+
+def _within(col: str, lo: int | None, hi: int | None) -> pl.Expr:
+    inside = pl.lit(True)
+    if lo is not None:
+        inside &= pl.col(col) >= lo
+    if hi is not None:
+        inside &= pl.col(col) < hi
+    return inside
 
 
 def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None) -> Trace:
