@@ -57,34 +57,24 @@ def wanted_keys(probes: pl.DataFrame, group_ids: Sequence[int]) -> pl.Series:
 
 
 def store_rows(stores: pl.LazyFrame, keys: pl.Series) -> pl.DataFrame:
-    """The store rows of ``keys``, and every reset: one pass, filtered in the reader. What
-    `causes` reads; callers that need other keys' rows too fetch them in the same pass."""
+    """The store rows of ``keys``, and every reset: one pass, filtered in the reader."""
     return collect(
         stores.filter(pl.col("key").is_in(keys.unique().implode()) | (pl.col("event") == "reset"))
     )
 
 
-def causes(
-    probes: pl.DataFrame,
-    stores: pl.LazyFrame,
-    group_ids: Sequence[int],
-    *,
-    rows: pl.DataFrame | None = None,
-) -> pl.DataFrame:
-    """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys.
-
-    ``rows``: `store_rows` already fetched for at least `wanted_keys` (else one pass over
-    ``stores`` fetches them). Rows of other keys may be among them: every use below joins
-    on a probe's key or block hash, and a row sharing a probe's block hash is one of the
-    sibling keys `wanted_keys` lists anyway. ``stores`` also gives each group's first
-    preparation.
+def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int]) -> pl.DataFrame:
+    """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys (and
+    their block hashes under ``group_ids``): two passes over ``stores``, one for those
+    keys' rows, one for each group's first preparation. ``stores`` may be any part of the
+    store rows holding every row before the probes' episodes (`keytrace.analysis.diff`
+    passes the rows up to a batch's end).
     """
     if probes.height == 0:
         return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
     keys = probes.select("key").unique()
     ev = pl.col("event")
-    if rows is None:
-        rows = store_rows(stores, wanted_keys(probes, group_ids))
+    rows = store_rows(stores, wanted_keys(probes, group_ids))
     first_prep = collect(
         stores.filter(ev == "prepared")
         .group_by("inst", "gid")
