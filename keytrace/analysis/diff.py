@@ -108,14 +108,19 @@ def _diff(
     groups = _groups(trace)
     # whole-trace facts every batch reads: one row per request boundary (not per key row)
     offers = boundary_offers(trace, groups)
-    own = lost.boundary_key_offers(frames.stores(trace), offers, groups)
+    routing = lost.routing(frames.stores(trace), offers, groups)
     sel = _selection(request, engine, rank)
     ranges = _episode_ranges(trace, batch_episodes)
     batches: list[_Batch] = []
     done, total = 0, sum(n for _, _, n in ranges)
     tick("episodes", 0, total)
-    for lo, hi, n in ranges:
-        batches.append(_judge(trace, lo, hi, groups, (offers, own), sel, all_episodes))
+    # every batch's chain first, back to back: this query's memory is the largest of a
+    # batch's, and run one after another the allocator hands each the pages of the last
+    # (measured at 150M rows: +90 MB for the first, +10 MB for each next one)
+    chains = [_chains(trace.episode_range(lo, hi), groups, offers) for lo, hi, _ in ranges]
+    del offers  # what the batches need of it is in `routing` and `chains`
+    for (lo, hi, n), chained in zip(ranges, chains, strict=True):
+        batches.append(_judge(trace, lo, hi, groups, (routing, chained), sel, all_episodes))
         done += n
         tick("episodes", done, total)
     if sum(b.selected for b in batches) == 0:
@@ -147,17 +152,17 @@ def _judge(
     lo: int | None,
     hi: int | None,
     groups: list[Group],
-    offered: tuple[pl.DataFrame, pl.DataFrame],
+    known: tuple[lost.Routing, pl.DataFrame],
     sel: pl.Expr,
     all_episodes: bool,
 ) -> _Batch:
     """The episodes ``lo <= s < hi``: their own lookup rows are read from ``view``
     (`Trace.episode_range`), the store history from ``past`` (the rows before the batch's
     end), what needs other episodes' lookups (a request's earlier ones) from ``trace``.
-    ``offered``: `boundary_offers` and `lost.boundary_key_offers`, of the whole trace."""
-    offers, own = offered
+    ``known``: the trace's `lost.Routing` and the batch's `_chains`."""
+    routing, chains = known
     view = trace.episode_range(lo, hi)
-    eps = _episodes(view, groups, offers, sel)
+    eps = _episodes(view, groups, chains, sel)
     if eps.height == 0:
         return _Batch({}, None, None, 0)
     t_max = eps.get_column("t").max()
@@ -169,7 +174,7 @@ def _judge(
     selected = eps.height
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().iter_rows())
-    partial = _lost_tokens(groups, judged, offers, own)
+    partial = _lost_tokens(judged, routing)
     reported = (
         judged
         if all_episodes
@@ -241,9 +246,7 @@ def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFra
     )
 
 
-def _lost_tokens(
-    groups: list[Group], judged: pl.DataFrame, offers: pl.DataFrame, own: pl.DataFrame
-) -> lost.Partial:
+def _lost_tokens(judged: pl.DataFrame, routing: lost.Routing) -> lost.Partial:
     """The per-engine account of every prompt token (`keytrace.analysis.lost`), folded
     over these episodes."""
     first_cause = (
@@ -262,10 +265,10 @@ def _lost_tokens(
     # the columns each part reads, selected before any filter copies rows: a filter of the
     # whole frame copies every column of the rows it keeps
     cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(pl.col("verdict") == "cold")
-    routing = lost.routing_boundaries(cold, offers, groups, own)
+    boundaries = lost.routing_boundaries(cold, routing)
     counted = j.select("engine", "N", "verdict").filter(pl.col("verdict") != "deferred")
     per_episode = j.select(*KEY, "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid")
-    return lost.fold(lost.account(per_episode, routing), counted.drop("verdict"))
+    return lost.fold(lost.account(per_episode, boundaries), counted.drop("verdict"))
 
 
 # ------------------------------------------------------------------ episodes
@@ -284,18 +287,23 @@ def _groups(trace: Trace) -> list[Group]:
     return groups
 
 
+def _chains(trace: Trace, groups: list[Group], offers: pl.DataFrame) -> pl.DataFrame:
+    """`boundaries.chain` of the episodes of ``trace`` (one row per episode with any)."""
+    return frames.collect(chain(frames.lookup_keys(trace, anchor(groups).gid), offers))
+
+
 def _episodes(
-    trace: Trace, groups: list[Group], offers: pl.DataFrame, sel: pl.Expr
+    trace: Trace, groups: list[Group], chains: pl.DataFrame, sel: pl.Expr
 ) -> pl.DataFrame:
-    """Every episode of ``trace`` that ``sel`` selects, with L, F, its intended boundaries,
-    E and the base verdict."""
+    """Every episode of ``trace`` that ``sel`` selects, with L, F, its intended boundaries
+    (``chains``: `_chains`), E and the base verdict."""
     eps = frames.episodes(trace)
     summaries = frames.scans(trace)
     # each piece is collected on its own (small: one row per episode): composed in one lazy
     # plan, the chain's whole-trace pass ran under the joins and _expected_boundary's
     # reuse of `out` (measured at 150M rows: +64 MB peak, and slower)
     F = frames.collect(scans.resident_prefix(summaries, eps, groups)).lazy()
-    B = frames.collect(chain(frames.lookup_keys(trace, anchor(groups).gid), offers)).lazy()
+    B = chains.lazy()
     top = pl.min_horizontal("L", "F")  # F null: no full-attention constraint
     base = frames.collect(
         eps.with_columns(lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("max_new")).alias("L"))

@@ -194,47 +194,54 @@ def summarize(partials: list[Partial]) -> LostTokens:
     )
 
 
-def boundary_key_offers(
-    stores: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]
-) -> pl.DataFrame:
-    """(inst, req_id, key): every request's offers of a boundary key (a key some request
-    offered for the chunk ending at one of its boundaries: `boundary_offers`), at any time.
-    One pass for the whole trace; `routing_boundaries` reads it for each batch of episodes.
+@dataclass(frozen=True)
+class Routing:
+    """What `routing_boundaries` reads besides the cold episodes, of the whole trace (one
+    pass, `routing`): ``own`` (inst, req_id, key), every request's offers of a boundary key
+    at any time; ``elsewhere`` (other, key, b, first_ts), when each instance first offered
+    each boundary's key."""
+
+    own: pl.DataFrame
+    elsewhere: pl.DataFrame
+
+
+def routing(stores: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]) -> Routing:
+    """`Routing` from the store rows and `keytrace.analysis.boundaries.boundary_offers` (a
+    boundary key: one some request offered for the chunk ending at one of its boundaries).
     Empty when the anchor group is not full attention (no routing account then)."""
     from keytrace.analysis.boundaries import anchor, anchor_offers
 
+    elsewhere = (
+        offers.group_by("inst", "key", "b").agg(pl.col("first_ts").min()).rename({"inst": "other"})
+    )
     if offers.height == 0 or not anchor(groups).full_attention:
-        return pl.DataFrame(schema={"inst": pl.Int64, "req_id": pl.String, "key": pl.Binary})
-    return frames.collect(
+        own = pl.DataFrame(schema={"inst": pl.Int64, "req_id": pl.String, "key": pl.Binary})
+        return Routing(own, elsewhere.clear())
+    own = frames.collect(
         anchor_offers(stores, groups)
         .filter(pl.col("key").is_in(offers["key"].unique().implode()))
         .select("inst", "req_id", "key")
         .unique()
     )
+    return Routing(own, elsewhere)
 
 
-def routing_boundaries(
-    cold: pl.DataFrame, offers: pl.DataFrame, groups: list[Group], own: pl.DataFrame
-) -> pl.DataFrame:
+def routing_boundaries(cold: pl.DataFrame, facts: Routing) -> pl.DataFrame:
     """(inst, s, E_other) for cold episodes: the largest boundary ``b`` in (S, L] of a
     request on *another* instance that offered, before the episode's wall clock, the same
     full-attention key for the chunk ending at ``b`` as this episode's request offered (its
     prompt shares that prefix). Keys are content-addressed, so the request's own
     full-attention store rows name its prefix even though its lookup stopped early (and
-    they may come after the episode: ``own`` is `boundary_key_offers`, of the whole trace).
-    ``offers``: `keytrace.analysis.boundaries.boundary_offers`."""
+    they may come after the episode: `Routing` is of the whole trace)."""
     empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_other": pl.Int64})
-    if cold.height == 0 or own.height == 0:
+    if cold.height == 0 or facts.own.height == 0:
         return empty
-    elsewhere = (
-        offers.group_by("inst", "key", "b").agg(pl.col("first_ts").min()).rename({"inst": "other"})
-    )
-    mine = own.join(cold.select("inst", "req_id").unique(), on=["inst", "req_id"])
+    mine = facts.own.join(cold.select("inst", "req_id").unique(), on=["inst", "req_id"])
     return (
         cold.select("inst", "s", "req_id", "t", "S", "L")
         .lazy()
         .join(mine.lazy(), on=["inst", "req_id"])
-        .join(elsewhere.lazy(), on="key")
+        .join(facts.elsewhere.lazy(), on="key")
         .filter(
             (pl.col("other") != pl.col("inst"))
             & (pl.col("first_ts") < pl.col("t"))
