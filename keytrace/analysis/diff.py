@@ -300,8 +300,8 @@ def _episodes(
     eps = frames.episodes(trace)
     summaries = frames.scans(trace)
     # each piece is collected on its own (small: one row per episode): composed in one lazy
-    # plan, the chain's whole-trace pass ran under the joins and _expected_boundary's
-    # reuse of `out` (measured at 150M rows: +64 MB peak, and slower)
+    # plan with the joins below, a whole pass ran under _expected_boundary's reuse of `out`
+    # (measured at 150M rows: +64 MB peak, and slower)
     F = frames.collect(scans.resident_prefix(summaries, eps, groups)).lazy()
     B = chains.lazy()
     top = pl.min_horizontal("L", "F")  # F null: no full-attention constraint
