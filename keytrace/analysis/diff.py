@@ -58,8 +58,8 @@ BATCH_EPISODES = 65_536
 at once, not with the key rows it reads, so a long trace is judged in consecutive batches of
 at most this many episodes (by sequence number): what is held from one batch to the next is
 one row per request and per reported episode. Measured with tools/bench_diff.py at 150M key
-rows (145,823 episodes): one batch peaked at 455 MB, three at 367-388 MB; the 50M-row
-trace's one batch of 48,433 at 297-320 MB (docs/diff.md)."""
+rows (145,823 episodes): one batch peaked at 455-474 MB, three at 358-365 MB; the 50M-row
+trace's one batch of 48,433 at 297-322 MB (docs/diff.md)."""
 
 
 def diff(
