@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from keytrace.analysis.diff import EpisodeVerdict, diff
+from keytrace.analysis.diff import EpisodeVerdict, _before, diff
 from keytrace.analysis.geometry import GroupGeom
 from keytrace.analysis.rules import Group, needed_chunks
 from keytrace.cli import main
@@ -463,3 +466,33 @@ def test_lookups_read_in_batches_of_parts_give_the_same_report(
         (f"r{n}", "mismatch") for n in range(4)
     ]
     assert all(v.needed and v.terminal and v.terminal.chunk == 4 for v in batched.episodes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 1), st.integers(0, 60), st.integers(0, 60)), max_size=40
+    ),
+    episodes=st.lists(
+        st.tuples(st.integers(0, 1), st.integers(0, 60), st.integers(0, 60)),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_a_batch_keeps_every_store_row_its_episodes_can_read(
+    rows: list[tuple[int, int, int]], episodes: list[tuple[int, int, int]]
+) -> None:
+    # an episode (inst, s, t) reads its instance's rows before s and other instances' rows
+    # before t (keytrace.analysis.history); sequence numbers are per process, so another
+    # instance's row may have a larger seq than the episode and still come before it
+    hi = max(s for _, s, _ in episodes) + 1
+    t_max = max(t for _, _, t in episodes)
+    bound = _before(hi, t_max)
+    assert bound is not None
+    store = pl.DataFrame(rows, schema=["inst", "seq", "ts"], orient="row")
+    kept = set(store.filter(bound).iter_rows())
+    for inst, s, t in episodes:
+        for row in rows:
+            r_inst, r_seq, r_ts = row
+            if (r_inst == inst and r_seq < s) or (r_inst != inst and r_ts < t):
+                assert row in kept
