@@ -90,9 +90,9 @@ class _Batch:
     """What one batch of episodes contributes to the report (`_judge`)."""
 
     counts: dict[str, int]
+    """Verdict -> episodes, over the batch's selected episodes (empty: none selected)."""
     lost: lost.Partial | None
     reported: EpisodeList | None
-    selected: int
 
 
 def _diff(
@@ -123,7 +123,7 @@ def _diff(
         batches.append(_judge(trace, lo, hi, groups, (routing, chained), sel, all_episodes))
         done += n
         tick("episodes", done, total)
-    if sum(b.selected for b in batches) == 0:
+    if not any(b.counts for b in batches):
         raise TraceError("no episode matches the given --request/--engine/--rank")
     verdicts = _concat([b.reported for b in batches if b.reported is not None])
     # found in the column: iterating the report to it built an object per episode before it
@@ -164,14 +164,13 @@ def _judge(
     view = trace.episode_range(lo, hi)
     eps = _episodes(view, groups, chains, sel)
     if eps.height == 0:
-        return _Batch({}, None, None, 0)
+        return _Batch({}, None, None)
     t_max = eps.get_column("t").max()
     before = _before(hi, t_max if isinstance(t_max, int) else None)
     past = _stores(trace, before)
     sf = eps.filter(pl.col("verdict") == "shortfall")
     explained = _explain_shortfalls(trace, view, past, groups, sf)
     judged = _with_explanations(eps, explained)
-    selected = eps.height
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().iter_rows())
     partial = _lost_tokens(judged, routing)
@@ -181,7 +180,7 @@ def _judge(
         else judged.filter(pl.col("verdict").is_in(["explained", "mismatch"]))
     )
     verdicts = _build(trace, before, groups, reported, explained)
-    return _Batch(counts, partial, verdicts, selected)
+    return _Batch(counts, partial, verdicts)
 
 
 def _before(hi: int | None, t_max: int | None) -> pl.Expr | None:

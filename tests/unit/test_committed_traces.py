@@ -88,3 +88,11 @@ def test_an_episode_range_keeps_the_store_whole() -> None:
     assert set(later.collect("lookup")["episode"].to_list()) == {seqs[-1]}
     assert trace.episode_range(None, seqs[0]).collect("lookup").height == 0
     assert later.collect("store").height == trace.collect("store").height
+
+
+@pytest.mark.parametrize("size", [1, 1000])
+def test_a_selection_no_batch_holds_is_an_error(size: int) -> None:
+    from keytrace.errors import TraceError
+
+    with pytest.raises(TraceError, match="no episode matches"):
+        diff(open_trace(str(DATA / "v2")), request="no-such-request", batch_episodes=size)
