@@ -3,7 +3,7 @@ with the live alarm, and the alarm alone, each against off.
 
     python tools/bench_recorder.py [--rounds 5] [--seed 0]
 
-The workload (keytrace.vllm.workload, dsv4 geometry, chunked prefill at 8,192 tokens a
+The workload (keytrace.vllm.lab.workload, dsv4 geometry, chunked prefill at 8,192 tokens a
 step): conversations whose prompts grow to ~32K tokens, shared system prompts, resends,
 many requests in flight, GPU cache drops with preemption, a small CPU tier (evictions),
 async scheduling, two engines. The same seeded traffic runs with recording on and off,
@@ -25,7 +25,7 @@ import time
 
 
 def spec(seed: int):  # type: ignore[no-untyped-def]
-    from keytrace.vllm.workload import WorkloadSpec
+    from keytrace.vllm.lab.workload import WorkloadSpec
 
     # dsv4: A = 256 tokens. System prompts of 8-40 chunks, 2-4 turns of 2-24 chunks: up to
     # 40 + 4*24 = 136 chunks = ~35K tokens; ~70 requests over two engines.
@@ -53,7 +53,7 @@ def main() -> int:
     quiet_host_logs()
     from keytrace.format.reader import open_trace
     from keytrace.live.alarm import AlarmSettings
-    from keytrace.vllm.workload import run_workload
+    from keytrace.vllm.lab.workload import run_workload
 
     s = spec(args.seed)
     warm = run_workload(s, None)  # imports, caches and the model config outside the timing

@@ -19,8 +19,8 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, default=100)
     args = ap.parse_args()
     from keytrace.analysis.geometry import DSV4
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.sweep import run_one
+    from keytrace.vllm.lab.harness import Harness
+    from keytrace.vllm.lab.sweep import run_one
 
     lengths = [17_900 + 7 * i for i in range(args.lengths)]
     Harness(DSV4, max_prompt_tokens=lengths[0]).scenario(lengths[0])  # warm imports and caches

@@ -13,7 +13,7 @@ import sys
 import polars as pl
 
 from keytrace.analysis.geometry import DSV4, SMALL
-from keytrace.vllm.sweep import run_one
+from keytrace.vllm.lab.sweep import run_one
 
 LENGTHS = [17_975, 18_877, 21_579, 35_947, 100_006, 30_208, 30_272]
 BUDGETS = [2_048, 8_192, 32_768]

@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 
 from keytrace.analysis.diff import diff
 from keytrace.format.reader import open_trace
-from keytrace.vllm.fuzz import Case, _case_strategy
-from keytrace.vllm.harness import Harness
-from keytrace.vllm.patches import fixed, recording
+from keytrace.vllm.hook.patches import fixed, recording
+from keytrace.vllm.lab.fuzz import Case, _case_strategy
+from keytrace.vllm.lab.harness import Harness
 
 
 class _Spent(BaseException):

@@ -3,7 +3,7 @@
     python tools/regen_regressions.py            # rewrite the committed files
     python tools/regen_regressions.py --check    # exit 1 if any would change
 
-Each entry is recorded (`keytrace.vllm.replay.replay`: prime chain, GPU-only reset,
+Each entry is recorded (`keytrace.vllm.lab.replay.replay`: prime chain, GPU-only reset,
 episode), planned from its own trace and rendered by `keytrace fixture`'s generator with the
 entry's xfail reason and note. The file name carries the content hash, so a stale name is a
 changed file. `tests/integration/test_regress.py` checks the committed copies regenerate
@@ -76,7 +76,7 @@ def render(reg: Regression) -> tuple[str, str]:
     from keytrace.analysis.plan import plan_from_trace
     from keytrace.format.reader import open_trace
     from keytrace.report.fixture import file_name, render_fixture
-    from keytrace.vllm.replay import replay
+    from keytrace.vllm.lab.replay import replay
 
     with tempfile.TemporaryDirectory(prefix="keytrace-regen-") as tmp:
         replay(builtin(reg.geometry), list(reg.prime_lengths), reg.episode_length, trace_dir=tmp)

@@ -18,7 +18,7 @@ import tempfile
 from keytrace.analysis.geometry import SMALL
 from keytrace.format.compact import compact
 from keytrace.format.schema import SCHEMA_VERSION
-from keytrace.vllm.sweep import run_one
+from keytrace.vllm.lab.sweep import run_one
 
 
 def main() -> int:

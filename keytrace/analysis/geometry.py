@@ -1,7 +1,7 @@
 """KV-cache geometry as plain data: what the harness builds and what a trace header records.
 
 This module is vLLM-free so that fixtures, sweeps and the CLI can name and print geometries
-without importing vLLM. ``keytrace.vllm.harness`` turns a `Geometry` into real vLLM objects.
+without importing vLLM. ``keytrace.vllm.lab.harness`` turns a `Geometry` into real vLLM objects.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A sweep's result rows and the prompt-length grammar (vLLM-free).
 
-`keytrace.vllm.sweep` produces the rows on the real scheduler; reporters write and plot them.
+`keytrace.vllm.lab.sweep` produces the rows on the real scheduler; reporters write and plot them.
 """
 
 from __future__ import annotations

@@ -99,21 +99,21 @@ plain_progress_option = _progress("on for a terminal")
 
 
 def inject_option(help: str) -> Callable[[Any], Any]:
-    """``--inject NAME``: one of `keytrace.vllm.inject.INJECTIONS` (vLLM-free to import)."""
-    from keytrace.vllm.inject import INJECTIONS
+    """``--inject NAME``: one of `keytrace.vllm.mods.catalog.INJECTIONS`."""
+    from keytrace.vllm.mods.catalog import INJECTIONS
 
     return click.option("--inject", type=click.Choice(sorted(INJECTIONS)), default=None, help=help)
 
 
 class FixSpec(click.ParamType):  # type: ignore[type-arg]  # not generic at runtime in older click
     """One candidate fix, or several joined by commas (``eagle_proof_key,window_minus_one``),
-    each one of `keytrace.vllm.fixes.FIXES`; the value stays the string."""
+    each one of `keytrace.vllm.mods.catalog.FIXES`; the value stays the string."""
 
     name = "NAME[,NAME]"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from keytrace.errors import UsageError
-        from keytrace.vllm.fixes import check_fix, fix_names
+        from keytrace.vllm.mods.catalog import check_fix, fix_names
 
         try:
             names = fix_names(str(value)) or [check_fix(str(value))]
@@ -123,9 +123,8 @@ class FixSpec(click.ParamType):  # type: ignore[type-arg]  # not generic at runt
 
 
 def fix_option(help: str) -> Callable[[Any], Any]:
-    """``--fix NAME[,NAME]``: candidate fixes of `keytrace.vllm.fixes.FIXES` (vLLM-free to
-    import), several joined by commas."""
-    from keytrace.vllm.fixes import FIXES
+    """``--fix NAME[,NAME]``: candidate fixes of `keytrace.vllm.mods.catalog.FIXES`, several joined by commas."""
+    from keytrace.vllm.mods.catalog import FIXES
 
     return click.option(
         "--fix",

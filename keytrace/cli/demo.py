@@ -33,7 +33,7 @@ def command(out_dir: str | None) -> int:
     3. A pytest regression for the injected case (red with the bug, green without).
     4. A sweep of stock vLLM around 17,975, as a table and a plot.
     """
-    from keytrace.vllm.demo import run_demo
+    from keytrace.vllm.lab.demo import run_demo
 
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-demo-")
     res = run_demo(out, log=lambda s: click.echo(f"keytrace: {s}", err=True))

@@ -75,7 +75,7 @@ def command(
     except ImportError as exc:
         raise UsageError("keytrace fuzz needs Hypothesis: pip install 'keytrace[fuzz]'") from exc
     from keytrace.vllm import require_vllm
-    from keytrace.vllm.fuzz import fuzz
+    from keytrace.vllm.lab.fuzz import fuzz
 
     require_vllm()
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)

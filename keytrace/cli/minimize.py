@@ -54,7 +54,7 @@ def command(
     from keytrace.analysis.plan import plan_from_trace
     from keytrace.format.reader import open_trace
     from keytrace.vllm import require_vllm
-    from keytrace.vllm.minimize import minimize
+    from keytrace.vllm.lab.minimize import minimize
 
     require_vllm()
     trace = open_trace(list(paths))

@@ -41,7 +41,7 @@ def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as
     """
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
-    from keytrace.vllm.replay import replay_trace
+    from keytrace.vllm.lab.replay import replay_trace
 
     out = replay_trace(trace, request=request, out_dir=out_dir)
     for note in out.notes:

@@ -48,7 +48,7 @@ def command(
     Exit status: 1 (a mismatch was reported), 2 trouble (no mismatch, no vLLM, ...).
     """
     from keytrace.errors import UsageError
-    from keytrace.vllm.report import write_report
+    from keytrace.vllm.lab.upstream import write_report
 
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UsageError(f"{out_dir} is not empty; pass a new --out folder")

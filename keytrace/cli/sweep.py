@@ -127,7 +127,7 @@ def command(
     changes["num_gpu_blocks"] = None  # sized per length
     geo = geo.with_(**changes)
     show = progress if progress is not None else sys.stderr.isatty()
-    from keytrace.vllm.sweep import run_sweep
+    from keytrace.vllm.lab.sweep import run_sweep
 
     stock = (
         run_sweep(geo, todo, inject=inject, progress=progress_printer() if show else None)

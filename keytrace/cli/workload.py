@@ -175,7 +175,7 @@ def command(
     from keytrace.analysis.diff import diff
     from keytrace.format.reader import open_trace
     from keytrace.report.text import render_diff
-    from keytrace.vllm.workload import WorkloadSpec, run_workload
+    from keytrace.vllm.lab.workload import WorkloadSpec, run_workload
 
     spec = WorkloadSpec(
         geometry=geometry,
@@ -226,7 +226,7 @@ def command(
             "group and cause"
         )
     if oracle:
-        from keytrace.vllm.oracle import check
+        from keytrace.vllm.lab.oracle import check
 
         cases = check(out, res.prompts, progress=progress_printer() if show else None)
         bad = [c for c in cases if not c.agree]

@@ -2,7 +2,7 @@
 
 The text comes only from the visible templates below and the plan's literal values: no
 timestamps, no hashes, no token ids. Running the file needs vLLM (it replays on the real
-scheduler through `keytrace.vllm.replay.replay`).
+scheduler through `keytrace.vllm.lab.replay.replay`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from keytrace.vllm.replay import replay
+from keytrace.vllm.lab.replay import replay
 """
 
 CONSTANTS = """\

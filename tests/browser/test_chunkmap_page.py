@@ -93,7 +93,7 @@ def test_episodes_switch_and_chunks_explain_themselves(browser: Any, tmp_path: P
 def test_the_stock_17975_miss_on_the_real_scheduler(browser: Any, tmp_path: Path) -> None:
     require_vllm()
     from keytrace.analysis.geometry import builtin
-    from keytrace.vllm.replay import replay
+    from keytrace.vllm.lab.replay import replay
 
     d = str(tmp_path / "trace")
     replay(builtin("dsv4"), [17_975], 17_975, trace_dir=d)

@@ -24,7 +24,7 @@ require_vllm()
 from keytrace.analysis.geometry import builtin  # noqa: E402
 from keytrace.live import metrics  # noqa: E402
 from keytrace.live.alarm import alarms  # noqa: E402
-from keytrace.vllm.workload import WorkloadSpec, run_workload  # noqa: E402
+from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -39,8 +39,8 @@ def test_the_live_17975_miss_warns_at_group_2_chunk_277(
     # is not keyable; vLLM's MTP lookup then needs chunk 277 (tokens 17,728-17,792) one
     # further left, which the store, keeping the window for a peek it never made, did not
     # keep. One warning, at the resend, with the differ's group and chunk.
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import recording
+    from keytrace.vllm.hook.patches import recording
+    from keytrace.vllm.lab.harness import Harness
 
     caplog.set_level(logging.WARNING, logger="keytrace")
     d = str(tmp_path / "trace")

@@ -22,7 +22,7 @@ require_vllm()
 from keytrace.analysis.diff import BATCH_EPISODES, diff  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.report.jsonout import to_jsonable  # noqa: E402
-from keytrace.vllm.workload import WorkloadSpec, run_workload  # noqa: E402
+from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")

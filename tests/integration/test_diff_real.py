@@ -1,6 +1,6 @@
 """`keytrace diff` on traces recorded from the real vLLM 0.33.0 scheduler.
 
-Historical store-side bugs are reintroduced with keytrace.vllm.inject; the lookup side is stock.
+Historical store-side bugs are reintroduced with keytrace.vllm.mods.inject; the lookup side is stock.
 Every expected value below is derived by hand in the comment above it.
 
 Geometries (keytrace.analysis.geometry):
@@ -24,7 +24,7 @@ from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.analysis.geometry import DSV4, SMALL, Geometry  # noqa: E402
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
-from keytrace.vllm.sweep import run_one  # noqa: E402
+from keytrace.vllm.lab.sweep import run_one  # noqa: E402
 
 ONE_STEP = {"dsv4": 32_768, "small": 2048}
 CHUNKED = {"dsv4": 2048, "small": 128}
@@ -100,8 +100,8 @@ def test_stock_hits_agree(geo: str, n: int, E: int, tmp_path: Path) -> None:
 
 
 def test_cold_lookup_agrees(tmp_path: Path) -> None:
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import recording
+    from keytrace.vllm.hook.patches import recording
+    from keytrace.vllm.lab.harness import Harness
 
     d = tmp_path / "t"
     with recording(d):
@@ -150,7 +150,7 @@ def test_next_turn_a_little_longer_is_a_mismatch(tmp_path: Path) -> None:
     # which it cannot key: 280 ends at 17,984). Turn 2: 18,000 tokens, so it keys 280 and
     # lookup queries it as the peek: needs 278-280, finds 280 missing. Turn 2 then stores
     # 280 itself, after its lookup; that store explains nothing.
-    from keytrace.vllm.replay import replay
+    from keytrace.vllm.lab.replay import replay
 
     r = replay(DSV4, [17_975], 18_000, trace_dir=tmp_path / "t")
     assert (r.verdict, r.external_tokens, r.expected_E) == ("mismatch", 0, 17_920)

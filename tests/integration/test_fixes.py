@@ -1,4 +1,4 @@
-"""Candidate fixes (`keytrace.vllm.fixes`) for the stock 0.33.0 MTP peek miss, measured on the
+"""Candidate fixes (`keytrace.vllm.mods.fixes`) for the stock 0.33.0 MTP peek miss, measured on the
 real scheduler (dsv4: A = 256, MTP group 2 with 64-token chunks, C4 group 3 with 4-token
 chunks).
 
@@ -34,9 +34,10 @@ require_vllm()
 
 from keytrace.analysis.geometry import Geometry, GroupGeom, builtin  # noqa: E402
 from keytrace.cli import main  # noqa: E402
+from keytrace.format.keys import key_gid  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
-from keytrace.vllm.replay import replay  # noqa: E402
-from keytrace.vllm.workload import WorkloadSpec, run_workload  # noqa: E402
+from keytrace.vllm.lab.replay import replay  # noqa: E402
+from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402
 
 CASES = [
     # fix, length, external, verdict, binding group, terminal chunk
@@ -181,7 +182,7 @@ def test_the_fix_leaves_calls_it_cannot_serve_to_vllm() -> None:
     )
     from vllm.v1.kv_offload.base import LookupResult, make_offload_key
 
-    from keytrace.vllm.patches import fixed
+    from keytrace.vllm.hook.patches import fixed
 
     sched = OffloadingConnectorScheduler.__new__(OffloadingConnectorScheduler)
     sched.manager = MagicMock()
@@ -217,8 +218,8 @@ def test_under_eagle_proof_key_an_evicted_proof_is_capacity_not_a_rule_bug(
     from keytrace.analysis import frames
     from keytrace.analysis.diff import diff
     from keytrace.live.alarm import alarms
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import fixed, recording
+    from keytrace.vllm.hook.patches import fixed, recording
+    from keytrace.vllm.lab.harness import Harness
     from tests.alarm_checks import SETTINGS, assert_alarm_agrees
 
     caplog.set_level(logging.WARNING, logger="keytrace")
@@ -278,7 +279,7 @@ def test_window_minus_one_closes_the_window_plus_one_class(
 def test_window_minus_one_on_a_sweep(tmp_path: Path) -> None:
     """docs/findings.md's table: full attention 64 + SWA block 16, window 33: every length
     misses on stock vLLM, every length hits with the fix (window 32 hits either way)."""
-    from keytrace.vllm.sweep import run_sweep
+    from keytrace.vllm.lab.sweep import run_sweep
 
     lengths = list(range(1_000, 1_061, 20))
     for window, fix, want in [
@@ -295,3 +296,71 @@ def test_window_minus_one_on_a_sweep(tmp_path: Path) -> None:
         )
         rows = run_sweep(geo, lengths, fix=fix)
         assert [r.verdict for r in rows] == [want] * len(lengths), (window, fix, rows)
+
+
+def _scan_numbers(d: str) -> dict[tuple[int, int], list[int]]:
+    """(instance, episode) -> the scan numbers its lookup rows carry, in order; each scan
+    row's keys all of its own group (a scan the recorder missed would be merged into the
+    one before it)."""
+    lookups = open_trace(d).frame("lookup").filter(pl.col("scan") >= 0)
+    mixed = (
+        lookups.select("group_id", pl.col("head_keys").alias("k"))
+        .explode("k")
+        .filter(key_gid(pl.col("k")) != pl.col("group_id"))
+        .collect()
+    )
+    rows = lookups.group_by("instance_id", "episode").agg(pl.col("scan").sort()).collect()
+    assert mixed.height == 0
+    return {(i, e): list(s) for i, e, s in rows.iter_rows()}
+
+
+@pytest.mark.parametrize("fix_first", [True, False], ids=["fix-then-record", "record-then-fix"])
+def test_recording_stays_outermost_whatever_the_order(fix_first: bool, tmp_path: Path) -> None:
+    """``eagle_proof_key`` replaces ``_sliding_window_lookup``, the helper whose calls the
+    recorder counts as scans. Whichever was switched on first, the record row wraps the fix
+    (`keytrace.vllm.hook.patches.LAYER_RANK`), so every scan is counted once: each
+    episode's scans are numbered 0..n-1, and the fix's lookups are recorded inside them."""
+    import contextlib
+
+    from keytrace.vllm.hook.patches import fixed, recording
+    from keytrace.vllm.lab.harness import Harness
+
+    d = str(tmp_path / "t")
+    with contextlib.ExitStack() as stack:
+        if fix_first:
+            stack.enter_context(fixed("eagle_proof_key"))
+        stack.enter_context(recording(d))
+        if not fix_first:
+            stack.enter_context(fixed("eagle_proof_key"))
+        h = Harness(builtin("dsv4"), max_prompt_tokens=18_100)
+        for n in (17_975, 18_039):
+            h.submit(n, chain=0)
+            h.run_until_idle()
+            h.reset_gpu_prefix_cache()
+    scans = _scan_numbers(d)
+    assert scans and all(s == list(range(len(s))) for s in scans.values()), scans
+    assert max(len(s) for s in scans.values()) >= 3  # episodes that scanned several groups
+    mtp = open_trace(d).frame("lookup").filter((pl.col("scan") >= 0) & (pl.col("group_id") == 2))
+    assert mtp.collect().height > 0  # the fix's own scans of the MTP group, recorded
+    trace = open_trace(d)
+    assert trace.header["vllm_modified"] == ["fix:eagle_proof_key"]
+
+
+def test_a_harness_built_with_modifications_in_the_environment_patches_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KEYTRACE_INJECT``/``KEYTRACE_FIX`` are read by entry points (the plugin, `replay`),
+    scoped to them; building a harness leaves vLLM as it was."""
+    from keytrace.vllm.hook.patches import modifications
+    from keytrace.vllm.lab.harness import Harness
+
+    monkeypatch.setenv("KEYTRACE_INJECT", "pre48911")
+    monkeypatch.setenv("KEYTRACE_FIX", "eagle_proof_key")
+    Harness(builtin("small"))
+    assert modifications() == []
+    r = replay(builtin("small").to_dict(), [1_030], 1_030)  # a generated regression's run
+    assert open_trace(r.trace_dir).header["vllm_modified"] == [
+        "fix:eagle_proof_key",
+        "inject:pre48911",
+    ]
+    assert modifications() == []  # and undone after it

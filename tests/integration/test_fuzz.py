@@ -18,7 +18,7 @@ from tests.conftest import require_vllm
 require_vllm()
 
 from keytrace.cli import main  # noqa: E402
-from keytrace.vllm.fuzz import fuzz  # noqa: E402
+from keytrace.vllm.lab.fuzz import fuzz  # noqa: E402
 
 
 def test_finds_and_shrinks_the_mtp_peek_miss(tmp_path: Path) -> None:

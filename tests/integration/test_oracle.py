@@ -1,5 +1,5 @@
 """Verdicts that hold on real traffic: every shortfall episode of seeded, realistic workloads on
-the real vLLM scheduler is looked up again in isolation (keytrace.vllm.oracle), and the
+the real vLLM scheduler is looked up again in isolation (keytrace.vllm.lab.oracle), and the
 differ's verdict must agree: mismatch exactly when the isolated lookup is still short of E.
 
 Workloads: both geometries, stock vLLM 0.33.0 and each injected historical store bug; two
@@ -30,9 +30,9 @@ from keytrace.analysis.geometry import BUILTIN  # noqa: E402
 from keytrace.analysis.results import DiffReport  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.live.alarm import alarms  # noqa: E402
-from keytrace.vllm.inject import INJECTIONS  # noqa: E402
-from keytrace.vllm.oracle import check  # noqa: E402
-from keytrace.vllm.workload import WorkloadSpec, run_workload  # noqa: E402
+from keytrace.vllm.lab.oracle import check  # noqa: E402
+from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402
+from keytrace.vllm.mods.catalog import INJECTIONS  # noqa: E402
 
 GEO_GROUPS = {name: geo.groups for name, geo in BUILTIN.items()}
 

@@ -22,12 +22,12 @@ import sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 load_general_plugins()          # vLLM may load plugins more than once: must be idempotent
-from keytrace.vllm.compat import load_targets
+from keytrace.vllm.hook.compat import load_targets
 cls, _, _ = load_targets()
 print("patched", hasattr(cls.__init__, "__wrapped__"), flush=True)
 print("double", hasattr(getattr(cls.__init__, "__wrapped__", None), "__wrapped__"), flush=True)
 from keytrace.analysis.geometry import SMALL
-from keytrace.vllm.harness import Harness
+from keytrace.vllm.lab.harness import Harness
 print("external", Harness(SMALL, dp_rank=int(sys.argv[1])).scenario(1000).external_tokens, flush=True)
 """
 

@@ -1,7 +1,7 @@
 """Recording from the real vLLM 0.33.0 scheduler: faithful, transparent, fault-tolerant.
 
 Every scenario drives the real Scheduler + OffloadingConnector + CPUOffloadingManager
-(keytrace.vllm.harness); only the GPU worker, the weights and KV planning are replaced.
+(keytrace.vllm.lab.harness); only the GPU worker, the weights and KV planning are replaced.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from keytrace.analysis import frames  # noqa: E402
 from keytrace.analysis.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
 from keytrace.analysis.scans import scan_summaries  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
-from keytrace.vllm.harness import Harness, ScenarioResult  # noqa: E402
-from keytrace.vllm.patches import recording  # noqa: E402
+from keytrace.vllm.hook.patches import recording  # noqa: E402
+from keytrace.vllm.lab.harness import Harness, ScenarioResult  # noqa: E402
 
 # (geometry, prompt tokens): one-step prefill and chunked prefill over several steps,
 # blocks_per_chunk 1 and 2.
@@ -236,8 +236,8 @@ def test_faults_leave_results_unchanged(
 def test_missing_hook_point_records_nothing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from keytrace.vllm import patches
-    from keytrace.vllm.compat import load_targets
+    from keytrace.vllm.hook import patches
+    from keytrace.vllm.hook.compat import load_targets
 
     cls, _, _ = load_targets()
     init_before = cls.__init__
@@ -258,8 +258,8 @@ def test_an_unsupported_release_records_nothing(
 ) -> None:
     import vllm
 
-    from keytrace.vllm import patches
-    from keytrace.vllm.compat import load_targets
+    from keytrace.vllm.hook import patches
+    from keytrace.vllm.hook.compat import load_targets
 
     cls, _, _ = load_targets()
     init_before = cls.__init__
@@ -303,7 +303,7 @@ def test_stand_in_scheduler_is_skipped_quietly(
     # built from them, and nothing about them describes a deployment
     from types import SimpleNamespace
 
-    from keytrace.vllm import hooks, patches
+    from keytrace.vllm.hook import hooks, patches
 
     sched = SimpleNamespace(manager=SimpleNamespace())
     with caplog.at_level("DEBUG", logger="keytrace"), recording(tmp_path / "t") as recs:
@@ -323,7 +323,7 @@ def test_stand_in_scheduler_is_skipped_quietly(
 def test_injection_is_loud_and_in_the_header(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from keytrace.vllm.patches import injected
+    from keytrace.vllm.hook.patches import injected
 
     with (
         caplog.at_level("WARNING", logger="keytrace"),
@@ -344,7 +344,7 @@ def test_unqueried_keys_cover_every_windowed_group_vllm_did_not_scan(tmp_path: P
     recorder lists the keys a hit at min(L, F) needs (vLLM keyed them: ``c < H·tph/tpc``).
     dsv4 has four windowed groups, so every group after the first is checked too."""
     from keytrace.analysis.rules import groups_from_header, lookup_cap, needed_range
-    from keytrace.vllm.workload import WorkloadSpec, run_workload
+    from keytrace.vllm.lab.workload import WorkloadSpec, run_workload
 
     d = str(tmp_path / "t")
     run_workload(WorkloadSpec(geometry="dsv4", seed=3, conversations=10), d)

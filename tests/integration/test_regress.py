@@ -25,8 +25,8 @@ from keytrace.analysis.plan import plan_from_trace  # noqa: E402
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.report.fixture import file_name, render_fixture  # noqa: E402
-from keytrace.vllm.replay import replay  # noqa: E402
-from keytrace.vllm.sweep import run_one  # noqa: E402
+from keytrace.vllm.lab.replay import replay  # noqa: E402
+from keytrace.vllm.lab.sweep import run_one  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 INJECTED = [

@@ -14,7 +14,7 @@ require_vllm()
 
 from keytrace.analysis.geometry import builtin  # noqa: E402
 from keytrace.cli import main  # noqa: E402
-from keytrace.vllm.replay import replay  # noqa: E402
+from keytrace.vllm.lab.replay import replay  # noqa: E402
 
 
 def test_report_of_the_17975_miss(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

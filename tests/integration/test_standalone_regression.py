@@ -26,8 +26,8 @@ from keytrace.analysis.geometry import builtin  # noqa: E402
 from keytrace.analysis.plan import plan_from_trace  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.report.standalone import regression_name, render_vllm_regression  # noqa: E402
-from keytrace.vllm.inject import INJECTIONS  # noqa: E402
-from keytrace.vllm.replay import replay  # noqa: E402
+from keytrace.vllm.lab.replay import replay  # noqa: E402
+from keytrace.vllm.mods.catalog import INJECTIONS  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 sys.path.insert(0, str(TOOLS))

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from keytrace.vllm.replay import replay
+from keytrace.vllm.lab.replay import replay
 
 GEOMETRY = {
     "async_scheduling": False,

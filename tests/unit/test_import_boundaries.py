@@ -48,8 +48,8 @@ def test_plugin_import_path_is_light() -> None:
         """
         import os
         os.environ.pop("KEYTRACE_DIR", None)
-        import keytrace.vllm.plugin
-        keytrace.vllm.plugin.register()   # inert without KEYTRACE_DIR
+        import keytrace.vllm.hook.plugin
+        keytrace.vllm.hook.plugin.register()   # inert without KEYTRACE_DIR
         for m in ("vllm", "torch", "polars", "click"):
             assert not loaded(m), m
         print("OK")

@@ -13,8 +13,8 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from keytrace.vllm import patches
-from keytrace.vllm.patches import TABLE, Patch, apply_instance, disable, observe, observe_hot
+from keytrace.vllm.hook import patches
+from keytrace.vllm.hook.patches import TABLE, Patch, apply_instance, disable, observe, observe_hot
 
 
 class FakeRecorder:
@@ -191,5 +191,5 @@ def test_table_is_well_formed() -> None:
     # the manager is wrapped per instance only (tiering aliases prepare_write to it)
     assert {p.target for p in TABLE if p.attr in ("lookup", "prepare_store")} == {"manager"}
     assert {f for f in patches.FEATURES if f.startswith("inject:")} == {
-        f"inject:{name}" for name in patches.inject.INJECTIONS
+        f"inject:{name}" for name in patches.catalog.INJECTIONS
     }

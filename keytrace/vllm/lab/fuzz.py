@@ -1,5 +1,5 @@
 """Property-based search for store/lookup disagreements over hybrid geometries, on the real
-scheduler: Hypothesis draws a geometry and a traffic shape, `keytrace.vllm.replay.replay`
+scheduler: Hypothesis draws a geometry and a traffic shape, `keytrace.vllm.lab.replay.replay`
 records and diffs it, and the property is "no episode is a mismatch". A failure shrinks
 (fewest groups, smallest blocks, windows and lengths) to a minimal case.
 
@@ -116,7 +116,7 @@ def _case_strategy(aligned_windows: bool) -> Any:
 
 def run_case(case: Case, *, trace_dir: str | None = None) -> dict[str, Any]:
     """Record and diff one case on the real scheduler; the episode's verdict as a dict."""
-    from keytrace.vllm.replay import replay
+    from keytrace.vllm.lab.replay import replay
 
     return replay(case.geometry, [case.prime], case.episode, trace_dir=trace_dir).outcome()
 
@@ -140,7 +140,7 @@ def fuzz(
     from hypothesis.database import DirectoryBasedExampleDatabase
     from hypothesis.errors import Unsatisfiable
 
-    from keytrace.vllm.patches import fixed, injected
+    from keytrace.vllm.hook.patches import fixed, injected
 
     os.makedirs(out_dir, exist_ok=True)
     res = FuzzResult(seed=seed)

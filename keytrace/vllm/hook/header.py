@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from keytrace.vllm.compat import vllm_version
+from keytrace.vllm.hook.compat import vllm_version
 
 
 def _kind(spec: Any) -> str:

@@ -3,7 +3,7 @@
 A row (`Patch`) names
 
 - its *feature*: ``record`` (the recorder's observers), ``inject:<name>`` (a historical store
-  bug, `keytrace.vllm.inject`), ``fix:<name>`` (a candidate fix, `keytrace.vllm.fixes`),
+  bug, `keytrace.vllm.mods.inject`), ``fix:<name>`` (a candidate fix, `keytrace.vllm.mods.fixes`),
   ``harness`` (the CPU harness's own observers);
 - its *target*: ``scheduler`` is a class attribute of ``OffloadingConnectorScheduler``,
   applied when the feature is enabled; ``config`` a function of vLLM's offloading config
@@ -22,8 +22,10 @@ signatures. The recorder only observes calls, with the arguments exactly as vLLM
 them; its failures are caught by `observe`, counted and logged once.
 
 One lookup rule (`_resolve`) decides both whether a hook point exists and what is wrapped,
-so an inherited method is wrapped like an own one. Undo records restore precisely what was
-there, and only while the attribute still holds keytrace's wrapper.
+so an inherited method is wrapped like an own one. Each wrapped attribute is one `_Slot`:
+what was there, and the layers on it in a fixed order (`LAYER_RANK`: recording always
+outermost), rebuilt when a feature comes or goes; the last one gone restores precisely what
+was there, and only while the attribute still holds keytrace's wrapper.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ import wrapt
 
 from keytrace.live.alarm import AlarmSettings
 from keytrace.record.recorder import Recorder
-from keytrace.vllm import fixes, hooks, inject
+from keytrace.vllm.hook import hooks
+from keytrace.vllm.mods import catalog, fixes, inject
 
 log = logging.getLogger("keytrace")
 
@@ -275,8 +278,8 @@ def _store_mask_rows(
 
 # What an active store-path change logs, and where its description lives.
 _CHANGES: dict[str, tuple[str, Mapping[str, str]]] = {
-    "inject": ("injected historical bug %r into", inject.INJECTIONS),
-    "fix": ("applied candidate fix %r to", fixes.FIXES),
+    "inject": ("injected historical bug %r into", catalog.INJECTIONS),
+    "fix": ("applied candidate fix %r to", catalog.FIXES),
 }
 
 
@@ -358,7 +361,7 @@ TABLE: tuple[Patch, ...] = (
             "no_eagle_plus1": inject.no_eagle_plus1,
             "short_window_tail": inject.short_window_tail,
         },
-        inject.INJECTIONS,
+        catalog.INJECTIONS,
     ),
     *_store_mask_rows(
         "fix",
@@ -366,7 +369,7 @@ TABLE: tuple[Patch, ...] = (
             "mtp_left_chunk": fixes.mtp_left_chunk,
             "unkeyable_peek_fallback": fixes.unkeyable_peek_fallback,
         },
-        {k: v for k, v in fixes.FIXES.items() if k in fixes.STORE_MASK_FIXES},
+        {k: v for k, v in catalog.FIXES.items() if k in catalog.STORE_MASK_FIXES},
     ),
     # a fix on both sides: lookup accepts a proof key for a peek, store writes it
     Patch(
@@ -418,35 +421,87 @@ def _resolve(owner: Any, attr: str) -> Any:
     return getattr(owner, attr, None)
 
 
+LAYER_RANK = {"fix": 0, "inject": 1, "record": 3}
+"""Where a feature's wrapper sits when several wrap one attribute, innermost first: a
+candidate fix next to vLLM's code, an injection (a store bug) over the fixed path, the
+harness's and tests' own rows (rank 2), recording outermost, so the recorder observes
+whatever the modified vLLM does, once, in whatever order the features were switched on."""
+
+
+def _rank(feature: str) -> int:
+    return LAYER_RANK.get(feature.partition(":")[0], 2)
+
+
 @dataclass
-class _Undo:
-    """How to restore one attribute, and only while keytrace's wrapper is still in place."""
+class _Layer:
+    """One row applied to one attribute: its feature, the row and its binding."""
+
+    feature: str
+    row: Patch
+    binding: Binding
+    order: int
+    """Application order: breaks ties between layers of one rank."""
+
+
+@dataclass
+class _Slot:
+    """One attribute keytrace wraps: what was there before, and every layer on it.
+
+    The attribute holds ``original`` wrapped by every layer in `LAYER_RANK` order,
+    rebuilt whenever a layer comes or goes (`install`), so undoing one feature never
+    disturbs another, in any order. Restored exactly (own attribute put back, or deleted
+    so an inherited one shows again) when the last layer goes, and only while the
+    attribute still holds keytrace's wrapper: what someone else put there later stays."""
 
     owner: Callable[[], Any]  # the owner (a weak reference for instances)
     attr: str
     had_own: bool  # the owner's own __dict__ held the attribute before
     original: Any
-    proxy: Any
+    layers: list[_Layer]
+    proxy: Any = None  # what keytrace last set (None: nothing set)
 
-    def __call__(self) -> None:
+    def current(self, owner: Any) -> Any:
+        return (owner.__dict__ if isinstance(owner, type) else vars(owner)).get(self.attr)
+
+    def stale(self, owner: Any) -> bool:
+        """Someone else replaced keytrace's wrapper since it was set."""
+        return self.proxy is not None and self.current(owner) is not self.proxy
+
+    def install(self) -> None:
         owner = self.owner()
         if owner is None:
             return
-        if isinstance(owner, type):
-            if owner.__dict__.get(self.attr) is not self.proxy:
-                log.debug("keytrace: %s was replaced by someone else; left as is", self.attr)
-            elif self.had_own:
-                setattr(owner, self.attr, self.original)
-            else:
-                delattr(owner, self.attr)
-            return
-        own = vars(owner)
-        if own.get(self.attr) is not self.proxy:
+        if self.stale(owner):
             log.debug("keytrace: %s was replaced by someone else; left as is", self.attr)
-        elif self.had_own:
-            own[self.attr] = self.original
+            self.layers, self.proxy = [], None
+            return
+        if not self.layers:
+            self._set(owner, self.original if self.had_own else _ABSENT)
+            self.proxy = None
+            return
+        fn = self.original
+        for layer in sorted(self.layers, key=lambda x: (_rank(x.feature), x.order)):
+            fn = wrapt.FunctionWrapper(fn, layer.row.make(layer.binding))
+        self._set(owner, fn)
+        self.proxy = fn
+
+    def _set(self, owner: Any, value: Any) -> None:
+        # vars(): bypass a custom __setattr__ (a MagicMock's child bookkeeping, say), so an
+        # instance is touched in exactly one place and restored exactly
+        if isinstance(owner, type):
+            if value is _ABSENT:
+                if self.attr in owner.__dict__:
+                    delattr(owner, self.attr)
+            else:
+                setattr(owner, self.attr, value)
+        elif value is _ABSENT:
+            vars(owner).pop(self.attr, None)
         else:
-            del own[self.attr]
+            vars(owner)[self.attr] = value
+
+
+_ABSENT = object()
+"""`_Slot._set`'s value for "no own attribute": delete it."""
 
 
 def _ref(obj: Any) -> Callable[[], Any]:
@@ -457,25 +512,25 @@ def _ref(obj: Any) -> Callable[[], Any]:
 
 
 def _apply(feature: str, owner: Any, row: Patch, binding: Binding) -> None:
-    original = _resolve(owner, row.attr)
-    if original is None:
-        return
-    proxy = wrapt.FunctionWrapper(original, row.make(binding))
-    if isinstance(owner, type):
-        had_own = row.attr in owner.__dict__
-        setattr(owner, row.attr, proxy)
-        undo = _Undo(_ref(owner), row.attr, had_own, original, proxy)
-    else:
-        # vars(): bypass a custom __setattr__ (a MagicMock's child bookkeeping, say), so
-        # the instance is touched in exactly one place and restored exactly.
-        own = vars(owner)
-        had_own = row.attr in own
-        undo = _Undo(_ref(owner), row.attr, had_own, own.get(row.attr), proxy)
-        own[row.attr] = proxy
+    """Add ``row`` of ``feature`` as a layer on ``owner.<attr>`` (nothing if absent)."""
     with _STATE.lock:
-        undos = _STATE.applied.setdefault(feature, [])
-        undos[:] = [u for u in undos if u.owner() is not None]
-        undos.append(undo)
+        _STATE.slots = {k: v for k, v in _STATE.slots.items() if v.owner() is not None}
+        key = (id(owner), row.attr)
+        slot = _STATE.slots.get(key)
+        if slot is not None and slot.stale(owner):
+            slot = None  # someone else's value is there now: start from it
+        if slot is None:
+            original = _resolve(owner, row.attr)
+            if original is None:
+                return
+            own = owner.__dict__ if isinstance(owner, type) else vars(owner)
+            had_own = row.attr in own
+            stored = own.get(row.attr) if had_own else original
+            slot = _Slot(_ref(owner), row.attr, had_own, stored, [])
+            _STATE.slots[key] = slot
+        _STATE.order += 1
+        slot.layers.append(_Layer(feature, row, binding, _STATE.order))
+        slot.install()
 
 
 def apply_instance(feature: str, target: Target, obj: Any, binding: Binding) -> None:
@@ -489,7 +544,11 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.applied: dict[str, list[_Undo]] = {}
+        self.enabled: set[str] = set()
+        """Features whose class-level rows are applied (`enable`)."""
+        self.slots: dict[tuple[int, str], _Slot] = {}
+        """(id of the owner, attribute) -> what keytrace wraps there."""
+        self.order = 0
         self.directory: str | None = None
         self.alarm: AlarmSettings | None = None
         self.exact_scans = False
@@ -507,7 +566,7 @@ _STATE = _State()
 
 def scheduler_class() -> tuple[Any, list[str]]:
     """``OffloadingConnectorScheduler`` and what is missing for recording (empty: usable)."""
-    from keytrace.vllm.compat import load_targets
+    from keytrace.vllm.hook.compat import load_targets
 
     cls, _base, problems = load_targets()
     return cls, problems
@@ -521,12 +580,12 @@ def missing_hooks(feature: str) -> list[str]:
         return problems
     if feature == "record":
         from keytrace.vllm import RECORDING_VLLM
-        from keytrace.vllm.compat import vllm_version
+        from keytrace.vllm.hook.compat import vllm_version
 
         release = vllm_version().split("+")[0]
         if release not in RECORDING_VLLM:
             return [f"release {release} is not one keytrace records"]
-    from keytrace.vllm.compat import CONFIG_MODULE, config_module
+    from keytrace.vllm.hook.compat import CONFIG_MODULE, config_module
 
     config = config_module()
     return (
@@ -550,12 +609,12 @@ def enable(feature: str) -> bool:
     if feature not in FEATURES:
         raise ValueError(f"unknown patch feature {feature!r}; known: {', '.join(FEATURES)}")
     with _STATE.lock:
-        if feature in _STATE.applied:
+        if feature in _STATE.enabled:
             return True
         problems = missing_hooks(feature)
         if problems:
             from keytrace.vllm import RECORDING_VLLM, SUPPORTED_VLLM
-            from keytrace.vllm.compat import vllm_version
+            from keytrace.vllm.hook.compat import vllm_version
 
             supported = (
                 " and ".join(RECORDING_VLLM) if feature == "record" else "==" + SUPPORTED_VLLM
@@ -567,11 +626,11 @@ def enable(feature: str) -> bool:
             )
             return False
         cls, _ = scheduler_class()
-        _STATE.applied[feature] = []
+        _STATE.enabled.add(feature)
         for row in _rows(feature, "scheduler"):
             _apply(feature, cls, row, None)
         if _rows(feature, "config"):
-            from keytrace.vllm.compat import config_module
+            from keytrace.vllm.hook.compat import config_module
 
             for row in _rows(feature, "config"):
                 _apply(feature, config_module(), row, None)
@@ -592,22 +651,31 @@ def enable(feature: str) -> bool:
 
 
 def disable(feature: str) -> None:
-    """Undo every patch of ``feature`` (class and instance rows), newest first."""
+    """Undo every patch of ``feature`` (class and instance rows); other features' layers on
+    the same attributes stay, in their order."""
     with _STATE.lock:
-        undos = _STATE.applied.pop(feature, [])
-    for undo in reversed(undos):
-        undo()
+        _STATE.enabled.discard(feature)
+        for key, slot in list(_STATE.slots.items()):
+            if any(x.feature == feature for x in slot.layers):
+                slot.layers = [x for x in slot.layers if x.feature != feature]
+                slot.install()
+            if not slot.layers:
+                del _STATE.slots[key]
 
 
 def active(feature: str) -> bool:
-    return feature in _STATE.applied
+    """``feature`` is switched on, or has a layer on some instance."""
+    with _STATE.lock:
+        return feature in _STATE.enabled or any(
+            x.feature == feature for slot in _STATE.slots.values() for x in slot.layers
+        )
 
 
 def modifications() -> list[str]:
     """Active features that change vLLM's behaviour (injections, fixes), for the trace
     header."""
     with _STATE.lock:
-        return sorted(f for f in _STATE.applied if f.startswith(("inject:", "fix:")))
+        return sorted(f for f in _STATE.enabled if f.startswith(("inject:", "fix:")))
 
 
 # ------------------------------------------------------------------ public API
@@ -674,20 +742,11 @@ def recording(
         uninstall()
 
 
-def check_injection(name: str) -> str:
-    """``name`` if it is a known injection, else `UsageError` listing the known ones."""
-    from keytrace.errors import UsageError
-
-    if name not in inject.INJECTIONS:
-        raise UsageError(f"unknown injection {name!r}; known: {', '.join(inject.INJECTIONS)}")
-    return name
-
-
 def apply_injection(name: str) -> None:
     """Switch injection ``name`` on for the rest of the process (one at a time)."""
     from keytrace.errors import UsageError, VllmUnavailableError
 
-    feature = f"inject:{check_injection(name)}"
+    feature = f"inject:{catalog.check_injection(name)}"
     others = [f for f in modifications() if f != feature and f.startswith("inject:")]
     if others:
         raise UsageError(f"{others[0]} is already active; one injection at a time")
@@ -708,16 +767,16 @@ def apply_fix(name: str) -> None:
     fixed store path, as a bug reintroduced on top of a fix would."""
     from keytrace.errors import VllmUnavailableError
 
-    if not enable(f"fix:{fixes.check_fix(name)}"):
+    if not enable(f"fix:{catalog.check_fix(name)}"):
         raise VllmUnavailableError(f"cannot apply fix {name}: this vLLM lacks the hook point")
 
 
 @contextlib.contextmanager
 def fixed(spec: str | None) -> Iterator[None]:
-    """Apply the candidate fixes of ``spec`` (`keytrace.vllm.fixes.fix_names`) inside the block (no-op for
+    """Apply the candidate fixes of ``spec`` (`keytrace.vllm.mods.catalog.fix_names`) inside the block (no-op for
     None)."""
     with contextlib.ExitStack() as stack:
-        for name in fixes.fix_names(spec):
+        for name in catalog.fix_names(spec):
             stack.enter_context(_scoped("fix", apply_fix, name))
         yield
 
@@ -726,7 +785,7 @@ def fix_from_env() -> str | None:
     """Apply ``KEYTRACE_FIX`` if set (a generated regression's green run with the fix; one
     name or several joined by commas)."""
     spec = os.environ.get(ENV_FIX)
-    for name in fixes.fix_names(spec):
+    for name in catalog.fix_names(spec):
         apply_fix(name)
     return spec or None
 
@@ -738,7 +797,8 @@ def injected(name: str | None) -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _scoped(kind: str, apply: Callable[[str], None], name: str | None) -> Iterator[None]:
-    if not name:
+    """``apply(name)`` inside the block; undone after it unless it was on before."""
+    if not name or f"{kind}:{name}" in _STATE.enabled:
         yield
         return
     apply(name)

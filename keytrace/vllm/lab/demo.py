@@ -23,7 +23,7 @@ from keytrace.errors import UsageError
 from keytrace.format.reader import open_trace
 from keytrace.report.table import write_rows
 from keytrace.vllm import require_vllm
-from keytrace.vllm.replay import replay
+from keytrace.vllm.lab.replay import replay
 
 
 @dataclass
@@ -85,7 +85,7 @@ def run_demo(
     with open(res.fixture, "w") as fh:
         fh.write(text)
 
-    from keytrace.vllm.sweep import run_sweep
+    from keytrace.vllm.lab.sweep import run_sweep
 
     lengths = list(range(17_975 - 31 * sweep_step, 17_975 + 32 * sweep_step, sweep_step))
     log(f"sweeping {len(lengths)} lengths {lengths[0]:,}..{lengths[-1]:,} on stock vLLM ...")

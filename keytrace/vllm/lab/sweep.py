@@ -1,6 +1,6 @@
 """Sweep prompt lengths through the real scheduler: one recorded, diffed scenario per length.
 
-Each length is one `keytrace.vllm.replay.replay` on a fresh harness (prime, GPU-only reset,
+Each length is one `keytrace.vllm.lab.replay.replay` on a fresh harness (prime, GPU-only reset,
 identical resend), recorded and diffed. Imports vLLM lazily.
 """
 
@@ -25,7 +25,7 @@ def run_one(
 ) -> SweepRow:
     """One recorded scenario at ``length`` (prime, GPU-only reset, identical resend); the
     verdict is the resend episode's."""
-    from keytrace.vllm.replay import replay
+    from keytrace.vllm.lab.replay import replay
 
     t = time.monotonic()
     d = keep_dir or tempfile.mkdtemp(prefix="keytrace-sweep-")
@@ -58,7 +58,7 @@ def run_sweep(
 ) -> list[SweepRow]:
     """Run `run_one` for every length (each on a fresh harness, trace discarded)."""
     from keytrace.vllm import require_vllm
-    from keytrace.vllm.patches import fixed, injected
+    from keytrace.vllm.hook.patches import fixed, injected
 
     require_vllm()  # one clear line before any patch is tried
     todo: Sequence[int] = list(lengths)

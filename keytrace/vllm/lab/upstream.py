@@ -57,9 +57,9 @@ def write_report(
     from keytrace.report.templates import render
     from keytrace.report.text import render_episode
     from keytrace.vllm import require_vllm
-    from keytrace.vllm.fixes import FIXES, fix_names
-    from keytrace.vllm.minimize import minimize
-    from keytrace.vllm.sweep import run_sweep
+    from keytrace.vllm.lab.minimize import minimize
+    from keytrace.vllm.lab.sweep import run_sweep
+    from keytrace.vllm.mods.catalog import FIXES, fix_names
 
     require_vllm()
     trace = open_trace(list(paths))

@@ -78,10 +78,17 @@ def replay(
     The one record-then-diff path: `keytrace replay`, generated regressions, sweeps and the
     demo all come through here. With ``prime_lengths=[n]`` and ``episode_length=n`` it is
     an identical resend after a GPU-only reset.
+
+    ``inject``/``fix`` default to ``KEYTRACE_INJECT``/``KEYTRACE_FIX`` (a generated
+    regression's red run, and its green run with a candidate fix); either way they are
+    applied for this replay only.
     """
     require_vllm()
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import fixed, injected, recording
+    from keytrace.vllm.hook.patches import ENV_FIX, ENV_INJECT, fixed, injected, recording
+    from keytrace.vllm.lab.harness import Harness
+
+    inject = inject or os.environ.get(ENV_INJECT) or None
+    fix = fix or os.environ.get(ENV_FIX) or None
 
     geo = geometry if isinstance(geometry, Geometry) else Geometry.from_dict(geometry)
     d = (
@@ -191,7 +198,7 @@ def isolated_lookup(
     require_vllm()
     from vllm.v1.kv_offload.base import ReqContext
 
-    from keytrace.vllm.harness import Harness
+    from keytrace.vllm.lab.harness import Harness
 
     h = Harness(geometry, max_prompt_tokens=len(token_ids))
     if resident:

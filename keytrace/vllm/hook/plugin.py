@@ -27,7 +27,7 @@ def register() -> None:
         return
     try:
         from keytrace.live.alarm import AlarmSettings
-        from keytrace.vllm.patches import fix_from_env, inject_from_env, install
+        from keytrace.vllm.hook.patches import fix_from_env, inject_from_env, install
 
         alarm = AlarmSettings.from_env(os.environ, recording=directory is not None)
         inject_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug

@@ -347,10 +347,6 @@ class Harness:
         request_prefix: str = "r",
     ) -> None:
         require_vllm()
-        from keytrace.vllm.patches import fix_from_env, inject_from_env
-
-        inject_from_env()  # KEYTRACE_INJECT=name: a generated regression's red run
-        fix_from_env()  # KEYTRACE_FIX=name: the same regression with a candidate fix
         self.geometry = geometry
         self.seed = seed
         probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
@@ -428,7 +424,7 @@ class Harness:
 
     def _observe_connector(self) -> None:
         """Watch the connector's public API through the patch table's ``harness`` rows."""
-        from keytrace.vllm.patches import apply_instance
+        from keytrace.vllm.hook.patches import apply_instance
 
         apply_instance("harness", "connector", self.connector, self)
 

@@ -24,7 +24,7 @@ depend on the GPU prefix cache at that moment (a request whose GPU hit reached d
 full attention than in its windowed groups keeps window tails at that junction too), which
 a sequential replay does not reproduce; the recorded offers are what vLLM decided.
 
-Needs the token ids (the trace does not carry them): `keytrace.vllm.workload` keeps them.
+Needs the token ids (the trace does not carry them): `keytrace.vllm.lab.workload` keeps them.
 Imports vLLM.
 """
 
@@ -95,8 +95,8 @@ def check(
     ``token_ids`` maps each request id to the token ids it was submitted with (its prompt;
     output tokens sampled before a preemption are taken as the workload's fixed token).
     """
-    from keytrace.vllm.replay import isolated_lookup
-    from keytrace.vllm.workload import OUTPUT_TOKEN
+    from keytrace.vllm.lab.replay import isolated_lookup
+    from keytrace.vllm.lab.workload import OUTPUT_TOKEN
 
     trace = open_trace(trace_dir)
     geo = geometry_from_header(trace.header).with_(cpu_chunks=AMPLE_CPU_CHUNKS, num_gpu_blocks=None)

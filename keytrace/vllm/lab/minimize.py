@@ -1,6 +1,6 @@
 """Shrink one recorded mismatch to the smallest geometry and lengths that still show it.
 
-"Still show it" means: replayed on the real scheduler (`keytrace.vllm.replay.replay`), the
+"Still show it" means: replayed on the real scheduler (`keytrace.vllm.lab.replay.replay`), the
 episode is a ``mismatch`` whose binding group has the same kind and EAGLE/MTP flag, with the
 same cause. The shrinking is greedy and deterministic, each step one replay:
 
@@ -25,7 +25,7 @@ from keytrace.analysis.geometry import Geometry, GroupGeom, describe
 from keytrace.analysis.plan import ReplayPlan
 
 if TYPE_CHECKING:
-    from keytrace.vllm.replay import ReplayResult
+    from keytrace.vllm.lab.replay import ReplayResult
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -121,7 +121,7 @@ def _check(s: Scenario, signature: tuple[str, bool, str], out: Minimized) -> dic
 
 
 def _replay(s: Scenario, trace_dir: str | None) -> ReplayResult:
-    from keytrace.vllm.replay import replay
+    from keytrace.vllm.lab.replay import replay
 
     return replay(s.geometry, list(s.primes), s.episode, trace_dir=trace_dir)
 

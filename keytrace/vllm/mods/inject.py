@@ -3,7 +3,7 @@
 Each injection replaces ``OffloadingConnectorScheduler._reachable_store_block_mask``, the one
 place 0.33.0 decides which sliding-window chunks the store path keeps. The lookup side is
 never touched, so an injected run shows exactly the store/lookup disagreement the historical
-bug caused. The functions here are wrapt-style wrappers; `keytrace.vllm.patches` lists them
+bug caused. The functions here are wrapt-style wrappers; `keytrace.vllm.hook.patches` lists them
 as rows of its one patch table and applies and undoes them.
 
 - ``pre48911``: the store rule vLLM PR #48911 replaced: keep sliding-window chunk ``c`` iff
@@ -22,12 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-INJECTIONS: dict[str, str] = {
-    "pre48911": "store keeps c % (A/tpc) >= A/tpc - W (the rule PR #48911 replaced)",
-    "no_eagle_plus1": "store-side reachability computed as if no group were EAGLE/MTP",
-    "short_window_tail": "store keeps one chunk fewer of every sliding-window tail than lookup needs",
-}
-"""Injection name -> what it does to vLLM's store path (shown in warnings and ``--help``)."""
+from keytrace.vllm.mods.catalog import INJECTIONS
+
+__all__ = ["INJECTIONS", "no_eagle_plus1", "pre48911", "short_window_tail"]
 
 MASK_ARGS = (
     "group_config",

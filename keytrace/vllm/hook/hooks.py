@@ -1,6 +1,6 @@
 """What recording observes at each hook point: plain functions of (recorder, call).
 
-Nothing here patches anything; `keytrace.vllm.patches` owns the table that says where each
+Nothing here patches anything; `keytrace.vllm.hook.patches` owns the table that says where each
 observer runs and the one mechanism that applies and undoes it. Every observer runs *after*
 or *before* vLLM's own call, receives the call's arguments exactly as vLLM passed them, and
 may raise: the single wrapper in `patches` catches it and reports it to `Recorder.fail`.
@@ -66,7 +66,7 @@ def start_recording(
 ) -> Recorder:
     """Build the header and the `Recorder` for a freshly initialised scheduler (with the
     process's live alarm for its geometry when ``alarm`` is set, and its metrics endpoint)."""
-    from keytrace.vllm.header import build_header, engine_identity
+    from keytrace.vllm.hook.header import build_header, engine_identity
 
     header = build_header(sched, spec, vllm_config, kv_cache_config, modified=modified)
     engine_id, rank = engine_identity(vllm_config)
@@ -174,10 +174,10 @@ def record_unqueried(
 def record_proofs(rec: Recorder, sched: Any, request: Any, hits: Sequence[int], keyed: int) -> None:
     """Under the candidate fix ``eagle_proof_key``: the proof key of each EAGLE peek chunk a
     hit at one of ``hits`` would query, including the one just past the keyed chunks that
-    only its proof keys (``keytrace.vllm.fixes``; the same function the fix looks up with)."""
-    from keytrace.vllm import fixes
+    only its proof keys (``keytrace.vllm.mods.fixes``; the same function the fix looks up with)."""
+    from keytrace.vllm.mods import proof
 
-    for g in fixes._proof_groups(sched).values():
+    for g in proof.proof_groups(sched).values():
         tpc = g.tokens_per_chunk
         chunks = sorted(
             {end // tpc for end in hits if end % tpc == 0 and end // tpc <= keyed // tpc}
@@ -185,7 +185,7 @@ def record_proofs(rec: Recorder, sched: Any, request: Any, hits: Sequence[int], 
         proven = [
             (c, key)
             for c in chunks
-            if (key := fixes.peek_proof_key(sched, request, g, c)) is not None
+            if (key := proof.peek_proof_key(sched, request, g, c)) is not None
         ]
         if proven:
             rec.proofs(

@@ -64,7 +64,7 @@ class WorkloadSpec:
     async_scheduling: bool = True
     budget: int | None = None  # max_num_batched_tokens; default the geometry's
     inject: str | None = None
-    fix: str | None = None  # a candidate fix (keytrace.vllm.fixes) active for the whole run
+    fix: str | None = None  # a candidate fix (keytrace.vllm.mods.fixes) active for the whole run
 
 
 @dataclass
@@ -149,8 +149,8 @@ def run_workload(
     ``trace_dir=None`` run the same traffic unrecorded (the recorder benchmark's baseline).
     The final flush of every part is part of the run."""
     require_vllm()
-    from keytrace.vllm.harness import Harness
-    from keytrace.vllm.patches import fixed, injected, recording
+    from keytrace.vllm.hook.patches import fixed, injected, recording
+    from keytrace.vllm.lab.harness import Harness
 
     rng = random.Random(spec.seed)
     geo = workload_geometry(spec)

@@ -1,6 +1,6 @@
 """Candidate fixes for store/lookup disagreements keytrace found, applied to vLLM in-process.
 
-A fix is a row of the same patch table as the injections (`keytrace.vllm.patches`), so a
+A fix is a row of the same patch table as the injections (`keytrace.vllm.hook.patches`), so a
 sweep, a workload or a generated regression can run with it and show "with this fix: N of N
 failing lengths hit, no new mismatch" on the real scheduler, before anyone patches vLLM.
 
@@ -38,53 +38,11 @@ into every trace header, and logs a WARNING naming itself.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from keytrace.vllm import hooks
-from keytrace.vllm.inject import _mask_args
-
-STORE_MASK_FIXES = ("mtp_left_chunk", "unkeyable_peek_fallback")
-"""The fixes that replace the store path's mask (one patch-table row each)."""
-
-FIXES: dict[str, str] = {
-    "mtp_left_chunk": (
-        "store side, EAGLE/MTP groups only: also keep the chunk left of a tail whose peek "
-        "chunk the prompt cannot key"
-    ),
-    "unkeyable_peek_fallback": (
-        "store side, every group: when the prompt cannot key the EAGLE/MTP peek chunk of its "
-        "final boundary E, also keep every group's tail for the boundary before it (E - A)"
-    ),
-    "eagle_proof_key": (
-        "both sides, EAGLE/MTP sliding-window groups: a peek chunk the prompt cannot key is "
-        "proven by a key of the chain hash at the boundary and the token after it; store "
-        "writes it, lookup accepts it where the full peek misses"
-    ),
-    "window_minus_one": (
-        "lookup side, sliding-window groups: ask for the chunks the window's w - 1 tokens of "
-        "context cover, cdiv(w - 1 + extra, tpc), as the store side (and vLLM's GPU prefix "
-        "cache) keep, not cdiv(w, tpc): one chunk fewer when w - 1 is a multiple of a chunk"
-    ),
-}
-"""Fix name -> what it changes in vLLM's offload path (shown in warnings and ``--help``)."""
-
-
-def check_fix(name: str) -> str:
-    """``name`` if it is a known candidate fix, else `UsageError` listing the known ones."""
-    from keytrace.errors import UsageError
-
-    if name not in FIXES:
-        raise UsageError(f"unknown fix {name!r}; known: {', '.join(sorted(FIXES))}")
-    return name
-
-
-def fix_names(spec: str | None) -> list[str]:
-    """The candidate fixes of ``spec``: one name, or several joined by commas (each
-    checked, `check_fix`); none for None or an empty string. The one parser of ``--fix``
-    and ``KEYTRACE_FIX``."""
-    return [check_fix(n.strip()) for n in (spec or "").split(",") if n.strip()]
+from keytrace.vllm.mods.inject import _mask_args
+from keytrace.vllm.mods.proof import aligned, proof_groups, registered_peek_proof
 
 
 def mtp_left_chunk(
@@ -140,51 +98,6 @@ def unkeyable_peek_fallback(
 
 
 # ------------------------------------------------------------------ eagle_proof_key
-PROOF_TAG = b"keytrace-eagle-proof\0"
-"""Domain separation: a proof key can never equal a block hash of the same chain."""
-
-
-def proof_key(req: Any, group_config: Any, chunk_idx: int, tokens_per_hash: int) -> Any:
-    """The proof key for the EAGLE peek of the boundary ``b = chunk_idx * tpc``, or None when
-    the request cannot prove it (no token ``b``, or no hash for the chain up to ``b``).
-
-    A boundary's EAGLE peek exists to prove that the stored draft KV of position ``b - 1``
-    was computed with this request's token ``b`` (the draft model's input there). The chain
-    hash at ``b`` covers every earlier token; token ``b`` is the rest of the proof. Both
-    sides compute it from the request alone, so store and lookup agree by construction.
-    Multimodal and LoRA extra keys are in the chain hash up to ``b`` but not in the proof's
-    last token: a sketch for review, not a drop-in for every feature."""
-    from vllm.v1.kv_offload.base import make_offload_key
-
-    b = chunk_idx * group_config.tokens_per_chunk
-    hash_idx = b // tokens_per_hash - 1
-    if b <= 0 or b >= req.num_tokens or hash_idx >= len(req.block_hashes):
-        return None
-    parent = bytes(req.block_hashes[hash_idx])
-    token = int(req.all_token_ids[b]).to_bytes(8, "little", signed=True)
-    digest = hashlib.sha256(PROOF_TAG + parent + token).digest()[: len(parent)]
-    return make_offload_key(digest, group_config.group_idx)
-
-
-def _proof_groups(sched: Any) -> dict[int, Any]:
-    """Group id -> config of the EAGLE/MTP sliding-window groups a proof applies to; none
-    for a scheduler built without a config (vLLM's own unit tests call the scan helpers on
-    bare instances: the fix then leaves every call to vLLM)."""
-    configs = getattr(getattr(sched, "config", None), "kv_group_configs", None) or ()
-    return {
-        g.group_idx: g
-        for g in configs
-        if getattr(g, "is_eagle_group", False)
-        and g.sliding_window_size_in_chunks is not None
-        and not g.requires_cow_source
-    }
-
-
-def _aligned(sched: Any, tokens: int) -> bool:
-    align = sched.config.alignment_tokens
-    return not align or tokens % align == 0
-
-
 def lookup_with_unkeyable_peek(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -195,9 +108,9 @@ def lookup_with_unkeyable_peek(
     req_status = args[0] if args else kwargs["req_status"]
     req = req_status.req
     added: list[list[Any]] = []
-    for gid, g in _proof_groups(instance).items():
+    for gid, g in proof_groups(instance).items():
         keys = req_status.group_states[gid].offload_keys
-        key = _peek_proof(instance, req, g, len(keys), req_status.req_context)
+        key = registered_peek_proof(instance, req, g, len(keys), req_status.req_context)
         if key is not None:  # None too when the prompt ends at the keyed chunks
             keys.append(key)
             added.append(keys)
@@ -221,7 +134,7 @@ def scan_with_proof(
     a.update(kwargs)
     keys: Sequence[Any] = a["keys"]
     keyed = bool(keys) and isinstance(keys[0], bytes)
-    group = _proof_groups(instance).get(int.from_bytes(keys[0][-4:], "big")) if keyed else None
+    group = proof_groups(instance).get(int.from_bytes(keys[0][-4:], "big")) if keyed else None
     if group is None or a["sliding_window_size"] != group.sliding_window_size_in_chunks + 1:
         return wrapped(*args, **kwargs)
     ctx = a["req_context"]
@@ -229,12 +142,6 @@ def scan_with_proof(
     status = instance._req_status.get(ctx.req_id)
     if pos is None or status is None:
         return wrapped(*args, **kwargs)
-    rec = hooks.recorder_of(instance)
-    if rec is not None:  # this replaces the helper the recorder's scan hook observes
-        try:
-            rec.begin_scan()
-        except Exception as exc:
-            rec.fail("scan", exc)
     first_chunk = pos // group.tokens_per_chunk - 1
     return _scan(
         instance,
@@ -242,26 +149,8 @@ def scan_with_proof(
         a["sliding_window_size"],
         ctx,
         a.get("initial_window_size"),
-        lambda idx: _peek_proof(instance, status.req, group, first_chunk + idx, ctx),
+        lambda idx: registered_peek_proof(instance, status.req, group, first_chunk + idx, ctx),
     )
-
-
-def peek_proof_key(sched: Any, req: Any, group: Any, chunk_idx: int) -> Any:
-    """The proof key of the peek at chunk ``chunk_idx``, or None unless its left edge is an
-    aligned boundary the request can prove: what the fix looks up and stores, and what the
-    recorder lists for the differ (`keytrace.vllm.hooks.record_proofs`)."""
-    if not _aligned(sched, chunk_idx * group.tokens_per_chunk):
-        return None
-    return proof_key(req, group, chunk_idx, sched.config.tokens_per_hash)
-
-
-def _peek_proof(sched: Any, req: Any, group: Any, chunk_idx: int, ctx: Any) -> Any:
-    """`peek_proof_key`, registered at the chunk's end token as vLLM registers every key it
-    looks up or stores (the recorder reads positions from there)."""
-    key = peek_proof_key(sched, req, group, chunk_idx)
-    if key is not None:
-        ctx.set_offload_key_position(key, (chunk_idx + 1) * group.tokens_per_chunk)
-    return key
 
 
 def _scan(
@@ -337,7 +226,7 @@ def store_peek_proofs(
     sharing the prefix does not have) and, in the step the prompt completes, the peek the
     prompt cannot key. Each proof is written from its chunk's GPU block (never loaded)."""
     out = args[0] if args else kwargs["scheduler_output"]
-    groups = _proof_groups(instance)
+    groups = proof_groups(instance)
     before: dict[str, dict[int, int]] = {}
     for req_id in out.num_scheduled_tokens if groups else ():
         status = instance._req_status.get(req_id)
@@ -374,7 +263,7 @@ def _kept_peek_proof(sched: Any, status: Any, g: Any, j: int) -> tuple[Any, list
     b = j * g.tokens_per_chunk
     if (
         b <= 0
-        or not _aligned(sched, b)
+        or not aligned(sched, b)
         or sched._calc_num_offloadable_tokens(status, req.num_prompt_tokens) <= b
     ):
         return None
@@ -390,7 +279,7 @@ def _kept_peek_proof(sched: Any, status: Any, g: Any, j: int) -> tuple[Any, list
     gpu = status.group_states[g.group_idx].block_ids[j * bpc : (j + 1) * bpc]
     if not gpu or gpu[0] == 0:
         return None  # the block holding token b is gone (or was never there)
-    key = _peek_proof(sched, req, g, j, status.req_context)
+    key = registered_peek_proof(sched, req, g, j, status.req_context)
     return None if key is None else (key, [bid for bid in gpu if bid != 0])
 
 

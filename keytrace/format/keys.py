@@ -1,0 +1,55 @@
+"""The OffloadKey layout, in one place: a block hash followed by the KV-cache group id as
+4 big-endian bytes (vLLM's ``make_offload_key``). Everything in keytrace that takes a key
+apart or builds one comes here: the recorder and the live alarm on bytes, the differ on
+polars binary columns (the same functions: called with an expression they return one).
+
+Imports no polars: it is on the recording path of every serving process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GID_BYTES = 4
+"""Bytes of the group id at the end of every key."""
+
+
+def _is_expr(x: Any) -> bool:
+    return type(x).__module__.startswith("polars")
+
+
+def gid_tail(gid: int) -> bytes:
+    """The 4 bytes a key of group ``gid`` ends with."""
+    return int(gid).to_bytes(GID_BYTES, "big")
+
+
+def key_tail(key: bytes) -> bytes:
+    """A key's group-id bytes, as they are (cheap to compare with `gid_tail`)."""
+    return key[-GID_BYTES:]
+
+
+def tail_gid(tail: bytes) -> int:
+    """The group id that `gid_tail` encoded."""
+    return int.from_bytes(tail, "big")
+
+
+def key_gid(key: Any) -> Any:
+    """The group id of a key (bytes), or of every key of a binary column (an expression)."""
+    if _is_expr(key):
+        import polars as pl
+
+        tail = key.bin.slice(-GID_BYTES)
+        return tail.bin.reinterpret(dtype=pl.UInt32, endianness="big").cast(pl.Int32)
+    return tail_gid(key[-GID_BYTES:])
+
+
+def key_hash(key: Any) -> Any:
+    """The block hash a key was made from (bytes, or an expression over a binary column)."""
+    if _is_expr(key):
+        return key.bin.slice(0, key.bin.size() - GID_BYTES)
+    return key[:-GID_BYTES]
+
+
+def make_key(block_hash: bytes, gid: int) -> bytes:
+    """The key of ``block_hash`` under group ``gid`` (vLLM's ``make_offload_key``)."""
+    return bytes(block_hash) + gid_tail(gid)
