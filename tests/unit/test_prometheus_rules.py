@@ -41,20 +41,3 @@ def test_every_metric_the_rules_read_exists() -> None:
     }
     assert names == {f"keytrace_{n}" for n in ("episodes", "short_of_expected_tokens")} | vllm_names
     assert {n for n in names if n.startswith("keytrace_")} <= ours
-
-
-def test_the_vllm_metrics_exist_in_vllm() -> None:
-    from tests.conftest import require_vllm
-
-    require_vllm()
-    import vllm
-
-    src = Path(vllm.__file__).parent
-    text = (src / "distributed/kv_transfer/kv_connector/v1/offloading/metrics.py").read_text()
-    text += (src / "v1/metrics/loggers.py").read_text()
-    for name in (
-        "vllm:kv_offload_store_bytes",
-        "vllm:external_prefix_cache_queries",
-        "vllm:external_prefix_cache_hits",
-    ):
-        assert f'"{name}"' in text
