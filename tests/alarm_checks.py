@@ -6,29 +6,112 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from keytrace.analysis import definitions as d
+from keytrace.analysis import frames
 from keytrace.analysis.diff import diff
-from keytrace.analysis.results import DiffReport
-from keytrace.format.reader import open_trace
-from keytrace.live.alarm import Alarm, AlarmSettings
+from keytrace.analysis.results import DiffReport, EpisodeVerdict
+from keytrace.format.reader import Trace, open_trace
+from keytrace.live.alarm import Alarm, AlarmSettings, Judged
 
 SETTINGS = AlarmSettings(keep_judged=True, interval=1e9)
 """Every verdict kept; repeats never summarised (a test's run is shorter than a minute)."""
 
+FIELDS = (
+    "verdict",
+    "E",
+    "cause",
+    "decisive",
+    "binding_group",
+    "terminal_chunk",
+    "terminal_result",
+    "terminal_cause",
+    "short",
+)
+"""What the alarm and the differ must agree on for every episode: the verdict and E; for a
+shortfall the cause that names its tokens and every decisive cause, the binding group, the
+terminal key's chunk, result and cause, and the tokens short of E."""
+Fields = dict[str, Any]
+
+
+def offline_fields(v: EpisodeVerdict, N: int) -> Fields:
+    """`FIELDS` of the differ's verdict (``N``: the episode's num_tokens, from the trace)."""
+    short = v.verdict in ("explained", "mismatch")
+    causes = [(n.group_id, n.cause) for n in v.needed]
+    absent = [(g, c) for g, c in causes if d.absent(c)]
+    decisive = d.decisive(
+        [c for _, c in causes if c in d.RULE_CAUSES],
+        [c for g, c in absent if g == v.binding_group],
+        [c for _, c in absent],
+    )
+    t = v.terminal
+    return {
+        "verdict": v.verdict,
+        "E": v.E,
+        "cause": d.shortfall_cause(decisive, t.result if t else None) if short else None,
+        "decisive": tuple(decisive) if short else (),
+        "binding_group": v.binding_group if short else None,
+        "terminal_chunk": t.chunk if short and t else None,
+        "terminal_result": t.result if short and t else None,
+        "terminal_cause": t.cause if short and t else None,
+        "short": (
+            d.short_of_E(v.E, *d.served(v.S, N, v.accepted_tokens, v.external_tokens))
+            if short
+            else 0
+        ),
+    }
+
+
+def online_fields(j: Judged, alarm: Alarm) -> Fields:
+    """`FIELDS` of the alarm's verdict."""
+    short = j.verdict in ("explained", "mismatch", "undetermined")
+    return {
+        "verdict": j.verdict,
+        "E": j.E,
+        "cause": j.cause if short else None,
+        "decisive": j.decisive,
+        "binding_group": j.binding_group,
+        "terminal_chunk": j.term_chunk if j.term_key else None,
+        "terminal_result": j.term_result if j.term_key else None,
+        "terminal_cause": (j.term_cause or "not_looked_up") if j.term_key else None,
+        "short": (alarm.shorts or {}).get((j.instance, j.episode), 0),
+    }
+
+
+def field_differences(
+    trace: Trace, report: DiffReport, alarms: list[Alarm]
+) -> list[tuple[Any, str, Any, Any]]:
+    """(episode, field, differ's, alarm's) for every field of every episode that differs."""
+    n_tokens = {
+        (inst, s): N
+        for inst, s, N in frames.collect(
+            frames.episodes(trace).select("inst", "s", "N")
+        ).iter_rows()
+    }
+    online = {(j.instance, j.episode): (j, a) for a in alarms for j in a.judged or []}
+    out = []
+    for v in report.episodes:
+        j, a = online[(v.instance, v.episode)]
+        want = offline_fields(v, n_tokens[(v.instance_id, v.episode)])
+        got = online_fields(j, a)
+        out += [
+            ((v.instance, v.req_id, v.episode), f, want[f], got[f])
+            for f in FIELDS
+            if want[f] != got[f]
+        ]
+    return out
+
 
 def assert_alarm_agrees(trace_dir: str, alarms: list[Alarm], warnings: list[str]) -> DiffReport:
-    """Episode by episode, the alarm's verdict and E are the differ's; its counters are the
-    differ's counts and shortfall tokens; it warned once per (engine, group, cause) of the
-    differ's mismatches, at the first such episode, and about nothing else."""
-    report = diff(open_trace(trace_dir), all_episodes=True)
+    """Episode by episode, every one of `FIELDS` of the alarm's verdict is the differ's; its
+    counters are the differ's counts and shortfall tokens; it warned once per (engine,
+    group, cause) of the differ's mismatches, at the first such episode, and about nothing
+    else."""
+    trace = open_trace(trace_dir)
+    report = diff(trace, all_episodes=True)
     judged = {(j.instance, j.episode): j for a in alarms for j in a.judged or []}
     offline = {(v.instance, v.episode): v for v in report.episodes}
     assert judged.keys() == offline.keys()
-    wrong = [
-        (k, v.verdict, v.E, judged[k].verdict, judged[k].E)
-        for k, v in offline.items()
-        if (v.verdict, v.E) != (judged[k].verdict, judged[k].E)
-    ]
-    assert wrong == []
+    assert field_differences(trace, report, alarms) == []
     online_counts = sum((Counter(a.counts()) for a in alarms), Counter())
     assert online_counts == Counter(report.counts), (online_counts, report.counts)
     assert report.lost is not None

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NOT_SOURCE = (".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", "mutants")
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "duckdb>=1.0", "ruff>=0.5")
 NEEDS_VLLM = {
     # command line -> what it must say
@@ -91,9 +93,12 @@ def main() -> int:
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
         pip += ["--disable-pip-version-check"]
         with tempfile.TemporaryDirectory(prefix="keytrace-wheel-") as wheels:
-            # a wheel built from the checkout: what `pip install keytrace` would install
+            # a wheel built from a copy of the checkout (setuptools writes build/ into the
+            # tree it builds): what `pip install keytrace` would install
+            src = os.path.join(wheels, "src")
+            shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*NOT_SOURCE))
             subprocess.run(
-                [*pip[:3], "wheel", "--quiet", "--no-deps", "-w", wheels, str(ROOT)], check=True
+                [*pip[:3], "wheel", "--quiet", "--no-deps", "-w", wheels, src], check=True
             )
             wheel = next(Path(wheels).glob("keytrace-*.whl"))
             subprocess.run([*pip, str(wheel)], check=True)

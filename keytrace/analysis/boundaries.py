@@ -19,12 +19,11 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.analysis import frames
+from keytrace.analysis.definitions import anchor, boundary_chunk
 from keytrace.analysis.rules import STORE_OFFERS, Group, align_down, store_boundary
 from keytrace.format.reader import Trace
 
-
-def anchor(groups: list[Group]) -> Group:
-    return next((g for g in groups if g.full_attention), groups[0])
+__all__ = ["anchor", "anchor_offers", "boundary_offers", "chain", "request_boundaries"]
 
 
 def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
@@ -72,7 +71,7 @@ def boundary_offers(trace: Trace, groups: list[Group]) -> pl.DataFrame:
     # engine holds the big side while the small one is still being computed.
     bounds = frames.collect(
         request_boundaries(frames.episodes(trace), groups).with_columns(
-            (pl.col("b") // a.tpc - 1).alias("chunk")
+            boundary_chunk(pl.col("b"), a.tpc).alias("chunk")
         )
     )
     return frames.collect(

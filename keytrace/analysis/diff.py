@@ -22,6 +22,7 @@ from typing import Any
 
 import polars as pl
 
+from keytrace.analysis import definitions as d
 from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, boundary_offers, chain
 from keytrace.analysis.history import causes
@@ -34,14 +35,7 @@ from keytrace.analysis.results import (
     hex_key,
     verdict_from_row,
 )
-from keytrace.analysis.rules import (
-    CAUSE_RANK,
-    Group,
-    groups_from_header,
-    lookup_cap,
-    needed_range,
-    unit,
-)
+from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, reason, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
 from keytrace.format.reader import Trace, raise_unknown_results
@@ -248,13 +242,7 @@ def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFra
 def _lost_tokens(judged: pl.DataFrame, routing: lost.Routing) -> lost.Partial:
     """The per-engine account of every prompt token (`keytrace.analysis.lost`), folded
     over these episodes."""
-    first_cause = (
-        pl.when(pl.col("decisive").list.len() > 0)
-        .then(pl.col("decisive").list.first())
-        .when(pl.col("term_result").is_in(["HIT_PENDING", "RETRY"]))
-        .then(pl.lit("in_flight"))
-        .otherwise(pl.lit("all_resident"))
-    )
+    first_cause = d.shortfall_cause(pl.col("decisive"), pl.col("term_result"))
     j = judged.with_columns(
         pl.coalesce("engine_id", "instance").alias("engine"),
         pl.when(pl.col("verdict").is_in(["explained", "mismatch"]))
@@ -303,7 +291,7 @@ def _episodes(
     # (measured at 150M rows: +64 MB peak, and slower)
     F = frames.collect(scans.resident_prefix(summaries, eps, groups)).lazy()
     B = chains.lazy()
-    top = pl.min_horizontal("L", "F")  # F null: no full-attention constraint
+    top = d.match_ceiling(pl.col("L"), pl.col("F"))  # F null: no full-attention constraint
     base = frames.collect(
         eps.with_columns(lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("max_new")).alias("L"))
     ).lazy()
@@ -319,26 +307,22 @@ def _episodes(
 def _expected_boundary(
     eps: pl.LazyFrame, groups: list[Group], header: dict[str, Any]
 ) -> pl.LazyFrame:
-    """E: the largest intended boundary in (S, top], top = min(L, F)."""
+    """E (`keytrace.analysis.definitions.expected_boundary`): the largest intended boundary
+    in (S, top], top = min(L, F)."""
+    S, top = pl.col("S"), pl.col("top")
     chained = (
         eps.select(*KEY, "S", "top", pl.col("boundaries").alias("b"))
         .explode("b")
-        .filter((pl.col("b") > pl.col("S")) & (pl.col("b") <= pl.col("top")))
+        .filter(d.in_reach(pl.col("b"), S, top))
         .group_by(KEY)
         .agg(pl.col("b").max().alias("E_chain"))
     )
-    extra: list[pl.Expr] = []
-    retention = header.get("retention_interval") or 0
-    if retention > 0:  # segment tails every retention_interval tokens
-        extra.append(pl.col("top") // retention * retention)
-    if all(g.full_attention for g in groups):  # no window: every boundary is kept
-        u = unit(groups)
-        extra.append(pl.col("top") // u * u)
-    above = [pl.when(e > pl.col("S")).then(e) for e in extra]
+    standing = d.standing_boundaries(top, groups, header.get("retention_interval") or 0)
+    E = d.expected_boundary(S, pl.col("E_chain"), standing)
     return (
         eps.select(*KEY, "S", "top")
         .join(chained, on=KEY, how="left")
-        .select(*KEY, pl.max_horizontal("E_chain", *above).cast(pl.Int64).alias("E"))
+        .select(*KEY, E.cast(pl.Int64).alias("E"))
     )
 
 
@@ -419,16 +403,10 @@ def _explain_shortfalls(
 
 def _proof_if_better() -> list[pl.Expr]:
     """``key`` and ``cause`` of a needed chunk, from its proof where the proof's cause is
-    better (`keytrace.analysis.rules.better_cause`): a chunk the lookup may find under its
-    own key or its proof is as available as the better of the two, and the evidence names
-    the key that decided."""
-
-    def ranked(col: str) -> pl.Expr:
-        return pl.col(col).replace_strict(
-            CAUSE_RANK, default=len(CAUSE_RANK), return_dtype=pl.Int32
-        )
-
-    better = pl.col("proof_cause").is_not_null() & (ranked("proof_cause") < ranked("cause"))
+    better (`keytrace.analysis.definitions.proof_is_better`): a chunk the lookup may find
+    under its own key or its proof is as available as the better of the two, and the
+    evidence names the key that decided."""
+    better = d.proof_is_better(pl.col("cause"), pl.col("proof_cause"))
     return [
         pl.when(better).then(pl.col("proof")).otherwise(pl.col("key")).alias("key"),
         pl.when(better).then(pl.col("proof_cause")).otherwise(pl.col("cause")).alias("cause"),
@@ -447,7 +425,7 @@ def _terminal_within_needed(bind: pl.DataFrame, needed: pl.DataFrame) -> pl.Data
     res = pl.col("result")
     inside = (
         needed.filter(pl.col("binding") & res.is_not_null() & (res != "HIT"))
-        .sort(~res.is_in(["MISS", "RETRY"]), "seq")
+        .sort(d.terminal_order(res), "seq")
         .group_by(KEY, maintain_order=True)
         .agg(
             pl.col("seq").first().alias("n_seq"),
@@ -473,7 +451,7 @@ def _recorded(trace: Trace, keys: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFr
     pass: (unqueried, proofs), each KEY, gid, chunk and its key (``ukey``, ``proof``).
     Unqueried: needed keys taken from vLLM's own key lists for groups it never scanned,
     exact. Proofs: under the candidate fix ``eagle_proof_key`` only, the proof key of
-    each needed peek (`keytrace.analysis.rules.better_cause`)."""
+    each needed peek (`keytrace.analysis.definitions.better_cause`)."""
     got = (
         frames.listed(trace)
         .join(keys.lazy(), on=KEY, how="semi")

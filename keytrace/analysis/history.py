@@ -5,7 +5,10 @@ keyable_end)``: the episode's recorder instance, sequence number and wall clock,
 and its group, the token its chunk ends at, and how far the earlier requests on the
 episode's chain reached (a chunk ending beyond that was never keyable by them).
 
-`causes` adds ``cause`` to every probe, with this precedence (docs/diff.md):
+`causes` adds ``cause`` to every probe: it gathers, per probe, the facts
+`keytrace.analysis.definitions.KeyFacts` names from the store rows, and the one definition
+(`keytrace.analysis.definitions.cause`, the table ``CAUSES``) turns them into a cause, with
+this precedence (docs/diff.md):
 
 ``resident``      completed on the instance before s, not evicted or reset since
 ``in_flight``     prepared before s and not yet settled (completed or failed) at s
@@ -28,19 +31,12 @@ from collections.abc import Sequence
 
 import polars as pl
 
+from keytrace.analysis.definitions import KeyFacts, cause
 from keytrace.analysis.frames import collect
-from keytrace.analysis.rules import EXPLAINED_CAUSES, OFFER_EVENTS, RULE_CAUSES
+from keytrace.analysis.rules import OFFER_EVENTS
+from keytrace.format.keys import key_hash, make_key
 
-__all__ = ["EXPLAINED_CAUSES", "OFFER_EVENTS", "RULE_CAUSES", "causes", "resident"]
-
-
-def resident(completed: pl.Expr, removed: pl.Expr) -> pl.Expr:
-    """*Resident*: a completion after the last removal (the one definition keytrace uses)."""
-    return completed.is_not_null() & (removed.is_null() | (completed > removed))
-
-
-def _hash(key: pl.Expr) -> pl.Expr:
-    return key.bin.slice(0, key.bin.size() - 4)
+__all__ = ["causes", "store_rows", "wanted_keys"]
 
 
 def wanted_keys(probes: pl.DataFrame, group_ids: Sequence[int]) -> pl.Series:
@@ -48,11 +44,8 @@ def wanted_keys(probes: pl.DataFrame, group_ids: Sequence[int]) -> pl.Series:
     block hashes under each of ``group_ids`` (a key is hash + 4-byte group id, so those keys
     are spelled out rather than hashed row by row)."""
     keys = probes.select("key").unique()
-    hashes = keys.select(_hash(pl.col("key")).alias("h")).unique()["h"].to_list()
-    siblings = pl.Series(
-        [bytes(h) + int(g).to_bytes(4, "big") for h in hashes for g in group_ids],
-        dtype=pl.Binary,
-    )
+    hashes = keys.select(key_hash(pl.col("key")).alias("h")).unique()["h"].to_list()
+    siblings = pl.Series([make_key(h, g) for h in hashes for g in group_ids], dtype=pl.Binary)
     return pl.concat([keys["key"], siblings]).unique()
 
 
@@ -83,7 +76,7 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
     hist = rows.join(keys, on="key", how="semi").select("inst", "seq", "ts", "event", "key")
     resets = rows.filter(ev == "reset").select("inst", "seq")
     other_gid = rows.filter(ev == "completed").select(
-        "inst", "seq", pl.col("gid").alias("other_gid"), _hash(pl.col("key")).alias("h")
+        "inst", "seq", pl.col("gid").alias("other_gid"), key_hash(pl.col("key")).alias("h")
     )
     base = probes.select("pid", "inst", "s", "t", "key", "gid")
 
@@ -121,7 +114,7 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
     )
     # the hash under another group id, while this group id never reached the store path
     skew = (
-        base.with_columns(_hash(pl.col("key")).alias("h"))
+        base.with_columns(key_hash(pl.col("key")).alias("h"))
         .join(other_gid, on=["inst", "h"])
         .filter((pl.col("seq") < pl.col("s")) & (pl.col("other_gid") != pl.col("gid")))
         .select("pid", pl.lit(True).alias("other_gid_stored"))
@@ -134,32 +127,19 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
         .join(skew, on="pid", how="left")
         .join(first_prep, on=["inst", "gid"], how="left")
     )
-    removed = pl.max_horizontal("evicted", "reset")
-    # A completion needs no term here: a completed key is resident (checked first) unless a
-    # removal followed the completion, and then that removal also follows the preparation.
-    in_flight = (
-        pl.col("prepared").is_not_null()
-        & (removed.is_null() | (pl.col("prepared") > removed))
-        & (pl.col("failed_at").is_null() | (pl.col("failed_at") < pl.col("prepared")))
+    c = pl.col
+    facts_of = KeyFacts(
+        s=c("s"),
+        completed=c("completed"),
+        evicted=c("evicted"),
+        reset=c("reset"),
+        prepared=c("prepared"),
+        failed=c("failed_at"),
+        rejected=c("rejected").fill_null(False),
+        other_engine=c("other_engine").fill_null(False),
+        sibling_stored=c("other_gid_stored").fill_null(False),
+        own_first_prepared=c("first_prep"),
+        token_end=c("token_end"),
+        keyable_end=c("keyable_end"),
     )
-    own_gid_stored = pl.col("first_prep").is_not_null() & (pl.col("first_prep") < pl.col("s"))
-    cause = (
-        pl.when(resident(pl.col("completed"), removed))
-        .then(pl.lit("resident"))
-        .when(in_flight)
-        .then(pl.lit("in_flight"))
-        .when(pl.col("completed").is_not_null())
-        .then(pl.lit("evicted"))
-        .when(pl.col("other_engine").fill_null(False))
-        .then(pl.lit("other_engine"))
-        .when(pl.col("failed_at").is_not_null())
-        .then(pl.lit("store_failed"))
-        .when(pl.col("rejected").fill_null(False))
-        .then(pl.lit("rejected"))
-        .when(pl.col("other_gid_stored").fill_null(False) & ~own_gid_stored)
-        .then(pl.lit("other_group"))
-        .when(pl.col("keyable_end").is_not_null() & (pl.col("token_end") <= pl.col("keyable_end")))
-        .then(pl.lit("never_offered"))
-        .otherwise(pl.lit("not_keyable"))
-    )
-    return facts.with_columns(cause.alias("cause")).select(*probes.columns, "cause")
+    return facts.with_columns(cause(facts_of).alias("cause")).select(*probes.columns, "cause")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from keytrace.analysis import frames
+from keytrace.analysis.definitions import EXPLAINED_CAUSES, served, short_of_E
 from keytrace.analysis.rules import Group
 
 CATEGORIES = ("gpu_prefix", "offload", "short", "cold_routing", "cold_not_stored", "past_boundary")
@@ -50,8 +51,6 @@ class LostRow:
     @property
     def explained(self) -> bool:
         """A shortfall cause that is timing, capacity or routing rather than a rule bug."""
-        from keytrace.analysis.history import EXPLAINED_CAUSES
-
         return self.cause in EXPLAINED_CAUSES
 
     @property
@@ -80,20 +79,16 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.LazyFrame:
     ``judged`` holds per episode: inst, s, engine, verdict, S, N, X, A, E, cause, bind_gid;
     ``routing``: (inst, s, E_other) for cold episodes another engine held a boundary for.
     """
+    gpu, offload = served(pl.col("S"), pl.col("N"), pl.col("A"), pl.col("X"))
     ep = (
         judged.lazy()
         .filter(pl.col("verdict") != "deferred")
         .join(routing.lazy(), on=["inst", "s"], how="left")
-        .with_columns(pl.min_horizontal("S", "N").alias("gpu_prefix"))
-        .with_columns(
-            pl.min_horizontal(
-                pl.coalesce("A", "X").fill_null(0), pl.col("N") - pl.col("gpu_prefix")
-            ).alias("offload")
-        )
+        .with_columns(gpu.alias("gpu_prefix"), offload.alias("offload"))
         .with_columns((pl.col("gpu_prefix") + pl.col("offload")).alias("served"))
     )
     short = pl.when(pl.col("verdict").is_in(["explained", "mismatch"])).then(
-        pl.max_horizontal(pl.col("E") - pl.col("served"), 0)
+        short_of_E(pl.col("E"), pl.col("gpu_prefix"), pl.col("offload"))
     )
     routed = pl.when(pl.col("verdict") == "cold").then(
         pl.max_horizontal(pl.col("E_other").fill_null(0) - pl.col("served"), 0)
@@ -209,7 +204,8 @@ def routing(stores: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]) -> 
     """`Routing` from the store rows and `keytrace.analysis.boundaries.boundary_offers` (a
     boundary key: one some request offered for the chunk ending at one of its boundaries).
     Empty when the anchor group is not full attention (no routing account then)."""
-    from keytrace.analysis.boundaries import anchor, anchor_offers
+    from keytrace.analysis.boundaries import anchor_offers
+    from keytrace.analysis.definitions import anchor
 
     elsewhere = (
         offers.group_by("inst", "key", "b").agg(pl.col("first_ts").min()).rename({"inst": "other"})

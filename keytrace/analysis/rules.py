@@ -6,10 +6,12 @@ path's intended boundary. Sources: ``OffloadingConnectorScheduler`` (``SCH`` in
 ``../shared/docs/vllm-offload-notes.md``) and ``GroupOffloadConfig``.
 
 The integer functions are *duck-typed*: called with Python ints they return ints (the
-recorder, reporters, tests); called with polars expressions they return expressions (the
-differ evaluates them over millions of episodes in one pass). Only the few operations
-where the two worlds differ go through `least`/`greatest`, which import polars lazily, so
-this module stays importable on the plugin path without polars.
+live alarm, the hooks, reporters, tests); called with polars expressions they return
+expressions (the differ evaluates them over millions of episodes in one pass). The few
+operations where the two worlds differ go through `keytrace.analysis.ops`, which imports
+polars lazily, so this module stays importable on the plugin path without polars.
+keytrace's own definitions built on these (F, E, causes, verdicts) are in
+`keytrace.analysis.definitions`.
 """
 
 from __future__ import annotations
@@ -17,44 +19,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
-Num: TypeAlias = Any
-"""An ``int``, or a polars expression evaluating to integers: the duck-typed functions below
-return the same kind they are given (mypy cannot express "int in, int out; Expr in, Expr
-out" for operator-based code, so this alias says it in words)."""
-
-EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
-"""Causes of an absent key that are timing, capacity or routing: a shortfall with only
-these is not a rule bug (``docs/diff.md``; the offline differ and the live alarm)."""
-RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
-"""Causes where the store path and the lookup path disagree about a key."""
-CAUSE_ORDER = (
-    "resident",
-    "in_flight",
-    "evicted",
-    "other_engine",
-    "store_failed",
-    "rejected",
-    "other_group",
-    "never_offered",
-    "not_keyable",
-)
-"""The causes of `keytrace.analysis.history.causes` in its precedence, the most available
-first. A chunk the lookup may find under either of two keys (an EAGLE peek chunk and its
-proof key under the candidate fix ``eagle_proof_key``) is as available as the better one:
-`better_cause`."""
-CAUSE_RANK = {c: i for i, c in enumerate(CAUSE_ORDER)}
-"""A cause's position in `CAUSE_ORDER`; a cause outside it ranks after all of them."""
-
-
-def better_cause(a: str | None, b: str | None) -> str | None:
-    """Of two causes for one chunk's two keys, the one earlier in `CAUSE_ORDER` (a cause
-    outside it, e.g. ``not_looked_up``, or None yields to any known cause; a tie keeps
-    ``a``)."""
-    last = len(CAUSE_RANK)
-    return a if CAUSE_RANK.get(a or "", last) <= CAUSE_RANK.get(b or "", last) else b
-
+from keytrace.analysis.ops import Num, greatest, least
 
 OFFER_EVENTS = ("prepared", "rejected", "failed")
 """Store events by which the store path decided about a key (a completion follows one)."""
@@ -75,24 +42,6 @@ def group_label(kind: str, eagle: bool) -> str:
     """``"SWA, MTP"``: the kind's short name, marked when the group is an EAGLE/MTP group."""
     short = KIND_SHORT.get(kind, kind)
     return f"{short}, MTP" if eagle else short
-
-
-def least(a: Any, b: Any) -> Any:
-    """min() of ints, or the row-wise minimum of expressions (a null bound is no bound)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return min(a, b)
-    import polars as pl
-
-    return pl.min_horizontal(a, b)
-
-
-def greatest(a: Any, b: Any) -> Any:
-    """max() of ints, or the row-wise maximum of expressions."""
-    if isinstance(a, int) and isinstance(b, int):
-        return max(a, b)
-    import polars as pl
-
-    return pl.max_horizontal(a, b)
 
 
 def cdiv(a: Num, b: int) -> Num:

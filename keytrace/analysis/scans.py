@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import polars as pl
 
+from keytrace.analysis import definitions
 from keytrace.analysis.rules import Group
+from keytrace.format.schema import SCAN_ENDING
 
 SCAN_COLUMNS = (
     "inst",
@@ -45,7 +47,7 @@ SCAN_COLUMNS = (
 def scan_summaries(lookups: pl.LazyFrame) -> pl.LazyFrame:
     """One row per (instance, episode, scan) from raw lookup rows (see the module doc)."""
     res = pl.col("result")
-    bad = res.is_in(["MISS", "RETRY"])
+    bad = res.is_in(SCAN_ENDING)
     nonhit = res != "HIT"
     term = pl.when(bad.any()).then(bad).otherwise(nonhit)
     return (
@@ -78,40 +80,25 @@ def scan_summaries(lookups: pl.LazyFrame) -> pl.LazyFrame:
 def resident_prefix(
     scans: pl.LazyFrame, episodes: pl.LazyFrame, groups: list[Group]
 ) -> pl.LazyFrame:
-    """F per episode: how far every full-attention group's chunks are resident from S.
-
-    Each full-attention group's first scan in the episode covers ``[S, cap)`` left to
-    right; its leading HITs are resident by the manager's word, so its prefix ends at
-    ``(S // tpc + lead_hits) * tpc``. F is the smallest over the full-attention groups; a
-    group the episode never scanned contributes S; with no full-attention group F is null
-    (no constraint).
-    """
+    """F per episode (`keytrace.analysis.definitions.resident_prefix`), from the leading
+    HITs of each full-attention group's first scan in the episode: one column per group,
+    null where the episode never scanned it; F is null with no full-attention group."""
     fa = [g for g in groups if g.full_attention]
     if not fa:
         return episodes.select("inst", "s", pl.lit(None, dtype=pl.Int64).alias("F"))
-    tpc = {g.gid: g.tpc for g in fa}
     first = (
-        scans.filter(pl.col("gid").is_in(list(tpc)))
+        scans.filter(pl.col("gid").is_in([g.gid for g in fa]))
         .group_by("inst", "s", "gid")
         .agg(pl.col("lead_hits").sort_by("scan").first())
     )
-    per_group = [
-        episodes.select("inst", "s", "S")
-        .join(first.filter(pl.col("gid") == g.gid), on=["inst", "s"], how="left")
-        .select(
-            "inst",
-            "s",
-            pl.when(pl.col("lead_hits").is_null())
-            .then(pl.col("S"))
-            .otherwise((pl.col("S") // g.tpc + pl.col("lead_hits")) * g.tpc)
-            .alias(f"F{g.gid}"),
+    out = episodes.select("inst", "s", "S")
+    for g in fa:
+        lead = first.filter(pl.col("gid") == g.gid).select(
+            "inst", "s", pl.col("lead_hits").alias(f"lead{g.gid}")
         )
-        for g in fa
-    ]
-    out = per_group[0]
-    for other in per_group[1:]:
-        out = out.join(other, on=["inst", "s"])
-    return out.select("inst", "s", pl.min_horizontal(pl.col(r"^F\d+$")).cast(pl.Int64).alias("F"))
+        out = out.join(lead, on=["inst", "s"], how="left")
+    F = definitions.resident_prefix(pl.col("S"), groups, lambda gid: pl.col(f"lead{gid}"))
+    return out.select("inst", "s", F.cast(pl.Int64).alias("F"))
 
 
 def binding(scans: pl.LazyFrame) -> pl.LazyFrame:
@@ -122,7 +109,7 @@ def binding(scans: pl.LazyFrame) -> pl.LazyFrame:
     every lookup was a HIT binds on the group of its last scan, with no terminal key.
     """
     last_bad = (
-        scans.filter(pl.col("n_hit") < pl.col("n"))
+        scans.filter(definitions.binds(pl.col("n_hit"), pl.col("n")))
         .sort("scan")
         .group_by("inst", "s")
         .agg(

@@ -13,6 +13,7 @@ import polars as pl
 
 from keytrace.analysis import frames
 from keytrace.analysis.rules import STORE_OFFERS
+from keytrace.format.keys import key_gid, key_hash, make_key
 from keytrace.format.reader import Trace
 
 KEY = ["inst", "s"]
@@ -36,7 +37,7 @@ def holders_of(trace: Trace, keys: pl.Series) -> pl.LazyFrame:
     """(inst, req_id, key), distinct: every request that looked up, offered or stored one
     of ``keys`` (so shares the prefix through it)."""
     wanted = keys.cast(pl.Binary).unique()
-    gids = sorted({int.from_bytes(bytes(k)[-4:], "big") for k in wanted.to_list()})
+    gids = sorted({key_gid(bytes(k)) for k in wanted.to_list()})
     return (
         pl.concat(
             [
@@ -119,7 +120,7 @@ def derive_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Data
         .pipe(frames.collect)
     )
     derived = [
-        (i, s, gid, chunk, bytes(k)[:-4] + int(gid).to_bytes(4, "big"))
+        (i, s, gid, chunk, make_key(key_hash(bytes(k)), gid))
         for i, s, gid, chunk, k in found.iter_rows()
     ]
     if not derived:

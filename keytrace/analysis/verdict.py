@@ -1,6 +1,6 @@
-"""Verdicts as pure functions of an episode's numbers and its needed chunks' causes.
-
-Both work on polars frames held in memory (no Parquet), so every branch is unit-testable:
+"""Verdicts over polars frames: `keytrace.analysis.definitions`' verdict rules, evaluated
+for every episode at once. Both work on frames held in memory (no Parquet), so every branch
+is unit-testable:
 
 - `base_verdict`: ``deferred`` (vLLM returned None), ``cold`` (no expected boundary E),
   ``hit`` (external tokens reach E), else ``shortfall``;
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from keytrace.analysis.history import RULE_CAUSES
+from keytrace.analysis import definitions as d
+from keytrace.analysis.definitions import RULE_CAUSES, UNSEEN
 
 CAUSE_TEXT = {
     "resident": "resident",
@@ -31,25 +32,16 @@ CAUSE_TEXT = {
     "other_group": "same hash stored under another group id",
     "never_offered": "never offered by the store path",
     "not_keyable": "never complete in any earlier request on the chain (not keyable)",
-    "not_looked_up": "not looked up in this episode (key unknown)",
+    UNSEEN: "not looked up in this episode (key unknown)",
 }
 
 
 def base_verdict() -> pl.Expr:
-    """Over columns S, X (external; null = deferred) and E (null = none)."""
-    return (
-        pl.when(pl.col("X").is_null())
-        .then(pl.lit("deferred"))
-        .when(pl.col("E").is_null())
-        .then(pl.lit("cold"))
-        .when(pl.col("X") >= pl.col("E") - pl.col("S"))
-        .then(pl.lit("hit"))
-        .otherwise(pl.lit("shortfall"))
-    )
-
-
-def absent() -> pl.Expr:
-    return ~pl.col("cause").is_in(["resident", "not_looked_up"])
+    """Over columns S, X (external; null = deferred) and E (null = none):
+    `keytrace.analysis.definitions.base_verdict`."""
+    c = pl.col
+    out: pl.Expr = d.base_verdict(d.EpisodeNumbers(S=c("S"), X=c("X"), E=c("E")))
+    return out
 
 
 def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.DataFrame:
@@ -60,7 +52,7 @@ def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.Data
     """
     is_rule = pl.col("cause").is_in(RULE_CAUSES)
     flags = (
-        needed.with_columns(absent().alias("absent"))
+        needed.with_columns(d.absent(pl.col("cause")).alias("absent"))
         .group_by("inst", "s")
         .agg(
             pl.col("cause").filter(is_rule).alias("rule"),
@@ -69,34 +61,28 @@ def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.Data
         )
     )
     empty = pl.lit([], dtype=pl.List(pl.String))
-    decisive = (
-        pl.when(pl.col("rule").list.len() > 0)
-        .then(pl.col("rule"))
-        .when(pl.col("binding_absent").list.len() > 0)
-        .then(pl.col("binding_absent"))
-        .otherwise(pl.col("all_absent"))
+    some = [pl.col(x).list.len() > 0 for x in ("rule", "all_absent")]
+    verdict = d.shortfall_verdict(
+        d.Shortfall(
+            any_rule=some[0], unsettled=d.unsettled(pl.col("term_result")), any_absent=some[1]
+        )
     )
     return (
         terminals.join(flags, on=["inst", "s"], how="left")
         .with_columns(pl.col("rule", "binding_absent", "all_absent").fill_null(empty))
-        .with_columns(decisive.alias("decisive"))
         .with_columns(
-            pl.when(pl.col("rule").list.len() > 0)
-            .then(pl.lit("mismatch"))
-            .when(pl.col("term_result").is_in(["HIT_PENDING", "RETRY"]))
-            .then(pl.lit("explained"))
-            .when(pl.col("all_absent").list.len() > 0)
-            .then(pl.lit("explained"))
-            .otherwise(pl.lit("mismatch"))
-            .alias("verdict")
+            d.decisive(pl.col("rule"), pl.col("binding_absent"), pl.col("all_absent")).alias(
+                "decisive"
+            )
         )
+        .with_columns(verdict.alias("verdict"))
         .select("inst", "s", "verdict", "decisive", "term_result")
     )
 
 
 def reason(verdict: str, decisive: list[str], term_result: str | None) -> str:
     """The one-line ``why`` printed for a shortfall episode."""
-    if term_result in ("HIT_PENDING", "RETRY"):
+    if d.unsettled(term_result):
         return f"lookup saw {term_result} at the binding key: the store had not finished"
     texts = sorted({CAUSE_TEXT.get(c, c) for c in decisive})
     if verdict == "explained":

@@ -53,3 +53,12 @@ def key_hash(key: Any) -> Any:
 def make_key(block_hash: bytes, gid: int) -> bytes:
     """The key of ``block_hash`` under group ``gid`` (vLLM's ``make_offload_key``)."""
     return bytes(block_hash) + gid_tail(gid)
+
+
+def chunk_ending_at(end: int | None, tpc: int) -> int | None:
+    """The index of the chunk (``tpc`` tokens each) that ends at token ``end``, None unless
+    ``end`` is a chunk boundary. Chunk ``c`` covers tokens ``[c * tpc, (c + 1) * tpc)``, and a
+    key's recorded position is the end of its chunk (vLLM's ``get_offload_key_position``)."""
+    if end is None or end % tpc:
+        return None
+    return end // tpc - 1

@@ -39,6 +39,13 @@ KINDS: tuple[str, ...] = ("store", "lookup", "episode", "load", "step")
 
 LOOKUP_RESULTS: tuple[str, ...] = ("MISS", "HIT", "HIT_PENDING", "RETRY")
 """vLLM's ``LookupResult`` names. Recorded verbatim: a HIT_PENDING is never a MISS."""
+SCAN_ENDING: tuple[str, ...] = ("MISS", "RETRY")
+"""Results that end a scan's run of hits: a scan's *terminal* key is its first of these,
+else its first non-HIT (the recorder's ``term_*`` summary; the differ and the alarm rank a
+binding scan's keys the same way, `keytrace.analysis.definitions.terminal_order`)."""
+NOT_SETTLED: tuple[str, ...] = ("HIT_PENDING", "RETRY")
+"""Results that say the store had not finished: a shortfall whose binding key was one is
+timing, not a rule bug (`keytrace.analysis.definitions.unsettled`)."""
 
 STORE_EVENTS: tuple[str, ...] = (
     "prepared",  # offered to prepare_store and newly allocated: the key will be written

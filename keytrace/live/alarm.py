@@ -12,10 +12,13 @@ lookup episode `Alarm.judge` gives the episode the verdict `keytrace diff` would
   cap and its ``shared_prefix_boundary`` junction): the *intended boundaries* of later
   episodes that look the same keys up (the chain).
 
-vLLM's arithmetic comes from `keytrace.analysis.rules` (the same functions the differ runs
-over polars columns); the precedence of causes and the verdict rule are written out below
-in the order of `keytrace.analysis.history.causes` and `keytrace.analysis.verdict`, and the
-agreement is tested episode by episode against the offline differ on real-scheduler traffic.
+Every rule comes from where the differ takes it: vLLM's arithmetic from
+`keytrace.analysis.rules`, keytrace's definitions (F, E, residency, the cause table, the
+binding scan, verdicts, shortfall tokens) from `keytrace.analysis.definitions`, the key
+layout from `keytrace.format.keys`; the differ evaluates them over polars columns, this
+module with the values it kept. What is here is only how those values are kept and
+gathered. The agreement (every field of every episode) is tested against the offline differ
+on real-scheduler traffic.
 
 Bounded memory: key records, boundary offers and request boundaries are capped together by
 ``max_bytes`` (default 64 MiB, about 250,000 keys); the least recently touched go first. A
@@ -39,17 +42,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from keytrace.analysis import definitions as d
+from keytrace.analysis.definitions import RULE_CAUSES, UNSEEN
 from keytrace.analysis.rules import (
     OFFER_EVENTS,
-    RULE_CAUSES,
     STORE_OFFERS,
     Group,
     align_down,
-    better_cause,
     lookup_cap,
     needed_range,
     store_boundary,
-    unit,
+)
+from keytrace.format.keys import (
+    chunk_ending_at,
+    gid_tail,
+    key_hash,
+    key_tail,
+    make_key,
+    tail_gid,
 )
 
 log = logging.getLogger("keytrace")
@@ -132,12 +142,11 @@ class Alarm:
 
         self.groups: list[Group] = groups_from_header(dict(header))
         self.by_gid = {g.gid: g for g in self.groups}
-        self.anchor = next((g for g in self.groups if g.full_attention), self.groups[0])
-        self._anchor_tail = self.anchor.gid.to_bytes(4, "big")
+        self.anchor = d.anchor(self.groups)
+        self._anchor_tail = gid_tail(self.anchor.gid)
         self.group_ids = [int(g["group_id"]) for g in header.get("groups", [])]
         self.tph = int(header.get("tokens_per_hash") or 1)
         self.retention = int(header.get("retention_interval") or 0)
-        self.unit = unit(self.groups)
         self.max_records = max(1024, max_bytes // BYTES_PER_RECORD)
         self.interval = interval
         self.warn = warn
@@ -157,6 +166,8 @@ class Alarm:
         self._repeats: Counter[tuple[str, int | None, str | None]] = Counter()
         self._last_summary: dict[tuple[str, int | None, str | None], float] = {}
         self.judged: list[Judged] | None = [] if keep_judged else None
+        self.shorts: dict[tuple[str, int], int] | None = {} if keep_judged else None
+        """With ``keep_judged``: (instance, episode) -> its tokens short of E (`account`)."""
         self.first: list[Judged] = []
         """The episodes that raised a warning, in order (the tests read them)."""
 
@@ -208,10 +219,10 @@ class Alarm:
             if event == "reset":
                 st.reset = seq
                 return
-            for tail, n in Counter(k[-4:] for k in keys).items():  # per group, not per key
-                self.stored[(st.engine, str(int.from_bytes(tail, "big")), event)] += n
+            for tail, n in Counter(key_tail(k) for k in keys).items():  # per group, not key
+                self.stored[(st.engine, str(tail_gid(tail)), event)] += n
                 if event == "prepared":
-                    st.first_prep.setdefault(int.from_bytes(tail, "big"), seq)
+                    st.first_prep.setdefault(tail_gid(tail), seq)
             offer = event in OFFER_EVENTS
             boundary = event in STORE_OFFERS and req_id is not None and req_id in st.bounds
             anchor = self._anchor_tail
@@ -230,14 +241,14 @@ class Alarm:
                     rec.rejected = True
                 if offer and rec.offered_ts is None:
                     rec.offered_ts = ts
-                if boundary and end is not None and key[-4:] == anchor:
+                if boundary and end is not None and key_tail(key) == anchor:
                     self._boundary_offer(st, req_id, key, end, seq)  # type: ignore[arg-type]
 
     def _boundary_offer(self, st: _Instance, req_id: str, key: bytes, end: int, seq: int) -> None:
-        tpc = self.anchor.tpc
-        if end % tpc:
+        chunk = chunk_ending_at(end, self.anchor.tpc)
+        if chunk is None:
             return
-        b = st.bounds.get(req_id, {}).get(end // tpc - 1)
+        b = st.bounds.get(req_id, {}).get(chunk)
         if b is None:
             return
         firsts = st.offers.setdefault(key, {})
@@ -283,7 +294,7 @@ class Alarm:
             chunks = st.bounds.setdefault(req_id, {})
             for b in bs:
                 if b > 0:
-                    chunks.setdefault(b // self.anchor.tpc - 1, b)
+                    chunks.setdefault(d.boundary_chunk(b, self.anchor.tpc), b)
 
     def judge(
         self,
@@ -301,7 +312,7 @@ class Alarm:
         st = self._inst[inst]
         with self._lock:
             for sc in scans:
-                g = str(int.from_bytes(sc.gid_bytes, "big"))
+                g = str(tail_gid(sc.gid_bytes))
                 for result, n in sc.counts.items():
                     if n:
                         self.looked_up[(st.engine, g, result)] += n
@@ -330,12 +341,10 @@ class Alarm:
         S, X, s = ep.local, ep.external, ep.seq
         base = {"instance": st.name, "req_id": ep.req_id, "episode": s, "S": S, "external": X}
         E, chain_P = self._expected(st, ep, scans, tpc)
-        if X is None:
-            return Judged("deferred", E=E, **base)
-        if E is None:
-            return Judged("cold", E=None, **base)
-        if X >= E - S:
-            return Judged("hit", E=E, **base)
+        verdict = d.base_verdict(d.EpisodeNumbers(S=S, X=X, E=E))
+        if verdict != "shortfall":
+            return Judged(verdict, E=E, **base)
+        assert E is not None  # a shortfall has an expected boundary
         return self._shortfall(st, ep, scans, unqueried, tpc, proofs, E, chain_P, base)
 
     def _expected(
@@ -343,14 +352,11 @@ class Alarm:
     ) -> tuple[int | None, int | None]:
         """(E, chain_P): `keytrace.analysis.diff._expected_boundary` for one episode."""
         S, s = ep.local, ep.seq
-        top = lookup_cap(self.groups, ep.tokens, S, ep.max_new)
         first_lead: dict[int, int] = {}
         for sc in scans:
-            first_lead.setdefault(int.from_bytes(sc.gid_bytes, "big"), sc.lead)
-        for g in self.groups:
-            if g.full_attention:  # F: a group never scanned gives S
-                lead = first_lead.get(g.gid)
-                top = min(top, S if lead is None else (S // g.tpc + lead) * g.tpc)
+            first_lead.setdefault(tail_gid(sc.gid_bytes), sc.lead)
+        F = d.resident_prefix(S, self.groups, first_lead.get)
+        top = d.match_ceiling(lookup_cap(self.groups, ep.tokens, S, ep.max_new), F)
         boundaries: set[int] = set()
         chain_P: int | None = None
         for sc in scans:
@@ -365,13 +371,9 @@ class Alarm:
                         P = st.prompt.get(req)
                         if P is not None:
                             chain_P = P if chain_P is None else max(chain_P, P)
-        cands = [b for b in boundaries if S < b <= top]
-        if self.retention > 0:
-            cands.append(top // self.retention * self.retention)
-        if all(g.full_attention for g in self.groups):
-            cands.append(top // self.unit * self.unit)
-        cands = [b for b in cands if b > S]
-        return (max(cands) if cands else None), chain_P
+        chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
+        standing = d.standing_boundaries(top, self.groups, self.retention)
+        return d.expected_boundary(S, chain_best, standing), chain_P
 
     def _shortfall(
         self,
@@ -386,25 +388,26 @@ class Alarm:
         base: dict[str, Any],
     ) -> Judged:
         S, s, t = ep.local, ep.seq, ep.ts
-        # the binding scan: the last that saw a non-HIT (else the last scan), its terminal row
+        # the binding scan: the last that can bind (else the last scan), its terminal row
         bind_gid: int | None = None
         term: tuple[int, int | None, bytes, str] | None = None  # (seq, end, key, result)
-        bad = [sc for sc in scans if sc.counts["HIT"] < len(sc.seqs)]
+        bad = [sc for sc in scans if d.binds(sc.counts["HIT"], len(sc.seqs))]
         if bad:
             sc = bad[-1]
-            bind_gid = int.from_bytes(sc.gid_bytes, "big")
+            bind_gid = tail_gid(sc.gid_bytes)
             i = sc.term if sc.term is not None else sc.first_nonhit
             term = (sc.seqs[i], sc.ends[i], sc.keys[i], sc.results[i])
         elif scans:
-            bind_gid = int.from_bytes(scans[-1].gid_bytes, "big")
+            bind_gid = tail_gid(scans[-1].gid_bytes)
         # every lookup of the episode, the last by sequence number per (group, chunk)
         seen: dict[tuple[int, int], tuple[int, bytes, str]] = {}
         for sc in scans:
-            gid = int.from_bytes(sc.gid_bytes, "big")
+            gid = tail_gid(sc.gid_bytes)
             size = tpc.get(gid)
             for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True):
-                if size and end is not None and end % size == 0:
-                    seen[(gid, end // size - 1)] = (seq, key, result)
+                chunk = chunk_ending_at(end, size) if size else None
+                if chunk is not None:
+                    seen[(gid, chunk)] = (seq, key, result)
         needed: list[tuple[int, int, bytes | None, str | None, int | None]] = []
         for g in self.groups:
             if g.full_attention:
@@ -421,7 +424,7 @@ class Alarm:
         # the terminal key is the first key E needed that the binding scan did not find
         inside = [n for n in needed if n[0] == bind_gid and n[3] is not None and n[3] != "HIT"]
         if inside:
-            first = min(inside, key=lambda n: (n[3] not in ("MISS", "RETRY"), n[4]))
+            first = min(inside, key=lambda n: (d.terminal_order(n[3]), n[4]))
             term = (
                 first[4] or 0,
                 (first[1] + 1) * self.by_gid[first[0]].tpc,
@@ -431,7 +434,7 @@ class Alarm:
         term_chunk = None
         if term is not None and bind_gid is not None and term[1] is not None:
             size = self.by_gid[bind_gid].tpc if bind_gid in self.by_gid else tpc.get(bind_gid)
-            term_chunk = term[1] // size - 1 if size and term[1] % size == 0 else None
+            term_chunk = chunk_ending_at(term[1], size) if size else None
         unknown = False
         causes: list[tuple[int, str]] = []  # (gid, cause) in (gid, chunk) order
         for gid, chunk, key, result, _seq in needed:
@@ -440,12 +443,12 @@ class Alarm:
             if result == "HIT":
                 cause: str | None = "resident"
             elif key is None and proof is None:
-                cause, unknown = "not_looked_up", True
+                cause, unknown = UNSEEN, True
             else:
                 cause = None if key is None else self._cause(st, key, gid, s, t, end, chain_P)
             if proof is not None and cause != "resident":
-                cause = better_cause(cause, self._cause(st, proof, gid, s, t, end, chain_P))
-            causes.append((gid, cause or "not_looked_up"))
+                cause = d.better_cause(cause, self._cause(st, proof, gid, s, t, end, chain_P))
+            causes.append((gid, cause or UNSEEN))
         term_cause = None
         if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
             term_cause = self._cause(
@@ -458,19 +461,19 @@ class Alarm:
                 chain_P,
             )
         rule = [c for _, c in causes if c in RULE_CAUSES]
-        absent = [(g, c) for g, c in causes if c not in ("resident", "not_looked_up")]
-        binding_absent = [c for g, c in absent if g == bind_gid]
-        decisive = rule or binding_absent or [c for _, c in absent]
+        absent = [(g, c) for g, c in causes if d.absent(c)]
+        decisive = d.decisive(rule, [c for g, c in absent if g == bind_gid], [c for _, c in absent])
         term_result = term[3] if term is not None else None
-        if rule:
-            verdict = "mismatch"
-        elif term_result in ("HIT_PENDING", "RETRY") or absent:
-            verdict = "explained"
-        else:
+        verdict = d.shortfall_verdict(
+            d.Shortfall(
+                any_rule=bool(rule), unsettled=d.unsettled(term_result), any_absent=bool(absent)
+            )
+        )
+        if verdict == "mismatch" and not rule and (unknown or self.forgotten):
             # nothing absent: a mismatch unless a needed key is unknown here (vLLM never
             # keyed it for this request; the differ may derive it from other requests in the
             # whole trace) or a record was forgotten: then it is not known, and not warned
-            verdict = "undetermined" if unknown or self.forgotten else "mismatch"
+            verdict = "undetermined"
         if (
             verdict == "mismatch"
             and self.forgotten
@@ -478,17 +481,11 @@ class Alarm:
         ):
             # a forgotten record could have been this key's offer: do not cry wolf
             verdict = "undetermined"
-        if decisive:
-            first_cause = decisive[0]
-        elif term_result in ("HIT_PENDING", "RETRY"):
-            first_cause = "in_flight"
-        else:
-            first_cause = "all_resident"
         return Judged(
             verdict,
             E=E,
             binding_group=bind_gid,
-            cause=first_cause,
+            cause=d.shortfall_cause(decisive, term_result),
             term_chunk=term_chunk,
             term_key=term[2] if term is not None else None,
             term_result=term_result,
@@ -507,61 +504,53 @@ class Alarm:
         token_end: int,
         keyable_end: int | None,
     ) -> str:
-        """`keytrace.analysis.history.causes` for one key at (s, t), first match wins."""
+        """`keytrace.analysis.definitions.cause` for one key at (s, t), from its record."""
         rec = self._keys.get(key + st.tag)
-        completed = evicted = prepared = failed = None
-        rejected = False
-        if rec is not None:
-            completed, evicted, prepared, failed = (
-                rec.completed,
-                rec.evicted,
-                rec.prepared,
-                rec.failed,
-            )
-            rejected = rec.rejected
         reset = st.reset if st.reset is not None and st.reset < s else None
-        removed = max((x for x in (evicted, reset) if x is not None), default=None)
-        if completed is not None and (removed is None or completed > removed):
-            return "resident"
-        if (
-            prepared is not None
-            and (removed is None or prepared > removed)
-            and (failed is None or failed < prepared)
-        ):
-            return "in_flight"
-        if completed is not None:
-            return "evicted"
+        facts = d.KeyFacts(
+            s=s,
+            completed=rec.completed if rec else None,
+            evicted=rec.evicted if rec else None,
+            reset=reset,
+            prepared=rec.prepared if rec else None,
+            failed=rec.failed if rec else None,
+            rejected=bool(rec and rec.rejected),
+            other_engine=self._offered_elsewhere(st, key, t),
+            sibling_stored=self._sibling_stored(st, key, gid),
+            own_first_prepared=st.first_prep.get(gid),
+            token_end=token_end,
+            keyable_end=keyable_end,
+        )
+        return str(d.cause(facts))
+
+    def _offered_elsewhere(self, st: _Instance, key: bytes, t: int) -> bool:
+        """Another instance's store path offered ``key`` before the wall clock ``t``."""
         for other in self._inst.values():
             r = self._keys.get(key + other.tag) if other is not st else None
             if r is not None and r.offered_ts is not None and r.offered_ts < t:
-                return "other_engine"
-        if failed is not None:
-            return "store_failed"
-        if rejected:
-            return "rejected"
-        h = key[:-4]
+                return True
+        return False
+
+    def _sibling_stored(self, st: _Instance, key: bytes, gid: int) -> bool:
+        """The block hash of ``key`` was completed under another group id on ``st``."""
+        h = key_hash(key)
         for g in self.group_ids:
             if g == gid:
                 continue
-            sib = self._keys.get(h + g.to_bytes(4, "big") + st.tag)
+            sib = self._keys.get(make_key(h, g) + st.tag)
             if sib is not None and sib.completed is not None:
-                own = st.first_prep.get(gid)
-                if own is None or own >= s:
-                    return "other_group"
-                break
-        if keyable_end is not None and token_end <= keyable_end:
-            return "never_offered"
-        return "not_keyable"
+                return True
+        return False
 
     # ------------------------------------------------------------- reporting
     def account(self, inst: int, judged: Judged, N: int, accepted: int | None) -> None:
         """Tokens short of E for a shortfall, once its accepted count is known (`lost`)."""
         if judged.verdict not in ("explained", "mismatch", "undetermined") or judged.E is None:
             return
-        gpu = min(judged.S, N)
-        got = accepted if accepted is not None else judged.external
-        offload = min(got or 0, N - gpu)
-        short = max(judged.E - gpu - offload, 0)
+        gpu, offload = d.served(judged.S, N, accepted, judged.external)
+        short = d.short_of_E(judged.E, gpu, offload)
+        if self.shorts is not None:
+            self.shorts[(judged.instance, judged.episode)] = short
         if short:
             group = "" if judged.binding_group is None else str(judged.binding_group)
             with self._lock:

@@ -23,7 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from keytrace.format.schema import HEAD, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
+from keytrace.format.keys import chunk_ending_at, key_tail, tail_gid
+from keytrace.format.schema import HEAD, SCAN_ENDING, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
 
 
@@ -296,8 +297,9 @@ class Recorder:
             if tpc:
                 got = for_alarm.setdefault(req_id, {}).setdefault(group_id, {})
                 for end, key in zip(ends, keys, strict=True):
-                    if end % tpc == 0:
-                        got[end // tpc - 1] = key
+                    chunk = chunk_ending_at(end, tpc)
+                    if chunk is not None:
+                        got[chunk] = key
         self._lookup_row(
             next(_SEQ),
             time.time_ns(),
@@ -327,14 +329,14 @@ class Recorder:
             sc is None
             or sc.req_id != req_id
             or sc.secondary != secondary
-            or (not self.exact_scans and key[-4:] != sc.gid_bytes)
+            or (not self.exact_scans and key_tail(key) != sc.gid_bytes)
         ):
             if sc is not None:
                 self.end_scan()
             if not self.exact_scans:  # without the helper hooks a new group is a new scan
                 self.scan += 1
             sc = self._scan = _Scan(
-                self.episode, max(self.scan, 0), req_id, key[-4:], secondary, self.step
+                self.episode, max(self.scan, 0), req_id, key_tail(key), secondary, self.step
             )
         sc.add(next(_SEQ), end_token, key, result)
 
@@ -348,7 +350,7 @@ class Recorder:
             scans = self._ep_scans.get(sc.req_id)
             if scans is not None:
                 scans.append(sc)
-        gid = int.from_bytes(sc.gid_bytes, "big")
+        gid = tail_gid(sc.gid_bytes)
         self.seen.setdefault(gid, set()).update(e for e in sc.ends if e is not None)
         self.lead_hits.setdefault(gid, sc.lead)
         term = sc.term if sc.term is not None else sc.first_nonhit
@@ -574,7 +576,7 @@ class _Scan:
             return
         if self.first_nonhit is None:
             self.first_nonhit = i
-        if self.term is None and result != "HIT_PENDING":
+        if self.term is None and result in SCAN_ENDING:
             self.term = i
 
 

@@ -125,6 +125,10 @@ def test_another_engine_counts_only_strictly_before_the_lookup(ts: int, expected
 
 def test_another_engine_is_a_routing_miss_before_a_capacity_or_rule_cause() -> None:
     assert cause((20, "rejected", K), (21, "prepared", K, 1, 21)) == "other_engine"
+    # a store that failed here while another engine had the key: routing, not capacity
+    assert cause((20, "prepared", K), (30, "failed", K), (21, "prepared", K, 1, 21)) == (
+        "other_engine"
+    )
     assert cause((20, "failed", K), (21, "rejected", K)) == "store_failed"
 
 

@@ -9,19 +9,15 @@ import polars as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from keytrace.analysis.definitions import CAUSE_ORDER, EXPLAINED_CAUSES, RULE_CAUSES, better_cause
+from keytrace.analysis.ops import greatest, least
 from keytrace.analysis.rules import (
-    CAUSE_ORDER,
-    EXPLAINED_CAUSES,
-    RULE_CAUSES,
     Group,
     align_down,
-    better_cause,
     cdiv,
     eagle_peek_unkeyable,
-    greatest,
     group_label,
     groups_from_header,
-    least,
     load_window,
     lookup_cap,
     needed_chunks,

@@ -17,6 +17,7 @@ from typing import Any
 
 from keytrace.live.alarm import AlarmSettings
 from keytrace.record.recorder import Recorder, env_float, env_int
+from keytrace.vllm.mods.catalog import PROOF_FIX
 
 log = logging.getLogger("keytrace")
 
@@ -128,20 +129,22 @@ def record_unqueried(
     vLLM stops at the first group that returns 0, so later groups' needed keys are never
     looked up; the differ then cannot tell whether they were stored. They are in vLLM's own
     per-request key lists, so the recorder copies the few it needs (read only, no manager
-    call). F: how far every full-attention group hit from S in this episode; the window is
-    `keytrace.analysis.rules.needed_range` at min(L, F), where the expected boundary lies
-    unless an earlier boundary is the largest intended one.
+    call). F (`keytrace.analysis.definitions.resident_prefix`): how far every full-attention
+    group hit from S in this episode; the window is `keytrace.analysis.rules.needed_range`
+    at min(L, F), where the expected boundary lies unless an earlier boundary is the largest
+    intended one.
     """
+    from keytrace.analysis.definitions import match_ceiling, resident_prefix
     from keytrace.analysis.rules import groups_from_header, lookup_cap, needed_range
 
     groups = rec.groups or groups_from_header(rec.writer.header)
     rec.groups = groups
     local = int(arg(args, kw, 1, "num_computed_tokens"))
     max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
-    top = lookup_cap(groups, int(request.num_tokens), local, max_new)
-    for g in groups:
-        if g.full_attention:
-            top = min(top, (local // g.tpc + rec.lead_hits.get(g.gid, 0)) * g.tpc)
+    top = match_ceiling(
+        lookup_cap(groups, int(request.num_tokens), local, max_new),
+        resident_prefix(local, groups, rec.lead_hits.get),
+    )
     if top <= local:
         return
     status = sched._req_status.get(request.request_id)
@@ -167,7 +170,7 @@ def record_unqueried(
         if missing:
             ends = [(c + 1) * g.tpc for c in missing]
             rec.unqueried(request.request_id, g.gid, ends, [bytes(keys[c]) for c in missing])
-    if "fix:eagle_proof_key" in (rec.writer.header.get("vllm_modified") or ()):
+    if f"fix:{PROOF_FIX}" in (rec.writer.header.get("vllm_modified") or ()):
         record_proofs(rec, sched, request, hits, keyed)
 
 

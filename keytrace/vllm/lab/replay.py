@@ -20,6 +20,7 @@ from keytrace.analysis.diff import CAUSE_TEXT, diff
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan, plan_from_trace
 from keytrace.errors import TraceError
+from keytrace.format.keys import key_gid, make_key
 from keytrace.format.reader import Trace, open_trace
 from keytrace.vllm import SUPPORTED_VLLM, require_vllm
 
@@ -215,7 +216,7 @@ def isolated_lookup(
     if expect is not None:
         key, end = expect
         hashes = h.scheduler.requests[rid].block_hashes
-        mine = bytes(hashes[end // h.hash_block_size - 1]) + key[-4:]
+        mine = make_key(hashes[end // h.hash_block_size - 1], key_gid(key))
         if mine != bytes(key):
             raise TraceError(
                 "the isolated request does not hash to its recorded keys: its token ids or "

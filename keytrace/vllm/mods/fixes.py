@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from keytrace.format.keys import key_gid
 from keytrace.vllm.mods.inject import _mask_args
 from keytrace.vllm.mods.proof import aligned, proof_groups, registered_peek_proof
 
@@ -134,7 +135,7 @@ def scan_with_proof(
     a.update(kwargs)
     keys: Sequence[Any] = a["keys"]
     keyed = bool(keys) and isinstance(keys[0], bytes)
-    group = proof_groups(instance).get(int.from_bytes(keys[0][-4:], "big")) if keyed else None
+    group = proof_groups(instance).get(key_gid(keys[0])) if keyed else None
     if group is None or a["sliding_window_size"] != group.sliding_window_size_in_chunks + 1:
         return wrapped(*args, **kwargs)
     ctx = a["req_context"]

@@ -1,0 +1,339 @@
+"""keytrace's own definitions (``docs/diff.md``), each written once.
+
+The offline differ evaluates these over polars columns (millions of episodes and keys in one
+pass); the live alarm in the serving process calls the very same functions with ints, bools
+and None (`keytrace.analysis.ops` makes one spelling serve both). vLLM's own arithmetic (the
+lookup cap, load windows, needed chunks) is in `keytrace.analysis.rules`; the OffloadKey
+layout in `keytrace.format.keys`; which lookup results end a scan in
+`keytrace.format.schema`.
+
+What is here, in the order of ``docs/diff.md``:
+
+- the resident full-attention prefix F (`fa_prefix_end`, `resident_prefix`) and the ceiling
+  of a hit (`match_ceiling`);
+- request boundaries (`anchor`, `boundary_chunk`) and the expected boundary E (`in_reach`,
+  `standing_boundaries`, `expected_boundary`);
+- residency (`resident`, `removal`, `in_flight`) and the cause of an absent key: the
+  precedence is the table `CAUSES`, evaluated by `cause` (first match wins);
+- the binding scan (`binds`) and the order in which a scan's keys are terminal
+  (`terminal_order`);
+- verdicts: `base_verdict`, then for a shortfall `decisive`, `shortfall_verdict` and the
+  cause that names its tokens (`shortfall_cause`);
+- the shortfall's tokens (`served`, `short_of_E`).
+
+Each function takes what it needs as arguments: plain values from the alarm's records, or
+columns the differ joined. Neither side re-states a rule; a test evaluates every table on
+both kinds and requires the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from keytrace.analysis.ops import (
+    Num,
+    Truth,
+    cases,
+    coalesce,
+    greatest,
+    gt,
+    is_expr,
+    known,
+    le,
+    least,
+    lt,
+    member,
+    negate,
+    unknown,
+)
+from keytrace.analysis.rules import Group, unit
+from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING
+
+# ------------------------------------------------------------------ F and the ceiling
+
+
+def fa_prefix_end(S: Num, tpc: int, lead: Num) -> Num:
+    """How far one full-attention group is resident from S, by the manager's own word: its
+    first scan runs left to right from S, so its ``lead`` HITs end at ``(S // tpc + lead) *
+    tpc``. A group the episode never scanned (``lead`` unknown) gives S."""
+    return cases([(unknown(lead), S)], lambda: (S // tpc + lead) * tpc)
+
+
+def resident_prefix(S: Num, groups: Sequence[Group], lead: Callable[[int], Num]) -> Num:
+    """F: the smallest `fa_prefix_end` over the full-attention groups (``lead(gid)``: the
+    leading HITs of that group's first scan, unknown if never scanned); None when there is
+    no full-attention group (no constraint)."""
+    ends = [fa_prefix_end(S, g.tpc, lead(g.gid)) for g in groups if g.full_attention]
+    return least(*ends) if ends else None
+
+
+def match_ceiling(L: Num, F: Num) -> Num:
+    """``min(L, F)``: no hit can end past the lookup cap or the resident prefix (an unknown
+    F is no constraint)."""
+    return least(L, F)
+
+
+# ------------------------------------------------------------- boundaries and E
+
+
+def anchor(groups: Sequence[Group]) -> Group:
+    """The group whose keys name a prefix: the first full-attention group, else the first."""
+    return next((g for g in groups if g.full_attention), groups[0])
+
+
+def boundary_chunk(b: Num, tpc: int) -> Num:
+    """The chunk (of a group with ``tpc`` tokens per chunk) that ends at boundary ``b``: its
+    key is the one a request offers for that boundary."""
+    return b // tpc - 1
+
+
+def in_reach(b: Num, S: Num, ceiling: Num) -> Truth:
+    """An intended boundary the episode could have hit: ``S < b <= min(L, F)``."""
+    return gt(b, S) & le(b, ceiling)
+
+
+def standing_boundaries(ceiling: Num, groups: Sequence[Group], retention: int) -> list[Num]:
+    """The boundaries intended for every episode, whatever was stored: each multiple of the
+    retention interval when it is > 0, and every chunk boundary when there is no
+    sliding-window group (each at or below ``ceiling``, the largest one of each kind)."""
+    out = []
+    if retention > 0:  # segment tails every retention_interval tokens
+        out.append(ceiling // retention * retention)
+    if all(g.full_attention for g in groups):  # no window: every boundary is kept
+        u = unit(groups)
+        out.append(ceiling // u * u)
+    return out
+
+
+def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
+    """E: the largest intended boundary in reach. ``chain_best``: the largest of the chain's
+    boundaries `in_reach` (unknown if none); ``standing``: `standing_boundaries`. Unknown
+    when nothing is above S: a cold episode."""
+    above = [cases([(gt(b, S), b)], None) for b in standing]
+    return greatest(chain_best, *above)
+
+
+# ------------------------------------------------------------- residency and causes
+
+
+def removal(evicted: Num, reset: Num) -> Num:
+    """The last time the key left the tier: its eviction or a reset, whichever is later."""
+    return greatest(evicted, reset)
+
+
+def resident(completed: Num, removed: Num) -> Truth:
+    """*Resident*: a completed store after the last removal."""
+    return known(completed) & (unknown(removed) | gt(completed, removed))
+
+
+def in_flight(prepared: Num, removed: Num, failed: Num) -> Truth:
+    """Prepared after the last removal and not failed since. (A completion needs no term: a
+    completed key is resident, checked first, unless a removal followed the completion,
+    and then that removal also follows the preparation.)"""
+    return (
+        known(prepared)
+        & (unknown(removed) | gt(prepared, removed))
+        & (unknown(failed) | lt(failed, prepared))
+    )
+
+
+@dataclass(frozen=True)
+class KeyFacts:
+    """What the store history says of one key on one instance at an episode's moment (its
+    sequence number ``s`` and wall clock): the last sequence number before ``s`` of each
+    store event, and the facts the later causes read. Plain values (the alarm) or columns
+    (the differ)."""
+
+    s: Num
+    completed: Num
+    evicted: Num
+    reset: Num
+    prepared: Num
+    failed: Num
+    rejected: Truth
+    other_engine: Truth
+    """Offered on another recorder instance before the episode's wall clock."""
+    sibling_stored: Truth
+    """The same block hash completed under another group id before ``s``."""
+    own_first_prepared: Num
+    """When this group id first reached the store path on the instance (any key)."""
+    token_end: Num
+    """The token the key's chunk ends at."""
+    keyable_end: Num
+    """How far the earlier requests on the episode's chain reached (None: no chain)."""
+
+
+CAUSES: tuple[tuple[str, Callable[[KeyFacts], Truth]], ...] = (
+    ("resident", lambda f: resident(f.completed, removal(f.evicted, f.reset))),
+    ("in_flight", lambda f: in_flight(f.prepared, removal(f.evicted, f.reset), f.failed)),
+    ("evicted", lambda f: known(f.completed)),
+    ("other_engine", lambda f: f.other_engine),
+    ("store_failed", lambda f: known(f.failed)),
+    ("rejected", lambda f: f.rejected),
+    ("other_group", lambda f: f.sibling_stored & negate(lt(f.own_first_prepared, f.s))),
+    ("never_offered", lambda f: le(f.token_end, f.keyable_end)),
+)
+"""The cause of a key's state at an episode, in precedence order: the first that holds
+(``docs/diff.md``, "Causes"); none holding is `LAST_CAUSE`."""
+LAST_CAUSE = "not_keyable"
+"""No earlier request on the chain was long enough to key it."""
+
+
+def cause(facts: KeyFacts) -> Any:
+    """The cause of ``facts``: the first of `CAUSES` that holds, else `LAST_CAUSE`."""
+    return cases([(lambda t=test: t(facts), name) for name, test in CAUSES], LAST_CAUSE)
+
+
+CAUSE_ORDER: tuple[str, ...] = (*(name for name, _ in CAUSES), LAST_CAUSE)
+"""Every cause `cause` can give, most available first (`better_cause` ranks by it)."""
+CAUSE_RANK = {c: i for i, c in enumerate(CAUSE_ORDER)}
+"""A cause's position in `CAUSE_ORDER`; a cause outside it ranks after all of them."""
+EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
+"""Causes of an absent key that are timing, capacity or routing: a shortfall with only
+these is not a rule bug."""
+RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
+"""Causes where the store path and the lookup path disagree about a key."""
+UNSEEN = "not_looked_up"
+"""A needed chunk whose key the episode never had (its scan stopped in another group)."""
+
+
+def cause_rank(c: Any) -> Any:
+    """`CAUSE_RANK` of a cause (of a column of causes): unknown ones rank last."""
+    last = len(CAUSE_RANK)
+    if is_expr(c):
+        import polars as pl
+
+        return c.replace_strict(CAUSE_RANK, default=last, return_dtype=pl.Int32)
+    return CAUSE_RANK.get(c or "", last)
+
+
+def proof_is_better(own: Any, proof: Any) -> Truth:
+    """A chunk found under either of two keys (an EAGLE peek and its proof, under the
+    candidate fix ``eagle_proof_key``) is as available as the better: the proof's cause
+    decides when it is known and ranks strictly earlier in `CAUSE_ORDER`."""
+    return known(proof) & lt(cause_rank(proof), cause_rank(own))
+
+
+def better_cause(a: Any, b: Any) -> Any:
+    """Of two causes of one chunk's two keys, the better (`proof_is_better`; a tie keeps
+    ``a``)."""
+    return cases([(proof_is_better(a, b), b)], a)
+
+
+# --------------------------------------------------------------- binding and terminal
+
+
+def binds(n_hit: Num, n: Num) -> Truth:
+    """A scan that can bind an episode: it saw a non-HIT. The binding scan is the last such
+    scan in call order (else the episode's last scan, with no terminal key)."""
+    return lt(n_hit, n)
+
+
+def terminal_order(result: Any) -> Any:
+    """How a scan's non-HIT keys rank for terminal (sort by this, then call order): a MISS
+    or RETRY (`SCAN_ENDING`) before a HIT_PENDING."""
+    return negate(member(result, SCAN_ENDING))
+
+
+# -------------------------------------------------------------------------- verdicts
+
+
+@dataclass(frozen=True)
+class EpisodeNumbers:
+    """What `base_verdict` reads of an episode: S, external tokens X (unknown: vLLM
+    returned None) and E (unknown: none)."""
+
+    S: Num
+    X: Num
+    E: Num
+
+
+BASE_VERDICTS: tuple[tuple[str, Callable[[EpisodeNumbers], Truth]], ...] = (
+    ("deferred", lambda e: unknown(e.X)),
+    ("cold", lambda e: unknown(e.E)),
+    ("hit", lambda e: e.X >= e.E - e.S),
+)
+"""An episode's verdict before its shortfall is explained, first match wins; none holding
+is ``shortfall``."""
+
+
+def base_verdict(e: EpisodeNumbers) -> Any:
+    """``deferred``, ``cold``, ``hit`` or ``shortfall`` (`BASE_VERDICTS`)."""
+    return cases([(lambda t=test: t(e), name) for name, test in BASE_VERDICTS], "shortfall")
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """What `shortfall_verdict` reads: whether any needed chunk is absent for a rule cause,
+    whether the binding key was seen unsettled (`NOT_SETTLED`), whether any needed chunk is
+    absent for any cause."""
+
+    any_rule: Truth
+    unsettled: Truth
+    any_absent: Truth
+
+
+SHORTFALL_VERDICTS: tuple[tuple[str, Callable[[Shortfall], Truth]], ...] = (
+    ("mismatch", lambda f: f.any_rule),
+    ("explained", lambda f: f.unsettled),
+    ("explained", lambda f: f.any_absent),
+)
+"""A shortfall's verdict, first match wins; none holding (every needed chunk was resident
+and lookup still fell short) is ``mismatch``."""
+
+
+def shortfall_verdict(f: Shortfall) -> Any:
+    """``mismatch`` or ``explained`` (`SHORTFALL_VERDICTS`)."""
+    return cases([(lambda t=test: t(f), name) for name, test in SHORTFALL_VERDICTS], "mismatch")
+
+
+def absent(c: Any) -> Truth:
+    """A needed chunk's cause that says its key was not there."""
+    return negate(member(c, ("resident", UNSEEN)))
+
+
+def unsettled(term_result: Any) -> Truth:
+    """The binding key was seen as HIT_PENDING or RETRY: the store had not finished."""
+    return member(term_result, NOT_SETTLED)
+
+
+def decisive(rule: Any, binding_absent: Any, all_absent: Any) -> Any:
+    """The causes shown with a shortfall's verdict: the rule causes among its needed chunks
+    when there are any, else the binding group's absent chunks' causes, else every absent
+    chunk's (lists, or list columns)."""
+    if is_expr(rule, binding_absent, all_absent):
+        return cases(
+            [(rule.list.len() > 0, rule), (binding_absent.list.len() > 0, binding_absent)],
+            all_absent,
+        )
+    return rule or binding_absent or all_absent
+
+
+def shortfall_cause(decisive_causes: Any, term_result: Any) -> Any:
+    """The one cause that names a shortfall's tokens: its first decisive cause, else
+    ``in_flight`` when the binding key was unsettled, else ``all_resident``."""
+    if is_expr(decisive_causes, term_result):
+        first: Any = decisive_causes.list.first()
+        some: Any = decisive_causes.list.len() > 0
+    else:
+        some = bool(decisive_causes)
+        first = (lambda: decisive_causes[0]) if some else None
+    return cases([(some, first), (unsettled(term_result), "in_flight")], "all_resident")
+
+
+# -------------------------------------------------------------------- shortfall tokens
+
+
+def served(S: Num, N: Num, accepted: Num, external: Num) -> tuple[Num, Num]:
+    """(from the GPU prefix cache, from the offload tier) of an episode's N tokens: S (at
+    most N), and what the scheduler accepted (the connector's answer when it accepted
+    nothing yet) within the rest."""
+    gpu = least(S, N)
+    return gpu, least(coalesce(accepted, external, 0), N - gpu)
+
+
+def short_of_E(E: Num, gpu: Num, offload: Num) -> Num:
+    """A shortfall's tokens: between what was served and the expected boundary E."""
+    return greatest(E - gpu - offload, 0)

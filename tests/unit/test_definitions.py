@@ -1,0 +1,230 @@
+"""keytrace's definitions (keytrace.analysis.definitions) are written once and evaluated two
+ways: by the live alarm on plain values, by the differ on polars columns. For random facts,
+both evaluations of every definition give the same answer; the tables say what
+docs/diff.md says, in its order; and the precedences the tables encode are pinned by worked
+cases, so reordering a table fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keytrace.analysis import definitions as d
+from keytrace.analysis.ops import cases, known
+from keytrace.analysis.rules import Group
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "diff.md"
+SEQ = st.one_of(st.none(), st.integers(0, 40))
+FLAG = st.booleans()
+
+
+def evaluated(fn: Any, rows: list[dict[str, Any]], schema: dict[str, Any]) -> list[Any]:
+    """``fn`` of each row as a polars column: the differ's evaluation."""
+    frame = pl.DataFrame(rows, schema=schema, orient="row")
+    cols = {name: pl.col(name) for name in schema}
+    return frame.select(fn(cols).alias("out"))["out"].to_list()
+
+
+FACT_SCHEMA = {
+    "s": pl.Int64,
+    "completed": pl.Int64,
+    "evicted": pl.Int64,
+    "reset": pl.Int64,
+    "prepared": pl.Int64,
+    "failed": pl.Int64,
+    "rejected": pl.Boolean,
+    "other_engine": pl.Boolean,
+    "sibling_stored": pl.Boolean,
+    "own_first_prepared": pl.Int64,
+    "token_end": pl.Int64,
+    "keyable_end": pl.Int64,
+}
+FACTS = st.fixed_dictionaries(
+    {
+        "s": st.integers(0, 40),
+        "completed": SEQ,
+        "evicted": SEQ,
+        "reset": SEQ,
+        "prepared": SEQ,
+        "failed": SEQ,
+        "rejected": FLAG,
+        "other_engine": FLAG,
+        "sibling_stored": FLAG,
+        "own_first_prepared": SEQ,
+        "token_end": st.integers(1, 40),
+        "keyable_end": SEQ,
+    }
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(FACTS, min_size=1, max_size=40))
+def test_the_cause_table_gives_one_answer_on_values_and_on_columns(rows: list[dict]) -> None:  # type: ignore[type-arg]
+    plain = [d.cause(d.KeyFacts(**r)) for r in rows]
+    assert evaluated(lambda c: d.cause(d.KeyFacts(**c)), rows, FACT_SCHEMA) == plain
+    assert set(plain) <= set(d.CAUSE_ORDER)
+
+
+EPISODE = st.fixed_dictionaries(
+    {"S": st.integers(0, 50), "X": SEQ, "E": st.one_of(st.none(), st.integers(0, 60))}
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(EPISODE, min_size=1, max_size=40))
+def test_base_verdicts_give_one_answer(rows: list[dict]) -> None:  # type: ignore[type-arg]
+    plain = [d.base_verdict(d.EpisodeNumbers(**r)) for r in rows]
+    schema = {"S": pl.Int64, "X": pl.Int64, "E": pl.Int64}
+    assert evaluated(lambda c: d.base_verdict(d.EpisodeNumbers(**c)), rows, schema) == plain
+
+
+CAUSES = st.lists(st.sampled_from([*d.CAUSE_ORDER, d.UNSEEN]), max_size=4)
+RESULTS = st.one_of(st.none(), st.sampled_from(["MISS", "HIT", "HIT_PENDING", "RETRY"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(CAUSES, CAUSES, CAUSES, RESULTS), min_size=1, max_size=30))
+def test_shortfall_verdicts_decisive_causes_and_the_naming_cause_give_one_answer(
+    rows: list[tuple[list[str], list[str], list[str], str | None]],
+) -> None:
+    dicts = [{"rule": a, "binding": b, "all": c, "term": t} for a, b, c, t in rows]
+    schema = {
+        "rule": pl.List(pl.String),
+        "binding": pl.List(pl.String),
+        "all": pl.List(pl.String),
+        "term": pl.String,
+    }
+
+    def verdict(c: Any) -> Any:
+        some = (lambda x: x.list.len() > 0) if not isinstance(c["rule"], list) else bool
+        return d.shortfall_verdict(
+            d.Shortfall(
+                any_rule=some(c["rule"]),
+                unsettled=d.unsettled(c["term"]),
+                any_absent=some(c["all"]),
+            )
+        )
+
+    assert evaluated(verdict, dicts, schema) == [verdict(r) for r in dicts]
+    decisive = [d.decisive(r["rule"], r["binding"], r["all"]) for r in dicts]
+    got = evaluated(lambda c: d.decisive(c["rule"], c["binding"], c["all"]), dicts, schema)
+    assert got == decisive
+    named = [d.shortfall_cause(x, r["term"]) for x, r in zip(decisive, dicts, strict=True)]
+    with_decisive = [{**r, "rule": x} for x, r in zip(decisive, dicts, strict=True)]
+    assert evaluated(lambda c: d.shortfall_cause(c["rule"], c["term"]), with_decisive, schema) == (
+        named
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 200),
+            st.integers(0, 200),
+            SEQ,
+            SEQ,
+            st.one_of(st.none(), st.integers(0, 300)),
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_F_E_and_shortfall_tokens_give_one_answer(
+    rows: list[tuple[int, int, int | None, int | None, int | None]],
+) -> None:
+    groups = [
+        Group(0, 16, None, kind="full_attention"),
+        Group(1, 32, None, kind="full_attention"),
+        Group(2, 16, 2, sliding_window=32),
+    ]
+    dicts = [
+        {"S": S, "N": S + n, "lead0": a, "lead1": b, "chain": c, "A": a, "X": b}
+        for S, n, a, b, c in rows
+    ]
+    schema = {k: pl.Int64 for k in dicts[0]}
+
+    def numbers(c: dict[str, Any]) -> Any:
+        F = d.resident_prefix(c["S"], groups, lambda gid: c[f"lead{gid}"])
+        top = d.match_ceiling(c["N"], F)
+        E = d.expected_boundary(c["S"], c["chain"], d.standing_boundaries(top, groups, 48))
+        gpu, offload = d.served(c["S"], c["N"], c["A"], c["X"])
+        return F, E, cases([(known(E), lambda: d.short_of_E(E, gpu, offload))], None)
+
+    for part in range(3):
+        plain = [numbers(r)[part] for r in dicts]
+        assert evaluated(lambda c, i=part: numbers(c)[i], dicts, schema) == plain
+
+
+def test_better_cause_gives_one_answer() -> None:
+    causes = [*d.CAUSE_ORDER, d.UNSEEN, None]
+    pairs = [{"a": a, "b": b} for a in causes for b in causes]
+    schema = {"a": pl.String, "b": pl.String}
+    plain = [d.better_cause(p["a"], p["b"]) for p in pairs]
+    assert evaluated(lambda c: d.better_cause(c["a"], c["b"]), pairs, schema) == plain
+
+
+# -------------------------------------------------------------- the tables, as written
+def docs_table(heading: str) -> list[str]:
+    """The first column (backquoted names) of the table under ``heading`` in docs/diff.md."""
+    text = DOCS.read_text()
+    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `(\w+)` \|", section, re.M)
+
+
+def test_the_cause_precedence_is_the_documented_one() -> None:
+    assert list(d.CAUSE_ORDER) == [c for c in docs_table("Causes") if c != d.UNSEEN]
+    assert d.CAUSE_ORDER[-1] == d.LAST_CAUSE
+    assert [c for c in d.CAUSE_ORDER if c in d.EXPLAINED_CAUSES] == list(d.EXPLAINED_CAUSES)
+    assert [c for c in d.CAUSE_ORDER if c in d.RULE_CAUSES] == list(d.RULE_CAUSES)
+
+
+def test_the_verdicts_are_the_documented_ones() -> None:
+    documented = docs_table("Verdicts")
+    base = [name for name, _ in d.BASE_VERDICTS]
+    assert documented[: len(base)] == base
+    assert set(documented[len(base) :]) == {name for name, _ in d.SHORTFALL_VERDICTS}
+
+
+def facts(**kw: Any) -> d.KeyFacts:
+    """Facts of a key at s = 100 with nothing recorded, then ``kw``."""
+    base: dict[str, Any] = dict.fromkeys(FACT_SCHEMA)
+    base.update(s=100, rejected=False, other_engine=False, sibling_stored=False, token_end=64)
+    base.update(kw)
+    return d.KeyFacts(**base)
+
+
+def test_each_precedence_in_the_cause_table() -> None:
+    """Every adjacent pair of causes, with the facts of both present: the earlier wins."""
+    both = [
+        ("resident", "in_flight", facts(completed=20, prepared=30)),
+        ("in_flight", "evicted", facts(completed=20, evicted=30, prepared=40)),
+        ("evicted", "other_engine", facts(completed=20, evicted=30, other_engine=True)),
+        ("other_engine", "store_failed", facts(prepared=20, failed=30, other_engine=True)),
+        ("store_failed", "rejected", facts(failed=30, rejected=True)),
+        ("rejected", "other_group", facts(rejected=True, sibling_stored=True)),
+        ("other_group", "never_offered", facts(sibling_stored=True, keyable_end=1000)),
+        ("never_offered", "not_keyable", facts(keyable_end=64)),
+    ]
+    assert [(a, b) for a, b, _ in both] == list(zip(d.CAUSE_ORDER, d.CAUSE_ORDER[1:], strict=False))
+    for earlier, _later, f in both:
+        assert d.cause(f) == earlier
+    assert d.cause(facts()) == "not_keyable"
+    # this group id reached the store path before s: a sibling says nothing
+    assert d.cause(facts(sibling_stored=True, own_first_prepared=50, keyable_end=64)) == (
+        "never_offered"
+    )
+
+
+def test_the_evaluator_is_lazy_for_plain_values() -> None:
+    """A later condition may assume an earlier one false (E known once not cold): for plain
+    values the chain stops at the first match, as ``if/elif`` would."""
+    assert d.base_verdict(d.EpisodeNumbers(S=0, X=None, E=None)) == "deferred"
+    assert d.base_verdict(d.EpisodeNumbers(S=0, X=5, E=None)) == "cold"
+    assert d.base_verdict(d.EpisodeNumbers(S=0, X=5, E=5)) == "hit"
+    assert d.base_verdict(d.EpisodeNumbers(S=0, X=4, E=5)) == "shortfall"
