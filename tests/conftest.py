@@ -9,20 +9,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--keytrace-update-golden",
-        action="store_true",
-        default=False,
-        help="Rewrite tests/golden/* from the current generator output.",
-    )
-
-
-@pytest.fixture
-def update_golden(request: pytest.FixtureRequest) -> bool:
-    return bool(request.config.getoption("--keytrace-update-golden"))
-
-
 REQUIRE_VLLM = os.environ.get("KEYTRACE_REQUIRE_VLLM") == "1"
 
 

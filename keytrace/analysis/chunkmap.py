@@ -1,79 +1,68 @@
-"""The chunk map of a reported episode: per group, what the store wrote and what lookup
-needed and got, chunk by chunk, on a token window around E (data for `keytrace diff --html`).
+"""The chunk maps the differ returns with its report (``diff(..., maps=N)``): per reported
+shortfall and per group, what the store kept, what lookup needed and got, chunk by chunk, on
+a token window around E (the data `keytrace.report.html` draws).
 
 For each group the window holds every chunk that overlaps ``[lo, hi)``; ``lo`` is a little
 left of the leftmost chunk a sliding-window group needed (a full-attention group needs
 every chunk from S, which would drown the picture), ``hi`` a little right of max(E, L),
 clipped to the prompt. Each chunk carries:
 
-- ``stored``: its state on the episode's engine just before the episode, from the store
-  rows of the requests on the episode's chain and of the request itself: ``resident``
-  (completed, not evicted since), ``evicted``, ``in_flight`` (prepared, not completed),
-  ``rejected`` / ``failed`` (offered, not written), or null (never offered by them);
+- ``key``: the key the verdict names for it (a needed chunk), else the one the episode
+  looked up, else the request's own key for it derived from its other rows
+  (`keytrace.analysis.unknown.derive_keys`, as the differ derives an unqueried key);
+- ``stored``: that key's state on the episode's engine at the episode, by the differ's own
+  definition (`keytrace.analysis.history.causes`): ``resident``, ``in_flight``,
+  ``evicted``, ``failed`` (the store failed), ``rejected``, or null (never there);
 - ``lookup``: the last result the episode's own lookups got for it, or null;
-- ``needed`` / ``cause``: from the verdict (`keytrace.analysis.diff`), one source of truth;
-- ``terminal``: the binding group's terminal key.
+- ``needed`` / ``cause``: from the verdict; ``terminal``: the binding group's terminal key.
 
-Analysis returns data; `keytrace.report.html` draws it.
+Every choice is ordered (by sequence number, or by content: derived keys are content
+addressed), so a trace always draws the same page.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 import polars as pl
 
-from keytrace.analysis import frames
-from keytrace.analysis.results import DiffReport, EpisodeVerdict, hex_key
-from keytrace.analysis.rules import Group, groups_from_header
+from keytrace.analysis import frames, unknown
+from keytrace.analysis.history import causes
+from keytrace.analysis.results import (
+    EpisodeList,
+    EpisodeMap,
+    EpisodeVerdict,
+    MapChunk,
+    MapLane,
+    hex_key,
+)
+from keytrace.analysis.rules import Group
 from keytrace.format.reader import Trace
-
-Cell = tuple[Any, Any]
-"""(state or result, key bytes) of one chunk, before it becomes a `MapChunk`."""
 
 DEFAULT_LIMIT = 200
 """Episodes drawn at most (the first mismatch always among them): a fleet trace has
 thousands of shortfalls, and a page with all of them would be too heavy to open."""
 
+STORED_STATE = {
+    "resident": "resident",
+    "in_flight": "in_flight",
+    "evicted": "evicted",
+    "store_failed": "failed",
+    "rejected": "rejected",
+}
+"""A key's cause at the episode -> what its chunk shows as stored (other causes: nothing
+was there on this engine)."""
 
-@dataclass(frozen=True)
-class MapChunk:
-    chunk: int
-    token_start: int
-    token_end: int
-    key: str | None
-    stored: str | None
-    lookup: str | None
-    needed: bool
-    cause: str | None
-    terminal: bool
-
-
-@dataclass(frozen=True)
-class MapLane:
-    group_id: int
-    label: str
-    kind: str
-    tokens_per_chunk: int
-    sliding_window: int | None
-    eagle: bool
-    chunks: list[MapChunk] = field(default_factory=list)
+KEY = ["inst", "s"]
+CELL = [*KEY, "gid", "chunk"]
 
 
-@dataclass(frozen=True)
-class EpisodeMap:
-    episode: EpisodeVerdict
-    token_lo: int
-    token_hi: int
-    lanes: list[MapLane]
-
-
-def chunk_maps(trace: Trace, report: DiffReport, *, limit: int = DEFAULT_LIMIT) -> list[EpisodeMap]:
-    """Maps of the report's shortfall episodes (mismatches first, then explained; each in
+def chunk_maps(
+    trace: Trace, groups: list[Group], episodes: EpisodeList, limit: int = DEFAULT_LIMIT
+) -> list[EpisodeMap]:
+    """Maps of the reported shortfall episodes (mismatches first, then explained; each in
     sequence order), at most ``limit``."""
-    groups = groups_from_header(report.header)
-    shown = _pick(report, limit)
+    shown = _pick(episodes, limit)
     if not shown or not groups:
         return []
     windows = {(v.instance_id, v.episode): _window(v, groups) for v in shown}
@@ -88,29 +77,29 @@ def chunk_maps(trace: Trace, report: DiffReport, *, limit: int = DEFAULT_LIMIT) 
         orient="row",
     )
     looked = _looked_up(trace, win)
-    stored = _stored(trace, win, shown)
+    cells = _cells(trace, groups, shown, win, looked)
     out = []
     for v in shown:
         lo, hi = windows[(v.instance_id, v.episode)]
         lanes = [
-            _lane(
-                v,
-                g,
-                lo,
-                hi,
-                looked.get((v.instance_id, v.episode, g.gid), {}),
-                stored.get((v.instance_id, v.episode, g.gid), {}),
-            )
-            for g in groups
+            _lane(v, g, lo, hi, cells.get((v.instance_id, v.episode, g.gid), {})) for g in groups
         ]
         out.append(EpisodeMap(episode=v, token_lo=lo, token_hi=hi, lanes=lanes))
     return out
 
 
-def _pick(report: DiffReport, limit: int) -> list[EpisodeVerdict]:
-    short = [v for v in report.episodes if v.verdict in ("mismatch", "explained") and v.E]
-    short.sort(key=lambda v: (v.verdict != "mismatch", v.episode))
-    return short[: max(limit, 0)]
+def _pick(episodes: EpisodeList, limit: int) -> list[EpisodeVerdict]:
+    """The first ``limit`` shortfalls with an E, mismatches first, by sequence number: chosen
+    on the report's columns, so only they become objects."""
+    rows = episodes.rows.with_row_index("i").filter(
+        pl.col("verdict").cast(pl.String).is_in(["mismatch", "explained"])
+        & pl.col("E").is_not_null()
+        & (pl.col("E") != 0)
+    )
+    order = rows.sort(
+        pl.col("verdict").cast(pl.String) != "mismatch", "episode", maintain_order=True
+    )
+    return [episodes[int(i)] for i in order.head(max(limit, 0))["i"]]
 
 
 def _window(v: EpisodeVerdict, groups: list[Group]) -> tuple[int, int]:
@@ -127,69 +116,83 @@ def _window(v: EpisodeVerdict, groups: list[Group]) -> tuple[int, int]:
     return lo, hi
 
 
-def _looked_up(trace: Trace, win: pl.DataFrame) -> dict[tuple[int, int, int], dict[int, Cell]]:
-    rows = (
+def _looked_up(trace: Trace, win: pl.DataFrame) -> pl.DataFrame:
+    """(inst, s, gid, chunk, result, lkey): the episode's last lookup of each window chunk."""
+    return (
         frames.lookups_in(trace, win.lazy())
-        .group_by("inst", "s", "gid", "chunk")
+        .group_by(CELL)
         .agg(pl.col("result", "key").sort_by("seq").last())
+        .rename({"key": "lkey"})
         .pipe(frames.collect)
     )
-    out: dict[tuple[int, int, int], dict[int, Cell]] = {}
-    for inst, s, gid, chunk, result, key in rows.iter_rows():
-        out.setdefault((inst, s, gid), {})[chunk] = (result, key)
-    return out
 
 
-def _stored(
-    trace: Trace, win: pl.DataFrame, shown: list[EpisodeVerdict]
-) -> dict[tuple[int, int, int], dict[int, Cell]]:
-    """Per (episode, group, chunk): (state, key) from the chain's store rows before it."""
-    chain = pl.DataFrame(
-        [(v.instance_id, v.episode, r) for v in shown for r in {*v.chain, v.req_id}],
-        schema={"inst": pl.Int64, "s": pl.Int64, "req_id": pl.String},
+def _cells(
+    trace: Trace,
+    groups: list[Group],
+    shown: Sequence[EpisodeVerdict],
+    win: pl.DataFrame,
+    looked: pl.DataFrame,
+) -> dict[tuple[int, int, int], dict[int, tuple[str | None, str | None, str | None]]]:
+    """(inst, s, gid) -> chunk -> (key hex, stored state, lookup result) for every window
+    chunk with a key (see the module docstring)."""
+    tpc = {g.gid: g.tpc for g in groups}
+    needed = pl.DataFrame(
+        [
+            (v.instance_id, v.episode, n.group_id, n.chunk, bytes.fromhex(n.key))
+            for v in shown
+            for n in v.needed
+            if n.key
+        ],
+        schema={
+            "inst": pl.Int64,
+            "s": pl.Int64,
+            "gid": pl.Int32,
+            "chunk": pl.Int64,
+            "nkey": pl.Binary,
+        },
         orient="row",
     )
-    st = frames.stores(trace)
-    rows = (
-        st.join(chain.lazy(), on=["inst", "req_id"])
-        .filter(pl.col("seq") < pl.col("s"))
-        .join(win.lazy(), on=["inst", "s", "gid"])
-        .filter((pl.col("chunk") >= pl.col("lo")) & (pl.col("chunk") < pl.col("hi")))
-        .group_by("inst", "s", "gid", "chunk")
-        .agg(
-            pl.col("key").first(),
-            pl.col("seq").filter(pl.col("event") == "completed").max().alias("done"),
-            pl.col("event").sort_by("seq").last().alias("last"),
-        )
-        .pipe(frames.collect)
+    grid = (
+        win.with_columns(pl.int_ranges("lo", "hi").alias("chunk"))
+        .explode("chunk")
+        .drop_nulls("chunk")
+        .select(*CELL, pl.col("gid").replace_strict(tpc, return_dtype=pl.Int64).alias("tpc"))
+        .join(needed, on=CELL, how="left")
+        .join(looked, on=CELL, how="left")
+        .with_columns(pl.coalesce("nkey", "lkey").alias("key"))
     )
-    if rows.height == 0:
-        return {}
-    # removed after it was written, before the episode: an eviction of the key, or a reset
-    gone = (
-        st.filter(pl.col("event").is_in(["evicted", "reset"]))
-        .select("inst", pl.col("seq").alias("gone_seq"), pl.col("key").alias("gone_key"))
-        .join(rows.lazy().filter(pl.col("done").is_not_null()), on="inst")
-        .filter(
-            (pl.col("gone_key").is_null() | (pl.col("gone_key") == pl.col("key")))
-            & (pl.col("gone_seq") > pl.col("done"))
-            & (pl.col("gone_seq") < pl.col("s"))
+    episodes = frames.collect(
+        frames.episodes(trace)
+        .join(win.lazy().select(KEY).unique(), on=KEY, how="semi")
+        .select(*KEY, "req_id", "t")
+    )
+    grid = unknown.derive_keys(trace, grid, episodes)
+    probes = (
+        grid.filter(pl.col("key").is_not_null())
+        .join(episodes, on=KEY)
+        .select(
+            *KEY,
+            "t",
+            "key",
+            "gid",
+            ((pl.col("chunk") + 1) * pl.col("tpc")).alias("token_end"),
+            pl.lit(None, dtype=pl.Int64).alias("keyable_end"),  # not keyable: none either way
         )
-        .select("inst", "s", "gid", "chunk")
         .unique()
-        .with_columns(pl.lit(True).alias("gone"))
-        .pipe(frames.collect)
+        .with_row_index("pid")
+        .with_columns(pl.col("pid").cast(pl.Int64))
     )
-    rows = rows.join(gone, on=["inst", "s", "gid", "chunk"], how="left")
-    out: dict[tuple[int, int, int], dict[int, Cell]] = {}
-    for r in rows.iter_rows(named=True):
-        if r["done"] is not None:
-            state = "evicted" if r["gone"] else "resident"
-        elif r["last"] == "prepared":
-            state = "in_flight"
-        else:
-            state = r["last"]  # rejected or failed
-        out.setdefault((r["inst"], r["s"], r["gid"]), {})[r["chunk"]] = (state, r["key"])
+    group_ids = [g.gid for g in groups]
+    state = causes(probes, frames.stores(trace), group_ids).select(
+        *KEY, "key", "gid", pl.col("cause").replace_strict(STORED_STATE, default=None)
+    )
+    rows = grid.join(state.unique([*KEY, "key", "gid"]), on=[*KEY, "key", "gid"], how="left")
+    out: dict[tuple[int, int, int], dict[int, tuple[str | None, str | None, str | None]]] = {}
+    for i, s, gid, chunk, key, stored, result in rows.select(
+        *CELL, "key", "cause", "result"
+    ).iter_rows():
+        out.setdefault((i, s, gid), {})[chunk] = (hex_key(key), stored, result)
     return out
 
 
@@ -198,24 +201,21 @@ def _lane(
     g: Group,
     lo: int,
     hi: int,
-    looked: dict[int, Cell],
-    stored: dict[int, Cell],
+    cells: dict[int, tuple[str | None, str | None, str | None]],
 ) -> MapLane:
     needed = {n.chunk: n for n in v.needed if n.group_id == g.gid}
     t = v.terminal
     chunks = []
     for c in range(lo // g.tpc, -(-hi // g.tpc)):
         n = needed.get(c)
-        result, lkey = looked.get(c, (None, None))
-        state, skey = stored.get(c, (None, None))
-        key = (n.key if n else None) or hex_key(lkey) or hex_key(skey)
+        key, stored, result = cells.get(c, (None, None, None))
         chunks.append(
             MapChunk(
                 chunk=c,
                 token_start=c * g.tpc,
                 token_end=(c + 1) * g.tpc,
                 key=key,
-                stored=state,
+                stored=stored,
                 lookup=result,
                 needed=n is not None,
                 cause=n.cause if n else None,

@@ -14,10 +14,9 @@ only, to build the result objects.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import polars as pl
@@ -25,6 +24,7 @@ import polars as pl
 from keytrace.analysis import definitions as d
 from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, boundary_offers, chain
+from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.history import causes
 from keytrace.analysis.results import (
     DiffReport,
@@ -32,14 +32,16 @@ from keytrace.analysis.results import (
     EpisodeVerdict,
     NeededChunk,
     TerminalKey,
-    hex_key,
-    verdict_from_row,
+    chunk_ranges,
+    concat_episode_lists,
+    episode_list,
 )
 from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range
-from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, reason, shortfall_verdicts
+from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
 from keytrace.format.reader import Trace, raise_unknown_results
 from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
+from keytrace.format.shape import has_episodes
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
 
@@ -65,18 +67,25 @@ def diff(
     all_episodes: bool = False,
     progress: ProgressFn | None = None,
     batch_episodes: int = BATCH_EPISODES,
+    maps: int = 0,
 ) -> DiffReport:
     """Judge every selected episode; see the module docstring. Returns data, never prints.
 
     ``all_episodes=False`` reports the shortfall episodes (explained and mismatch) with the
     earliest mismatch in sequence order as ``first_mismatch``; ``True`` reports every
     episode (hit, cold and deferred too). Counts always cover every selected episode.
-    ``batch_episodes``: see `BATCH_EPISODES` (the verdicts do not depend on it).
+    ``batch_episodes``: see `BATCH_EPISODES` (the verdicts do not depend on it). ``maps``:
+    the report also carries the chunk maps of its first ``maps`` shortfalls, mismatches
+    first (`keytrace.analysis.chunkmap`; what ``keytrace diff --html`` draws).
     """
     try:
-        return _diff(trace, request, engine, rank, all_episodes, progress, batch_episodes)
+        report = _diff(trace, request, engine, rank, all_episodes, progress, batch_episodes)
     except UnknownResultError:
         raise_unknown_results(trace)  # names the part
+    if maps <= 0 or not isinstance(report.episodes, EpisodeList):
+        return report
+    drawn = chunk_maps(trace, groups_from_header(trace.header), report.episodes, maps)
+    return dataclasses.replace(report, maps=drawn)
 
 
 @dataclasses.dataclass
@@ -119,7 +128,7 @@ def _diff(
         tick("episodes", done, total)
     if not any(b.counts for b in batches):
         raise TraceError("no episode matches the given --request/--engine/--rank")
-    verdicts = _concat([b.reported for b in batches if b.reported is not None])
+    verdicts = concat_episode_lists([b.reported for b in batches if b.reported is not None])
     # found in the column: iterating the report to it built an object per episode before it
     # (with no mismatch, one per episode of the trace)
     mismatches = (verdicts.rows.get_column("verdict") == "mismatch").arg_true()
@@ -173,7 +182,9 @@ def _judge(
         if all_episodes
         else judged.filter(pl.col("verdict").is_in(["explained", "mismatch"]))
     )
-    verdicts = _build(trace, before, groups, reported, explained)
+    by_gid = {g.gid: g for g in groups}
+    stored = _stored_near(trace, before, reported, explained, by_gid) if explained.height else {}
+    verdicts = episode_list(groups, reported, explained, stored)
     return _Batch(counts, partial, verdicts)
 
 
@@ -263,7 +274,7 @@ def _groups(trace: Trace) -> list[Group]:
     groups = groups_from_header(trace.header)
     if not groups:
         raise TraceError("trace header lists no offloaded KV-cache group; cannot diff")
-    if trace.version == 1 and not trace.parts_of("episode") and trace.parts_of("lookup"):
+    if trace.parts_of("lookup") and not has_episodes(trace):
         raise TraceError(
             "this schema-1 trace has lookup rows but no episode rows, so episodes cannot be "
             "told apart: pass its episode.parquet too (keytrace diff store.parquet "
@@ -613,185 +624,6 @@ def _with_causes(
 
 
 # ------------------------------------------------------------------ results
-def _build(
-    trace: Trace,
-    before: pl.Expr | None,
-    groups: list[Group],
-    reported: pl.DataFrame,
-    explained: pl.DataFrame,
-) -> EpisodeList:
-    """The reported episodes: columns for all; a shortfall's full verdict (the only
-    per-episode Python) is built when it is read (`_ShortfallDetail`)."""
-    by_gid = {g.gid: g for g in groups}
-    # text columns categorical: the rows are held until the report is written, and a
-    # fleet's episodes repeat a few verdicts, engines and reasons (150M trace rows: 23 MB
-    # of rows as strings, 12 MB so); they read back as str
-    text = pl.Categorical
-    rows = reported.select(
-        pl.col("verdict").cast(text),
-        pl.col("instance").cast(text),
-        pl.col("inst").alias("instance_id"),
-        pl.col("engine_id").cast(text),
-        "dp_rank",
-        pl.col("req_id").cast(text),
-        pl.col("s").alias("episode"),
-        "step",
-        pl.col("P").alias("num_prompt_tokens"),
-        "S",
-        "L",
-        "E",
-        pl.col("X").alias("external_tokens"),
-        pl.col("A").alias("accepted_tokens"),
-        _plain_reason(reported).cast(text).alias("reason"),
-        pl.col("chain").fill_null([]).cast(pl.List(text)),
-        "F",
-    )
-    if explained.height == 0:
-        return EpisodeList(rows, {})
-    stored = _stored_near(trace, before, reported, explained, by_gid)
-    positions = dict(
-        reported.select(KEY)
-        .with_row_index("i")
-        .join(explained.select(KEY).with_row_index("j"), on=KEY)
-        .select(pl.col("i").cast(pl.Int64), pl.col("j").cast(pl.Int64))
-        .iter_rows()
-    )
-    return EpisodeList(rows, _ShortfallDetail(rows, explained, positions, stored, by_gid))
-
-
-def _concat(lists: list[EpisodeList]) -> EpisodeList:
-    """The batches' reported episodes as one list, in batch (so sequence) order."""
-    if len(lists) == 1:
-        return lists[0]
-    rows = pl.concat([e.rows for e in lists], how="vertical_relaxed", rechunk=False)
-    offsets, start = [], 0
-    for e in lists:
-        offsets.append(start)
-        start += len(e)
-    return EpisodeList(rows, _Pieces(offsets, [e.detailed for e in lists]))
-
-
-class _Pieces(Mapping[int, EpisodeVerdict]):
-    """Consecutive batches' detail mappings as one, by position in the joined report: the
-    batch holding position ``i`` answers for its own position ``i - offset``."""
-
-    def __init__(self, offsets: list[int], pieces: list[Mapping[int, EpisodeVerdict]]) -> None:
-        self._offsets, self._pieces = offsets, pieces
-
-    def _locate(self, i: int) -> tuple[Mapping[int, EpisodeVerdict], int]:
-        k = max(0, bisect.bisect_right(self._offsets, i) - 1)
-        return self._pieces[k], i - self._offsets[k]
-
-    def __getitem__(self, i: int) -> EpisodeVerdict:
-        piece, j = self._locate(i)
-        return piece[j]
-
-    def get(self, i: int, default: Any = None) -> Any:
-        piece, j = self._locate(i)
-        return piece.get(j, default)
-
-    def __contains__(self, i: object) -> bool:
-        if not isinstance(i, int):
-            return False
-        piece, j = self._locate(i)
-        return j in piece
-
-    def __iter__(self) -> Iterator[int]:
-        for offset, piece in zip(self._offsets, self._pieces, strict=True):
-            yield from (offset + j for j in piece)
-
-    def __len__(self) -> int:
-        return sum(len(p) for p in self._pieces)
-
-
-class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
-    """The full verdict of each reported shortfall (by its position in the report), built
-    when read. Built up front they were the differ's largest Python transient: 81 MB of
-    objects at 150M rows (7,513 shortfalls, 172,799 needed chunks); the JSON writer reads
-    each once and lets it go, so only the columns stay."""
-
-    def __init__(
-        self,
-        rows: pl.DataFrame,
-        explained: pl.DataFrame,
-        positions: dict[int, int],
-        stored: dict[tuple[int, int], list[tuple[int, int]]],
-        by_gid: dict[int, Group],
-    ) -> None:
-        self._rows, self._explained, self._positions = rows, explained, positions
-        self._stored, self._by_gid = stored, by_gid
-
-    def __getitem__(self, i: int) -> EpisodeVerdict:
-        d = self._explained.row(self._positions[i], named=True)
-        base = verdict_from_row(self._rows.row(i, named=True))
-        g = self._by_gid[d["bind_gid"]] if d["bind_gid"] is not None else None
-        return dataclasses.replace(
-            base,
-            binding_group=d["bind_gid"],
-            binding_label=g.label if g else None,
-            terminal=_terminal(d, g),
-            needed=[self._needed_chunk(c) for c in d["needed"] or []],
-            stored_chunks=self._stored.get((d["inst"], d["s"]), []),
-            reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
-        )
-
-    def _needed_chunk(self, c: dict[str, Any]) -> NeededChunk:
-        tpc = self._by_gid[c["group_id"]].tpc
-        return NeededChunk(
-            group_id=c["group_id"],
-            chunk=c["chunk"],
-            token_start=c["chunk"] * tpc,
-            token_end=(c["chunk"] + 1) * tpc,
-            key=hex_key(c["key"]),
-            lookup_result=c["lookup_result"],
-            cause=c["cause"],
-        )
-
-    def get(self, i: int, default: Any = None) -> Any:
-        # EpisodeList asks for every position: most are plain, and a KeyError each is slow
-        return self[i] if i in self._positions else default
-
-    def __contains__(self, i: object) -> bool:
-        return i in self._positions
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._positions)
-
-    def __len__(self) -> int:
-        return len(self._positions)
-
-
-def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
-    """The reason of an episode with no shortfall detail, as an expression over ``reported``."""
-    e_text = {e: f"{e:,}" for e in reported["E"].drop_nulls().unique().to_list()}
-    v = pl.col("verdict")
-    return (
-        pl.when(v == "deferred")
-        .then(pl.lit("vLLM deferred the lookup (returned None)"))
-        .when(v == "cold")
-        .then(pl.lit("no intended boundary is resident: a cold lookup"))
-        .otherwise(
-            pl.lit("external tokens reach E=")
-            + pl.col("E").replace_strict(e_text, default=None, return_dtype=pl.String)
-        )
-    )
-
-
-def _terminal(d: dict[str, Any], g: Group | None) -> TerminalKey | None:
-    if d["term_key"] is None or g is None:
-        return None
-    ch = d["term_chunk"]
-    return TerminalKey(
-        group_id=g.gid,
-        chunk=ch,
-        token_start=None if ch is None else ch * g.tpc,
-        token_end=None if ch is None else (ch + 1) * g.tpc,
-        key=hex_key(d["term_key"]) or "",
-        result=str(d["term_result"]),
-        cause=d["term_cause"] or "not_looked_up",
-    )
-
-
 def _stored_near(
     trace: Trace,
     before: pl.Expr | None,
@@ -850,14 +682,4 @@ def _stored_near(
         .agg(pl.col("chunk").unique().sort())
         .pipe(frames.collect)
     )
-    return {(i, s): _ranges(chunks) for i, s, chunks in got.iter_rows()}
-
-
-def _ranges(xs: Iterable[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for x in xs:
-        if out and x == out[-1][1] + 1:
-            out[-1] = (out[-1][0], x)
-        else:
-            out.append((x, x))
-    return out
+    return {(i, s): chunk_ranges(chunks) for i, s, chunks in got.iter_rows()}

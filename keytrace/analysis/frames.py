@@ -25,6 +25,7 @@ import pyarrow as pa
 from keytrace.errors import UnknownResultError
 from keytrace.format.reader import Trace
 from keytrace.format.schema import LOOKUP_RESULTS, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
+from keytrace.format.shape import lookup_rows
 
 
 def collect(lf: pl.LazyFrame) -> pl.DataFrame:
@@ -88,15 +89,12 @@ _EPISODE_COLUMNS = {
 
 
 def episodes(trace: Trace) -> pl.LazyFrame:
-    """One row per lookup episode (v1: the ``episode`` kind; v2: lookup rows with scan -1)."""
-    if trace.version == 1:
-        ep = trace.frame("episode").with_columns(pl.lit(None, dtype=pl.Int64).alias("spb"))
-    else:
-        ep = (
-            trace.frame("lookup")
-            .filter(pl.col("scan") == SCAN_EPISODE)
-            .rename({"shared_prefix_boundary": "spb"})
-        )
+    """One row per lookup episode (the lookup rows with scan -1)."""
+    ep = (
+        lookup_rows(trace)
+        .filter(pl.col("scan") == SCAN_EPISODE)
+        .rename({"shared_prefix_boundary": "spb"})
+    )
     return ep.select(
         pl.col("instance_id").alias("inst"),
         _str("instance").alias("instance"),
@@ -112,14 +110,9 @@ def episodes(trace: Trace) -> pl.LazyFrame:
 
 
 def scans(trace: Trace) -> pl.LazyFrame:
-    """One summary row per scan (see `keytrace.analysis.scans`): v2 records them; for v1
-    they are derived from the raw lookup rows."""
-    if trace.version == 1:
-        from keytrace.analysis.scans import scan_summaries
-
-        return scan_summaries(lookups(trace))
+    """One summary row per scan (see `keytrace.analysis.scans`)."""
     return (
-        trace.frame("lookup")
+        lookup_rows(trace)
         .filter(pl.col("scan") >= 0)
         .select(
             pl.col("instance_id").alias("inst"),
@@ -167,33 +160,12 @@ def lookups(
     """One row per ``manager.lookup`` call: inst, s, req_id, scan, seq, gid, chunk,
     end_token, key, result.
 
-    Each restriction is applied before a v2 scan's lists are exploded: ``gids`` keeps those
+    Each restriction is applied before a scan's lists are exploded: ``gids`` keeps those
     groups (their row groups only are read), ``heads_only`` reads only where each scan
     started, ``requests`` (inst, req_id) keeps those requests' scans, and ``having`` keeps
     the scans that looked up at least one of those keys (the caller filters the calls).
     """
-    if trace.version == 1:
-        lk = trace.frame("lookup")
-        if gids is not None:
-            lk = lk.filter(pl.col("group_id").is_in(list(gids)))
-        if having is not None:
-            lk = lk.filter(pl.col("key").is_in(having.implode()))
-        flat = lk.select(
-            pl.col("instance_id").alias("inst"),
-            pl.col("episode").alias("s"),
-            _str("req_id").alias("req_id"),
-            "scan",
-            "seq",
-            pl.col("group_id").alias("gid"),
-            pl.col("chunk_idx").alias("chunk"),
-            "end_token",
-            "key",
-            _str("result").alias("result"),
-        )
-        if requests is not None:
-            flat = flat.join(requests, on=["inst", "req_id"], how="semi")
-        return flat
-    rows = trace.frame("lookup").filter(pl.col("scan") >= 0)
+    rows = lookup_rows(trace).filter(pl.col("scan") >= 0)
     if gids is not None:
         rows = rows.filter(pl.col("group_id").is_in(list(gids)))
     parts = ["head"] if heads_only else ["head", "tail"]
@@ -208,12 +180,10 @@ def lookups(
 
 
 def lookup_keys(trace: Trace, gid: int) -> pl.LazyFrame:
-    """(inst, s, key): every key group ``gid``'s scans looked up, nothing else. On v2 only
+    """(inst, s, key): every key group ``gid``'s scans looked up, nothing else. Only
     the key lists are exploded: exploding a scan's five lists together costs 4x one list
     (measured: 0.22 s -> 0.05 s for the anchor group at 50M rows)."""
-    if trace.version == 1:
-        return lookups(trace, gids=[gid]).select("inst", "s", "key")
-    rows = trace.frame("lookup").filter((pl.col("scan") >= 0) & (pl.col("group_id") == gid))
+    rows = lookup_rows(trace).filter((pl.col("scan") >= 0) & (pl.col("group_id") == gid))
     return pl.concat(
         rows.select(
             pl.col("instance_id").alias("inst"),
@@ -239,30 +209,23 @@ def lookups_in(trace: Trace, ranges: pl.LazyFrame) -> pl.LazyFrame:
     exploded. A scan's tail lists are exploded only when their chunk span meets the range
     (vLLM starts scans where a hit would end, so the chunks a verdict needs are nearly
     always in the head, and a failing window scan's long run to chunk 0 is never read).
-    v2 traces are read in batches of parts (`LOOKUP_BATCH_BYTES`), each collected."""
+    The lookup parts are read in batches (`LOOKUP_BATCH_BYTES`), each collected."""
     inside = (pl.col("chunk") >= pl.col("lo")) & (pl.col("chunk") < pl.col("hi"))
     want = collect(ranges.select("inst", "s", "gid", "lo", "hi"))
-    if trace.version == 1:
-        return (
-            lookups(trace)
-            .join(want.lazy(), on=["inst", "s", "gid"])
-            .filter(inside)
-            .drop("lo", "hi")
-        )
     episodes = want.get_column("s").unique().implode()
     found = [
-        collect(_ranges_v2(batch, want, episodes).filter(inside).drop("lo", "hi"))
+        collect(_ranges(batch, want, episodes).filter(inside).drop("lo", "hi"))
         for batch in trace.batches("lookup", LOOKUP_BATCH_BYTES)
     ]
     return pl.concat(found).lazy()
 
 
-def _ranges_v2(trace: Trace, want: pl.DataFrame, episodes: pl.Series) -> pl.LazyFrame:
+def _ranges(trace: Trace, want: pl.DataFrame, episodes: pl.Series) -> pl.LazyFrame:
     # An is_in filter, unlike a join, reaches the Parquet reader: the list columns of other
     # scans are never decoded. The join then makes it exact (seqs are per process).
     def scans_of(sel: pl.DataFrame, on: list[str]) -> pl.LazyFrame:
         return (
-            trace.frame("lookup")
+            lookup_rows(trace)
             .filter((pl.col("scan") >= 0) & pl.col("episode").is_in(episodes))
             .rename({"instance_id": "inst", "episode": "s", "group_id": "gid"})
             .join(sel.lazy(), on=on)
@@ -281,34 +244,21 @@ def _ranges_v2(trace: Trace, want: pl.DataFrame, episodes: pl.Series) -> pl.Lazy
 
 
 def unqueried(trace: Trace) -> pl.LazyFrame:
-    """Keys an episode needed in groups vLLM never scanned (v2; none in v1): inst, s,
+    """Keys an episode needed in groups vLLM never scanned (none in a v1 trace): inst, s,
     req_id, gid, chunk, end_token, key."""
     return listed(trace).filter(pl.col("scan") == SCAN_UNQUERIED).drop("scan")
 
 
 def proofs(trace: Trace) -> pl.LazyFrame:
     """Proof keys of chunks an episode needed, listed under a candidate fix that accepts
-    them (v2, ``eagle_proof_key`` only; none otherwise), in `unqueried`'s columns."""
+    them (``eagle_proof_key`` only; none otherwise), in `unqueried`'s columns."""
     return listed(trace).filter(pl.col("scan") == SCAN_PROOF).drop("scan")
 
 
 def listed(trace: Trace) -> pl.LazyFrame:
     """Every key the recorder *listed* rather than looked up, in one pass: `unqueried`'s
     columns plus ``scan`` (`SCAN_UNQUERIED` or `SCAN_PROOF`) saying which kind it is."""
-    if trace.version == 1:
-        return pl.LazyFrame(
-            schema={
-                "inst": pl.Int64,
-                "s": pl.Int64,
-                "req_id": pl.String,
-                "gid": pl.Int32,
-                "chunk": pl.Int64,
-                "end_token": pl.Int64,
-                "key": pl.Binary,
-                "scan": pl.Int32,
-            }
-        )
-    rows = trace.frame("lookup").filter(pl.col("scan").is_in([SCAN_UNQUERIED, SCAN_PROOF]))
+    rows = lookup_rows(trace).filter(pl.col("scan").is_in([SCAN_UNQUERIED, SCAN_PROOF]))
     return _explode(rows, "head").select(
         "inst", "s", "req_id", "gid", "chunk", "end_token", "key", "scan"
     )

@@ -1,14 +1,21 @@
-"""What `keytrace.analysis.diff.diff` returns: plain dataclasses, no behaviour beyond views."""
+"""What `keytrace.analysis.diff.diff` returns: plain dataclasses, no behaviour beyond views,
+and the builders that turn the differ's frames into them (`episode_list`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import bisect
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
 import polars as pl
 
 from keytrace.analysis.lost import LostTokens
+from keytrace.analysis.rules import Group
+from keytrace.analysis.verdict import reason
+
+KEY = ["inst", "s"]
 
 VERDICTS = ("deferred", "cold", "hit", "explained", "mismatch")
 
@@ -83,6 +90,50 @@ class EpisodeVerdict:
 
 
 @dataclass(frozen=True)
+class MapChunk:
+    """One chunk of a chunk map lane (`keytrace.analysis.chunkmap`)."""
+
+    chunk: int
+    token_start: int
+    token_end: int
+    key: str | None
+    stored: str | None
+    """Its key's state on the episode's engine at the episode: ``resident``, ``in_flight``,
+    ``evicted``, ``failed``, ``rejected``, or None (never there)."""
+    lookup: str | None
+    needed: bool
+    cause: str | None
+    terminal: bool
+
+
+@dataclass(frozen=True)
+class MapLane:
+    """One group's chunks on a chunk map's token window."""
+
+    group_id: int
+    label: str
+    kind: str
+    tokens_per_chunk: int
+    sliding_window: int | None
+    eagle: bool
+    chunks: list[MapChunk] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EpisodeMap:
+    """The chunk map of one reported shortfall: a lane per group on ``[token_lo, token_hi)``."""
+
+    episode: EpisodeVerdict
+    token_lo: int
+    token_hi: int
+    lanes: list[MapLane]
+
+
+NOT_IN_JSON = {"json": False}
+"""Field metadata: a view for another reporter (the HTML page), left out of ``--json``."""
+
+
+@dataclass(frozen=True)
 class DiffReport:
     """The verdict over a trace: ``agree`` unless some episode is a ``mismatch``."""
 
@@ -96,6 +147,8 @@ class DiffReport:
     all_episodes: bool = False
     lost: LostTokens | None = None
     """Where every prompt token of the selected episodes came from (per engine, and all)."""
+    maps: list[EpisodeMap] = field(default_factory=list, metadata=NOT_IN_JSON)
+    """Chunk maps of the first reported shortfalls (``diff(..., maps=N)``; the HTML page)."""
 
 
 PLAIN_FIELDS = (
@@ -171,3 +224,194 @@ def verdict_from_row(row: dict[str, Any]) -> EpisodeVerdict:
     """An `EpisodeVerdict` from a row of `PLAIN_FIELDS` (its list columns as lists)."""
     row["chain"] = list(row["chain"] or [])
     return EpisodeVerdict(**row)
+
+
+# ------------------------------------------------------------ building them
+def episode_list(
+    groups: list[Group],
+    reported: pl.DataFrame,
+    explained: pl.DataFrame,
+    stored: dict[tuple[int, int], list[tuple[int, int]]],
+) -> EpisodeList:
+    """The reported episodes (the differ's frame of them, and its ``explained`` frame of
+    their shortfalls; ``stored``: per shortfall, the binding group's chunk ranges the
+    chain had stored near there): columns for all; a shortfall's full verdict (the only
+    per-episode Python) is built when it is read (`_ShortfallDetail`)."""
+    by_gid = {g.gid: g for g in groups}
+    # text columns categorical: the rows are held until the report is written, and a
+    # fleet's episodes repeat a few verdicts, engines and reasons (150M trace rows: 23 MB
+    # of rows as strings, 12 MB so); they read back as str
+    text = pl.Categorical
+    rows = reported.select(
+        pl.col("verdict").cast(text),
+        pl.col("instance").cast(text),
+        pl.col("inst").alias("instance_id"),
+        pl.col("engine_id").cast(text),
+        "dp_rank",
+        pl.col("req_id").cast(text),
+        pl.col("s").alias("episode"),
+        "step",
+        pl.col("P").alias("num_prompt_tokens"),
+        "S",
+        "L",
+        "E",
+        pl.col("X").alias("external_tokens"),
+        pl.col("A").alias("accepted_tokens"),
+        _plain_reason(reported).cast(text).alias("reason"),
+        pl.col("chain").fill_null([]).cast(pl.List(text)),
+        "F",
+    )
+    if explained.height == 0:
+        return EpisodeList(rows, {})
+    positions = dict(
+        reported.select(KEY)
+        .with_row_index("i")
+        .join(explained.select(KEY).with_row_index("j"), on=KEY)
+        .select(pl.col("i").cast(pl.Int64), pl.col("j").cast(pl.Int64))
+        .iter_rows()
+    )
+    return EpisodeList(rows, _ShortfallDetail(rows, explained, positions, stored, by_gid))
+
+
+def concat_episode_lists(lists: list[EpisodeList]) -> EpisodeList:
+    """The batches' reported episodes as one list, in batch (so sequence) order."""
+    if len(lists) == 1:
+        return lists[0]
+    rows = pl.concat([e.rows for e in lists], how="vertical_relaxed", rechunk=False)
+    offsets, start = [], 0
+    for e in lists:
+        offsets.append(start)
+        start += len(e)
+    return EpisodeList(rows, _Pieces(offsets, [e.detailed for e in lists]))
+
+
+class _Pieces(Mapping[int, EpisodeVerdict]):
+    """Consecutive batches' detail mappings as one, by position in the joined report: the
+    batch holding position ``i`` answers for its own position ``i - offset``."""
+
+    def __init__(self, offsets: list[int], pieces: list[Mapping[int, EpisodeVerdict]]) -> None:
+        self._offsets, self._pieces = offsets, pieces
+
+    def _locate(self, i: int) -> tuple[Mapping[int, EpisodeVerdict], int]:
+        k = max(0, bisect.bisect_right(self._offsets, i) - 1)
+        return self._pieces[k], i - self._offsets[k]
+
+    def __getitem__(self, i: int) -> EpisodeVerdict:
+        piece, j = self._locate(i)
+        return piece[j]
+
+    def get(self, i: int, default: Any = None) -> Any:
+        piece, j = self._locate(i)
+        return piece.get(j, default)
+
+    def __contains__(self, i: object) -> bool:
+        if not isinstance(i, int):
+            return False
+        piece, j = self._locate(i)
+        return j in piece
+
+    def __iter__(self) -> Iterator[int]:
+        for offset, piece in zip(self._offsets, self._pieces, strict=True):
+            yield from (offset + j for j in piece)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._pieces)
+
+
+class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
+    """The full verdict of each reported shortfall (by its position in the report), built
+    when read. Built up front they were the differ's largest Python transient: 81 MB of
+    objects at 150M rows (7,513 shortfalls, 172,799 needed chunks); the JSON writer reads
+    each once and lets it go, so only the columns stay."""
+
+    def __init__(
+        self,
+        rows: pl.DataFrame,
+        explained: pl.DataFrame,
+        positions: dict[int, int],
+        stored: dict[tuple[int, int], list[tuple[int, int]]],
+        by_gid: dict[int, Group],
+    ) -> None:
+        self._rows, self._explained, self._positions = rows, explained, positions
+        self._stored, self._by_gid = stored, by_gid
+
+    def __getitem__(self, i: int) -> EpisodeVerdict:
+        d = self._explained.row(self._positions[i], named=True)
+        base = verdict_from_row(self._rows.row(i, named=True))
+        g = self._by_gid[d["bind_gid"]] if d["bind_gid"] is not None else None
+        return dataclasses.replace(
+            base,
+            binding_group=d["bind_gid"],
+            binding_label=g.label if g else None,
+            terminal=_terminal(d, g),
+            needed=[self._needed_chunk(c) for c in d["needed"] or []],
+            stored_chunks=self._stored.get((d["inst"], d["s"]), []),
+            reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
+        )
+
+    def _needed_chunk(self, c: dict[str, Any]) -> NeededChunk:
+        tpc = self._by_gid[c["group_id"]].tpc
+        return NeededChunk(
+            group_id=c["group_id"],
+            chunk=c["chunk"],
+            token_start=c["chunk"] * tpc,
+            token_end=(c["chunk"] + 1) * tpc,
+            key=hex_key(c["key"]),
+            lookup_result=c["lookup_result"],
+            cause=c["cause"],
+        )
+
+    def get(self, i: int, default: Any = None) -> Any:
+        # EpisodeList asks for every position: most are plain, and a KeyError each is slow
+        return self[i] if i in self._positions else default
+
+    def __contains__(self, i: object) -> bool:
+        return i in self._positions
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._positions)
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+
+def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
+    """The reason of an episode with no shortfall detail, as an expression over ``reported``."""
+    e_text = {e: f"{e:,}" for e in reported["E"].drop_nulls().unique().to_list()}
+    v = pl.col("verdict")
+    return (
+        pl.when(v == "deferred")
+        .then(pl.lit("vLLM deferred the lookup (returned None)"))
+        .when(v == "cold")
+        .then(pl.lit("no intended boundary is resident: a cold lookup"))
+        .otherwise(
+            pl.lit("external tokens reach E=")
+            + pl.col("E").replace_strict(e_text, default=None, return_dtype=pl.String)
+        )
+    )
+
+
+def _terminal(d: dict[str, Any], g: Group | None) -> TerminalKey | None:
+    if d["term_key"] is None or g is None:
+        return None
+    ch = d["term_chunk"]
+    return TerminalKey(
+        group_id=g.gid,
+        chunk=ch,
+        token_start=None if ch is None else ch * g.tpc,
+        token_end=None if ch is None else (ch + 1) * g.tpc,
+        key=hex_key(d["term_key"]) or "",
+        result=str(d["term_result"]),
+        cause=d["term_cause"] or "not_looked_up",
+    )
+
+
+def chunk_ranges(xs: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted chunk indices as runs ``(first, last)``."""
+    out: list[tuple[int, int]] = []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    return out

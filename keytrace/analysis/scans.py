@@ -10,8 +10,8 @@ for a windowed group, right to left). Per scan, in call order:
 - the last HIT in call order (``last_hit_*``: a window scan's leftmost hit);
 - the chunk range scanned (``min_chunk``, ``max_chunk``) and the counts per result.
 
-These are the per-scan summary rows the recorder writes in trace format v2; for a v1 trace
-`scan_summaries` derives them from the raw lookup rows.
+These are the per-scan summary rows the recorder writes (for a v1 trace
+`keytrace.format.shape.scan_summaries` derives them from the raw lookup rows).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import polars as pl
 
 from keytrace.analysis import definitions
 from keytrace.analysis.rules import Group
-from keytrace.format.schema import SCAN_ENDING
 
 SCAN_COLUMNS = (
     "inst",
@@ -42,39 +41,6 @@ SCAN_COLUMNS = (
     "min_chunk",
     "max_chunk",
 )
-
-
-def scan_summaries(lookups: pl.LazyFrame) -> pl.LazyFrame:
-    """One row per (instance, episode, scan) from raw lookup rows (see the module doc)."""
-    res = pl.col("result")
-    bad = res.is_in(SCAN_ENDING)
-    nonhit = res != "HIT"
-    term = pl.when(bad.any()).then(bad).otherwise(nonhit)
-    return (
-        lookups.sort("seq")
-        .group_by("inst", "s", "scan", maintain_order=True)
-        .agg(
-            pl.col("gid").first(),
-            pl.len().alias("n"),
-            (res == "HIT").sum().alias("n_hit"),
-            (res == "HIT_PENDING").sum().alias("n_pending"),
-            (res == "RETRY").sum().alias("n_retry"),
-            (res == "MISS").sum().alias("n_miss"),
-            (res == "HIT").cast(pl.Int32).cum_prod().sum().alias("lead_hits"),
-            pl.col("seq").filter(term).first().alias("term_seq"),
-            pl.col("chunk").filter(term).first().alias("term_chunk"),
-            pl.col("end_token").filter(term).first().alias("term_end_token"),
-            pl.col("key").filter(term).first().alias("term_key"),
-            res.filter(term).first().alias("term_result"),
-            pl.col("seq").filter(res == "HIT").last().alias("last_hit_seq"),
-            pl.col("chunk").filter(res == "HIT").last().alias("last_hit_chunk"),
-            pl.col("chunk").min().alias("min_chunk"),
-            pl.col("chunk").max().alias("max_chunk"),
-        )
-        .with_columns(
-            pl.col("n", "n_hit", "n_pending", "n_retry", "n_miss", "lead_hits").cast(pl.Int32)
-        )
-    )
 
 
 def resident_prefix(

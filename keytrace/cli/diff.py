@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from keytrace.analysis.chunkmap import DEFAULT_LIMIT, chunk_maps
+from keytrace.analysis.chunkmap import DEFAULT_LIMIT
 from keytrace.analysis.diff import diff
 from keytrace.cli._common import (
     echo_trace_warnings,
@@ -86,6 +86,7 @@ def command(
         rank=rank,
         all_episodes=all_episodes,
         progress=progress_printer() if show else None,
+        maps=html_limit if html_path is not None else 0,
     )
     if as_json:
         write_json(report, sys.stdout)
@@ -94,7 +95,7 @@ def command(
     if html_path is not None:
         from keytrace.report.html import write_page  # Jinja2: only when a page is asked for
 
-        write_page(html_path, report, chunk_maps(trace, report, limit=html_limit))
+        write_page(html_path, report)
         if not as_json:
             click.echo(f"chunk map: {html_path}")
     return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK

@@ -11,33 +11,38 @@ import json
 import os
 from typing import IO, Any
 
-from keytrace.analysis.chunkmap import EpisodeMap
 from keytrace.analysis.lost import LostTokens
-from keytrace.analysis.results import DiffReport
+from keytrace.analysis.results import DiffReport, EpisodeMap
 from keytrace.report.templates import render
 
 
-def write_page(path: str, report: DiffReport, maps: list[EpisodeMap]) -> None:
+def write_page(path: str, report: DiffReport) -> None:
     """`render_html` into ``path``, through a temporary name and an atomic rename."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
-        render_html(report, maps, fh)
+        render_html(report, fh)
     os.replace(tmp, path)
 
 
-def render_html(report: DiffReport, maps: list[EpisodeMap], file: IO[str]) -> None:
-    """Write the page for ``report`` with the chunk maps of ``maps`` (drawn in that order;
-    the first mismatch, if any, is selected when the page opens)."""
-    data = {
+def page_data(report: DiffReport) -> dict[str, Any]:
+    """What the page shows, as the JSON it embeds: the verdict, counts, header, lost-token
+    table and the report's chunk maps (``diff(..., maps=N)``), drawn in that order."""
+    return {
         "verdict": report.verdict,
         "counts": report.counts,
         "header": {
             k: report.header.get(k) for k in ("vllm_version", "model", "geometry", "injected")
         },
         "lost": _lost(report.lost),
-        "episodes": [_episode(m) for m in maps],
+        "episodes": [_episode(m) for m in report.maps],
         "total_shortfalls": report.counts.get("mismatch", 0) + report.counts.get("explained", 0),
     }
+
+
+def render_html(report: DiffReport, file: IO[str]) -> None:
+    """Write the page for ``report`` with its chunk maps (the first mismatch, if any, is
+    selected when the page opens)."""
+    data = page_data(report)
     page = render(
         "chunkmap.html.j2",
         title=f"keytrace diff: {report.verdict}",

@@ -21,7 +21,7 @@ def to_jsonable(obj: Any) -> Any:
         return obj
     d = getattr(obj, "__dict__", None)
     if d is not None and hasattr(obj, "__dataclass_fields__"):
-        return {k: to_jsonable(v) for k, v in d.items()}
+        return {k: to_jsonable(v) for k, v in d.items() if _in_json(obj, k)}
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, EpisodeList)):
@@ -31,6 +31,13 @@ def to_jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # slotted dataclasses
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     return obj
+
+
+def _in_json(obj: Any, name: str) -> bool:
+    """A dataclass field is in the JSON unless its metadata says ``json: False`` (a view
+    for another reporter, `keytrace.analysis.results.NOT_IN_JSON`)."""
+    f = obj.__dataclass_fields__.get(name)
+    return f is None or f.metadata.get("json", True)
 
 
 def _dataclass_fields(obj: Any) -> Any:
@@ -85,7 +92,7 @@ def _write_compact_with_episode_list(obj: Any, episodes: EpisodeList, file: IO[s
     ]
     encoded = episodes.rows.lazy().select(pl.struct(cols).struct.json_encode().alias("j"))
     file.write("{")
-    for n, f in enumerate(dataclasses.fields(obj)):
+    for n, f in enumerate(f for f in dataclasses.fields(obj) if _in_json(obj, f.name)):
         value = getattr(obj, f.name)
         file.write(("," if n else "") + json.dumps(f.name) + ":")
         if value is not episodes:

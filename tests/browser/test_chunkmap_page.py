@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.diff import diff
 from keytrace.format.reader import open_trace
 from keytrace.report.html import write_page
@@ -56,9 +55,9 @@ def _shot(page: Any, tmp_path: Path, name: str) -> Path:
 
 def test_episodes_switch_and_chunks_explain_themselves(browser: Any, tmp_path: Path) -> None:
     trace = open_trace(str(two_shortfalls(tmp_path / "t")))
-    report = diff(trace)
+    report = diff(trace, maps=200)
     html = tmp_path / "map.html"
-    write_page(str(html), report, chunk_maps(trace, report))
+    write_page(str(html), report)
     page, problems = _open(browser, html)
     # the first mismatch is selected: r2, terminal group 1 chunk 4
     terminal = page.locator("rect.chunk.terminal")
@@ -98,9 +97,9 @@ def test_the_stock_17975_miss_on_the_real_scheduler(browser: Any, tmp_path: Path
     d = str(tmp_path / "trace")
     replay(builtin("dsv4"), [17_975], 17_975, trace_dir=d)
     trace = open_trace(d)
-    report = diff(trace)
+    report = diff(trace, maps=200)
     html = tmp_path / "chunkmap-17975.html"
-    write_page(str(html), report, chunk_maps(trace, report))
+    write_page(str(html), report)
     page, problems = _open(browser, html)
     _shot(page, tmp_path, "chunkmap-17975.png")  # as it opens: README's picture
     # group 2 (SWA, MTP): chunk 277 (tokens 17,728-17,792) was never offered by the store

@@ -155,3 +155,42 @@ def test_next_turn_a_little_longer_is_a_mismatch(tmp_path: Path) -> None:
     r = replay(DSV4, [17_975], 18_000, trace_dir=tmp_path / "t")
     assert (r.verdict, r.external_tokens, r.expected_E) == ("mismatch", 0, 17_920)
     assert (r.binding_group, r.terminal_chunk, r.cause) == (2, 280, "not_keyable")
+
+
+def test_the_chunk_maps_are_the_same_every_time(tmp_path: Path) -> None:
+    """Realistic traffic (conversations sharing system prompts, so a chunk index has many
+    keys across the chain's requests): the maps the differ returns are the same on every
+    run, and every key a map shows for a chunk is one the episode's own request has there.
+    (The page once took the first of the chain's store rows in whatever order a streaming
+    group-by left them: one run in three drew other keys.)"""
+    import polars as pl
+
+    from keytrace.analysis import frames
+    from keytrace.report.html import page_data
+    from keytrace.vllm.lab.workload import WorkloadSpec, run_workload
+
+    d = str(tmp_path / "t")
+    run_workload(WorkloadSpec(geometry="small", seed=11), d)
+    trace = open_trace(d)
+    pages = [page_data(diff(trace, maps=200)) for _ in range(3)]
+    assert pages[0]["episodes"] and pages[0] == pages[1] == pages[2]
+    # a request's own keys name its content at each end token (any group: the block hash)
+    own = frames.collect(
+        pl.concat(
+            [
+                frames.lookups(trace).select("req_id", "end_token", "key"),
+                frames.stores(trace).select("req_id", "end_token", "key").drop_nulls(),
+            ]
+        ).unique()
+    )
+    hash_at = {(r, e): bytes(k)[:-4].hex() for r, e, k in own.iter_rows()}
+    report = diff(trace, maps=200)
+    shown = [
+        (hash_at.get((m.episode.req_id, c.token_end)), c.key[:-8])
+        for m in report.maps
+        for lane in m.lanes
+        for c in lane.chunks
+        if c.key is not None
+    ]
+    assert shown and all(mine == key for mine, key in shown if mine is not None)
+    assert sum(mine is not None for mine, _ in shown) > len(shown) // 2

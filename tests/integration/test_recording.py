@@ -18,8 +18,8 @@ require_vllm()
 
 from keytrace.analysis import frames  # noqa: E402
 from keytrace.analysis.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
-from keytrace.analysis.scans import scan_summaries  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.format.shape import scan_summaries  # noqa: E402
 from keytrace.vllm.hook.patches import recording  # noqa: E402
 from keytrace.vllm.lab.harness import Harness, ScenarioResult  # noqa: E402
 
@@ -110,7 +110,18 @@ def test_faithful(geometry: Geometry, n: int, tmp_path: Path) -> None:
         "max_chunk",
     ]
     recorded = frames.scans(trace).collect().select(cols).sort("inst", "s", "scan")
-    derived = scan_summaries(frames.lookups(trace)).collect().select(cols).sort("inst", "s", "scan")
+    calls = frames.lookups(trace).rename(
+        {"inst": "instance_id", "s": "episode", "gid": "group_id", "chunk": "chunk_idx"}
+    )
+    derived = (
+        scan_summaries(calls)
+        .rename(
+            {"instance_id": "inst", "episode": "s", "group_id": "gid", "n_keys": "n"},
+        )
+        .collect()
+        .select(cols)
+        .sort("inst", "s", "scan")
+    )
     assert recorded.equals(derived) and recorded.height > 0
     # AND the completed store keys are exactly what the real CPU manager holds
     st = trace.collect("store")

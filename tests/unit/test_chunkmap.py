@@ -8,7 +8,6 @@ import json
 import re
 from pathlib import Path
 
-from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.diff import diff
 from keytrace.format.reader import open_trace
 from keytrace.report.html import render_html
@@ -31,9 +30,8 @@ def two_shortfalls(d: Path) -> Path:
 
 
 def _maps(tmp_path: Path):
-    trace = open_trace(str(two_shortfalls(tmp_path / "t")))
-    report = diff(trace)
-    return report, chunk_maps(trace, report)
+    report = diff(open_trace(str(two_shortfalls(tmp_path / "t"))), maps=200)
+    return report, report.maps
 
 
 def _lane(m, gid):
@@ -87,15 +85,14 @@ def test_the_window_is_around_E_on_every_groups_chunk_boundaries(tmp_path: Path)
 
 
 def test_limit_keeps_the_first_mismatch(tmp_path: Path) -> None:
-    trace = open_trace(str(two_shortfalls(tmp_path / "t")))
-    maps = chunk_maps(trace, diff(trace), limit=1)
+    maps = diff(open_trace(str(two_shortfalls(tmp_path / "t"))), maps=1).maps
     assert [m.episode.req_id for m in maps] == ["r2"]
 
 
 def test_page_is_self_contained_and_carries_the_data(tmp_path: Path) -> None:
-    report, maps = _maps(tmp_path)
+    report, _ = _maps(tmp_path)
     out = io.StringIO()
-    render_html(report, maps, out)
+    render_html(report, out)
     page = out.getvalue()
     # nothing fetched: no external scripts, styles, images or links
     assert not re.search(r"<(link|img|iframe)\b|\b(src|href)\s*=", page)
@@ -126,10 +123,8 @@ def test_data_cannot_end_the_script_element(tmp_path: Path) -> None:
         scans=[(0, FA_ALL), (1, [(5, "HIT"), (4, "MISS")])],
     )
     b.close()
-    trace = open_trace(str(d))
-    report = diff(trace)
     out = io.StringIO()
-    render_html(report, chunk_maps(trace, report), out)
+    render_html(diff(open_trace(str(d)), maps=200), out)
     assert out.getvalue().count("</script>") == 2  # the two script elements' own ends
     assert "</script><b>r2" not in out.getvalue()
 
@@ -143,3 +138,20 @@ def test_diff_html_option_writes_the_page(tmp_path: Path, capsys) -> None:
     assert f"chunk map: {page}" in capsys.readouterr().out
     assert page.read_text().startswith("<!doctype html>")
     assert not list(tmp_path.glob("map.html.tmp*"))
+
+
+def test_maps_come_with_the_report_and_stay_out_of_its_json(tmp_path: Path) -> None:
+    import dataclasses
+
+    from keytrace.report.jsonout import write_json
+
+    trace = open_trace(str(two_shortfalls(tmp_path / "t")))
+    plain, drawn = diff(trace), diff(trace, maps=200)
+    assert plain.maps == [] and len(drawn.maps) == 2
+    texts = []
+    for r in (plain, drawn):
+        out = io.StringIO()
+        write_json(r, out)
+        texts.append(out.getvalue())
+    assert texts[0] == texts[1] and '"maps"' not in texts[0]
+    assert dataclasses.replace(drawn, maps=[]) == plain

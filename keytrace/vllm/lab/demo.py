@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from keytrace.analysis.chunkmap import DEFAULT_LIMIT as DRAWN
 from keytrace.analysis.diff import DiffReport, diff
 from keytrace.analysis.geometry import builtin
 from keytrace.analysis.sweep import SweepRow
@@ -66,15 +67,14 @@ def run_demo(
         d = os.path.join(out_dir, f"trace-dsv4-{n}-{inject or 'stock'}")
         log(f"recording dsv4, {n:,} tokens, {label} ...")
         external = replay(builtin("dsv4"), [n], n, trace_dir=d, inject=inject).external_tokens
-        res.runs.append(DemoRun(label, d, n, inject, external, diff(open_trace(d))))
+        res.runs.append(DemoRun(label, d, n, inject, external, diff(open_trace(d), maps=DRAWN)))
 
     # the picture of the stock miss: 17,975 tokens, group 2's chunk 277 never offered
-    from keytrace.analysis.chunkmap import chunk_maps
     from keytrace.report.html import write_page
 
     last = res.runs[-1]
     res.html = os.path.join(out_dir, f"chunkmap-dsv4-{last.num_tokens}-stock.html")
-    write_page(res.html, last.report, chunk_maps(open_trace(last.trace_dir), last.report))
+    write_page(res.html, last.report)
 
     from keytrace.analysis.plan import plan_from_trace
     from keytrace.report.fixture import file_name, render_fixture

@@ -44,7 +44,7 @@ def write_report(
     With ``fix`` (a candidate fix's name) the same lengths are swept again with it, and the
     report says how many failing lengths it closes and whether it adds a mismatch."""
     from keytrace import __version__
-    from keytrace.analysis.chunkmap import chunk_maps
+    from keytrace.analysis.chunkmap import DEFAULT_LIMIT
     from keytrace.analysis.diff import diff
     from keytrace.analysis.geometry import geometry_from_header
     from keytrace.analysis.plan import plan_for
@@ -52,9 +52,9 @@ def write_report(
     from keytrace.format.reader import open_trace
     from keytrace.report.fixture import file_name, render_fixture
     from keytrace.report.html import write_page
+    from keytrace.report.markdown import ReportPage, render_report
     from keytrace.report.standalone import regression_name, render_vllm_regression
     from keytrace.report.table import write_rows
-    from keytrace.report.templates import render
     from keytrace.report.text import render_episode
     from keytrace.vllm import require_vllm
     from keytrace.vllm.lab.minimize import minimize
@@ -63,7 +63,7 @@ def write_report(
 
     require_vllm()
     trace = open_trace(list(paths))
-    report = diff(trace, request=request)
+    report = diff(trace, request=request, maps=DEFAULT_LIMIT)
     v = report.first_mismatch
     if v is None or v.E is None:
         raise UsageError("no mismatch in this trace: nothing to report (keytrace diff says why)")
@@ -82,7 +82,7 @@ def write_report(
     with open(standalone, "w") as fh:
         fh.write(standalone_text)
     html = os.path.join(out_dir, "chunkmap.html")
-    write_page(html, report, chunk_maps(trace, report))
+    write_page(html, report)
 
     geo = geometry_from_header(header)
     A = int(header.get("alignment_tokens") or geo.groups[0].block_size * geo.blocks_per_chunk)
@@ -124,30 +124,26 @@ def write_report(
         minimal_trace = os.path.join(out_dir, "minimal-trace")
         minimal = minimize(plan, trace_dir=minimal_trace)
 
-    t = v.terminal
-    md = render(
-        "report.md.j2",
-        v=v,
-        binding_label=v.binding_label or "?",
-        cause=t.cause if t else "?",
-        keytrace_version=__version__,
-        vllm_version=header.get("vllm_version", "?"),
-        modified=header.get("vllm_modified") or [],
-        groups=[g for g in header.get("groups", []) if g.get("offloaded", True)],
-        header=header,
-        traffic=_traffic(plan.prime_lengths, plan.episode_length),
-        evidence=evidence.getvalue().rstrip(),
-        html=os.path.basename(html),
-        rule=rule,
-        step=step,
-        plot=os.path.basename(plots[0]) if plots else None,
-        minimal=minimal,
-        minimal_trace=os.path.relpath(minimal_trace, out_dir) if minimal_trace else None,
-        fixture=os.path.basename(fixture),
-        standalone=os.path.basename(standalone),
-        trace=" ".join(paths),
-        fix=fixed,
-        fix_text="; ".join(FIXES[n] for n in fix_names(fix)),
+    md = render_report(
+        ReportPage(
+            v=v,
+            header=header,
+            keytrace_version=__version__,
+            prime_lengths=plan.prime_lengths,
+            episode_length=plan.episode_length,
+            evidence=evidence.getvalue(),
+            rule=rule,
+            step=step,
+            fixture=os.path.basename(fixture),
+            standalone=os.path.basename(standalone),
+            trace=" ".join(paths),
+            html=os.path.basename(html),
+            plot=os.path.basename(plots[0]) if plots else None,
+            minimal=minimal,
+            minimal_trace=os.path.relpath(minimal_trace, out_dir) if minimal_trace else None,
+            fix=fixed,
+            fix_text="; ".join(FIXES[n] for n in fix_names(fix)),
+        )
     )
     markdown = os.path.join(out_dir, "report.md")
     with open(markdown, "w") as fh:
@@ -170,12 +166,3 @@ def _with_fix(rows: list[SweepRow] | None, fix: str | None) -> str:
     if rows is None or fix is None:
         return ""
     return f"; with fix {fix}: {sum(r.verdict == 'mismatch' for r in rows)}"
-
-
-def _traffic(primes: Sequence[int], episode: int) -> str:
-    if not primes:
-        return f"a cold request of {episode:,} tokens"
-    before = " then ".join(f"{p:,}" for p in primes)
-    same = len(primes) == 1 and primes[0] == episode
-    how = "an identical resend" if same else f"a {episode:,}-token request"
-    return f"requests of {before} tokens (stores acknowledged), a GPU-only prefix-cache reset, then {how}"

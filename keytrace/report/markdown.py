@@ -1,0 +1,83 @@
+"""``report.md``: the upstream-ready write-up of one mismatch, from the visible template
+``templates/report.md.j2``. Pure: everything it says comes in as `ReportPage` (the lab's
+`keytrace.vllm.lab.upstream` runs the sweeps and the minimizer that fill it), so equal pages
+give byte-equal files (the golden test renders a fixed one)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from keytrace.analysis.lengthrule import LengthRule
+from keytrace.analysis.results import EpisodeVerdict
+from keytrace.analysis.sweep import FixComparison
+from keytrace.report.templates import render
+
+
+@dataclass(frozen=True)
+class ReportPage:
+    """What ``report.md`` says about one mismatch episode ``v`` of a trace with ``header``."""
+
+    v: EpisodeVerdict
+    header: dict[str, Any]
+    keytrace_version: str
+    prime_lengths: Sequence[int]
+    episode_length: int
+    evidence: str
+    """The differ's text for the episode (`keytrace.report.text.render_episode`)."""
+    rule: LengthRule
+    step: int
+    """Tokens between the swept lengths."""
+    fixture: str
+    standalone: str
+    trace: str
+    """The trace as given on the command line (for the reproduce line)."""
+    html: str | None = None
+    plot: str | None = None
+    minimal: Any = None
+    """`keytrace.vllm.lab.minimize.MinimizeResult` (duck-typed: ``replays``,
+    ``result.describe()``, ``verdict``), or None when not computed."""
+    minimal_trace: str | None = None
+    fix: FixComparison | None = None
+    fix_text: str = ""
+
+
+def render_report(page: ReportPage) -> str:
+    """``report.md``'s text for ``page``."""
+    v, header = page.v, page.header
+    t = v.terminal
+    return render(
+        "report.md.j2",
+        v=v,
+        binding_label=v.binding_label or "?",
+        cause=t.cause if t else "?",
+        keytrace_version=page.keytrace_version,
+        vllm_version=header.get("vllm_version", "?"),
+        modified=header.get("vllm_modified") or [],
+        groups=[g for g in header.get("groups", []) if g.get("offloaded", True)],
+        header=header,
+        traffic=traffic(page.prime_lengths, page.episode_length),
+        evidence=page.evidence.rstrip(),
+        html=page.html,
+        rule=page.rule,
+        step=page.step,
+        plot=page.plot,
+        minimal=page.minimal,
+        minimal_trace=page.minimal_trace,
+        fixture=page.fixture,
+        standalone=page.standalone,
+        trace=page.trace,
+        fix=page.fix,
+        fix_text=page.fix_text,
+    )
+
+
+def traffic(primes: Sequence[int], episode: int) -> str:
+    """The recorded traffic in words."""
+    if not primes:
+        return f"a cold request of {episode:,} tokens"
+    before = " then ".join(f"{p:,}" for p in primes)
+    same = len(primes) == 1 and primes[0] == episode
+    how = "an identical resend" if same else f"a {episode:,}-token request"
+    return f"requests of {before} tokens (stores acknowledged), a GPU-only prefix-cache reset, then {how}"
