@@ -31,11 +31,12 @@ _COMMON = ["seq", "ts_ns", "instance", "instance_id", "engine_id", "dp_rank", "p
 
 
 def downgrade(src: str, dst: str) -> None:
-    """Write ``dst`` (a directory) as the v1 form of the v2 trace at ``src``, part by part
-    (each keeps its own source: which process and engine wrote it)."""
-    assert open_trace(src).version == 2
+    """Write ``dst`` (a directory) as the v1 form of the v2 or v3 trace at ``src``, part by
+    part (each keeps its own source: which process and engine wrote it); v1 has no tier
+    rows."""
+    assert open_trace(src).version >= 2
     os.makedirs(dst, exist_ok=True)
-    for i, part in enumerate(open_trace(src).parts):
+    for i, part in enumerate(p for p in open_trace(src).parts if p.kind != "tier"):
         trace = open_trace(part.path)
         frame = trace.collect(part.kind)
         tables = {part.kind: frame}
@@ -86,9 +87,10 @@ def _source(source: dict[str, Any]) -> dict[str, Any]:
 
 
 def without_v2_facts(src: str, dst: str) -> None:
-    """Copy the v2 trace at ``src`` to ``dst`` without what v1 could not record."""
+    """Copy the v2 or v3 trace at ``src`` to ``dst`` without what v1 could not record (the
+    unqueried keys, the junction, tier rows)."""
     os.makedirs(dst, exist_ok=True)
-    for i, part in enumerate(open_trace(src).parts):
+    for i, part in enumerate(p for p in open_trace(src).parts if p.kind != "tier"):
         table = pq.read_table(part.path)
         if part.kind == "lookup":
             frame = pl.from_arrow(table)

@@ -37,12 +37,15 @@ from keytrace.analysis.ops import (
     Truth,
     cases,
     coalesce,
+    ge,
     greatest,
+    greatest_known,
     gt,
     is_expr,
     known,
     le,
     least,
+    least_known,
     lt,
     member,
     negate,
@@ -72,7 +75,7 @@ def resident_prefix(S: Num, groups: Sequence[Group], lead: Callable[[int], Num])
 def match_ceiling(L: Num, F: Num) -> Num:
     """``min(L, F)``: no hit can end past the lookup cap or the resident prefix (an unknown
     F is no constraint)."""
-    return least(L, F)
+    return least_known(L, F)
 
 
 # ------------------------------------------------------------- boundaries and E
@@ -112,7 +115,7 @@ def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
     boundaries `in_reach` (unknown if none); ``standing``: `standing_boundaries`. Unknown
     when nothing is above S: a cold episode."""
     above = [cases([(gt(b, S), b)], None) for b in standing]
-    return greatest(chain_best, *above)
+    return greatest_known(chain_best, *above)
 
 
 # ------------------------------------------------------------- residency and causes
@@ -120,7 +123,7 @@ def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
 
 def removal(evicted: Num, reset: Num) -> Num:
     """The last time the key left the tier: its eviction or a reset, whichever is later."""
-    return greatest(evicted, reset)
+    return greatest_known(evicted, reset)
 
 
 def resident(completed: Num, removed: Num) -> Truth:
@@ -163,11 +166,34 @@ class KeyFacts:
     """The token the key's chunk ends at."""
     keyable_end: Num
     """How far the earlier requests on the episode's chain reached (None: no chain)."""
+    durable: Truth = False
+    """A secondary tier held the key at the episode (a write-through to it completed
+    before, or its lookup answered HIT; no eviction from it since). A reset of the primary
+    leaves it so."""
+    held: Truth = False
+    """Promotions were held at the episode (after a reset, until vLLM releases them)."""
+    no_room: Truth = False
+    """The episode's lookup found the key on a secondary tier and the primary had no slot
+    to promote it into (vLLM then answers MISS)."""
+    own_promotion_evicted: Truth = False
+    """A promotion of the episode's own request evicted the key from the primary."""
+    fits: Truth = True
+    """Every chunk the episode needs for a hit at E fits the primary tier at once (an
+    uncontended tiered manager could promote them all: `fits_primary`)."""
+    unsettled: Truth = False
+    """The episode's own lookup of the key answered HIT_PENDING or RETRY (a promotion or a
+    tier's asynchronous lookup under way: `unsettled`)."""
 
 
 CAUSES: tuple[tuple[str, Callable[[KeyFacts], Truth]], ...] = (
     ("resident", lambda f: resident(f.completed, removal(f.evicted, f.reset))),
     ("in_flight", lambda f: in_flight(f.prepared, removal(f.evicted, f.reset), f.failed)),
+    ("promoting", lambda f: f.durable & f.unsettled),
+    ("promotions_held", lambda f: f.durable & f.held),
+    ("promotion_evicted", lambda f: f.durable & f.own_promotion_evicted),
+    ("promotion_no_room", lambda f: f.durable & f.no_room & negate(f.fits)),
+    ("promotion_starved", lambda f: f.durable & f.no_room & f.fits),
+    ("secondary_resident", lambda f: f.durable),
     ("evicted", lambda f: known(f.completed)),
     ("other_engine", lambda f: f.other_engine),
     ("store_failed", lambda f: known(f.failed)),
@@ -190,11 +216,45 @@ CAUSE_ORDER: tuple[str, ...] = (*(name for name, _ in CAUSES), LAST_CAUSE)
 """Every cause `cause` can give, most available first (`better_cause` ranks by it)."""
 CAUSE_RANK = {c: i for i, c in enumerate(CAUSE_ORDER)}
 """A cause's position in `CAUSE_ORDER`; a cause outside it ranks after all of them."""
-EXPLAINED_CAUSES = ("in_flight", "evicted", "other_engine", "store_failed")
+EXPLAINED_CAUSES = (
+    "in_flight",
+    "promoting",
+    "promotions_held",
+    "promotion_no_room",
+    "evicted",
+    "other_engine",
+    "store_failed",
+)
 """Causes of an absent key that are timing, capacity or routing: a shortfall with only
 these is not a rule bug."""
-RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
-"""Causes where the store path and the lookup path disagree about a key."""
+RULE_CAUSES = (
+    "promotion_evicted",
+    "promotion_starved",
+    "secondary_resident",
+    "rejected",
+    "other_group",
+    "never_offered",
+    "not_keyable",
+)
+"""Causes where vLLM's paths disagree about a key: the store path and the lookup path, or a
+tiered manager and the tier that holds the key."""
+TIER_CAUSES = (
+    "promoting",
+    "promotions_held",
+    "promotion_evicted",
+    "promotion_no_room",
+    "promotion_starved",
+    "secondary_resident",
+)
+"""Causes that only a tiered manager gives: the key was on a secondary tier."""
+
+
+def fits_primary(needed_chunks: Num, primary_chunks: Num) -> Truth:
+    """The chunks an episode needs for a hit at E (every group's) fit the primary tier at
+    once; an unknown capacity fits."""
+    return cases([(unknown(primary_chunks), True)], lambda: le(needed_chunks, primary_chunks))
+
+
 UNSEEN = "not_looked_up"
 """A needed chunk whose key the episode never had (its scan stopped in another group)."""
 
@@ -240,23 +300,43 @@ def terminal_order(result: Any) -> Any:
 # -------------------------------------------------------------------------- verdicts
 
 
+STALL_EPISODES = 50
+"""Consecutive deferrals of one request after which it is `stalled`. A lookup vLLM defers
+(a store or a promotion still in flight, a tier's asynchronous lookup) resolves within a
+few steps; fifty in a row with nothing served is a request that will not be served."""
+STALL_NS = 30_000_000_000
+"""Or: this long (30 s) since the first of its consecutive deferrals (a server's steps
+can be far apart)."""
+
+
+def stalled(deferrals: Num, waited_ns: Num) -> Truth:
+    """A deferred episode that is the `STALL_EPISODES`-th (or later) consecutive deferral of
+    its request, or comes `STALL_NS` or more after the first of them."""
+    return ge(deferrals, STALL_EPISODES) | ge(waited_ns, STALL_NS)
+
+
 @dataclass(frozen=True)
 class EpisodeNumbers:
     """What `base_verdict` reads of an episode: S, external tokens X (unknown: vLLM
-    returned None) and E (unknown: none)."""
+    returned None), E (unknown: none), and for a deferral how many of its request's
+    lookups in a row were deferred, this one included, and for how long (ns)."""
 
     S: Num
     X: Num
     E: Num
+    deferrals: Num = 0
+    waited: Num = 0
 
 
 BASE_VERDICTS: tuple[tuple[str, Callable[[EpisodeNumbers], Truth]], ...] = (
+    ("stalled", lambda e: unknown(e.X) & stalled(e.deferrals, e.waited)),
     ("deferred", lambda e: unknown(e.X)),
     ("cold", lambda e: unknown(e.E)),
     ("hit", lambda e: e.X >= e.E - e.S),
 )
 """An episode's verdict before its shortfall is explained, first match wins; none holding
-is ``shortfall``."""
+is ``shortfall``. ``stalled`` is never an agreement: the request is deferred again and
+again and served nothing."""
 
 
 def base_verdict(e: EpisodeNumbers) -> Any:
@@ -287,6 +367,23 @@ and lookup still fell short) is ``mismatch``."""
 def shortfall_verdict(f: Shortfall) -> Any:
     """``mismatch`` or ``explained`` (`SHORTFALL_VERDICTS`)."""
     return cases([(lambda t=test: t(f), name) for name, test in SHORTFALL_VERDICTS], "mismatch")
+
+
+PROMOTION_AS_STORE = {
+    "promotion_prepared": "prepared",
+    "promotion_completed": "completed",
+    "promotion_failed": "failed",
+}
+"""A promotion into the primary tier is a store into it (its slot taken, filled, or freed):
+residency and in-flight read both alike (tier event -> store event)."""
+DURABLE_EVENTS = ("cascade_completed",)
+"""Tier events that leave the key on that tier (a tier lookup answering HIT says so too)."""
+
+ASKED_AGAIN = ("stalled", "deferred")
+"""Verdicts of an episode vLLM deferred: its request is looked up again, so it accounts for
+no token (`keytrace.analysis.lost`)."""
+FINDINGS = ("mismatch", "stalled")
+"""Verdicts that are findings (exit 1): a disagreement, or a request that is never served."""
 
 
 def absent(c: Any) -> Truth:

@@ -25,7 +25,8 @@ from keytrace.analysis import definitions as d
 from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, boundary_offers, chain
 from keytrace.analysis.chunkmap import chunk_maps
-from keytrace.analysis.history import causes
+from keytrace.analysis.history import causes, durable
+from keytrace.analysis.ops import lit
 from keytrace.analysis.results import (
     DiffReport,
     EpisodeList,
@@ -112,6 +113,7 @@ def _diff(
     # whole-trace facts every batch reads: one row per request boundary (not per key row)
     offers = boundary_offers(trace, groups)
     routing = lost.routing(frames.stores(trace), offers, groups)
+    runs = _deferral_runs(trace)
     sel = _selection(request, engine, rank)
     ranges = _episode_ranges(trace, batch_episodes)
     batches: list[_Batch] = []
@@ -123,7 +125,7 @@ def _diff(
     chains = [_chains(trace.episode_range(lo, hi), groups, offers) for lo, hi, _ in ranges]
     del offers  # what the batches need of it is in `routing` and `chains`
     for (lo, hi, n), chained in zip(ranges, chains, strict=True):
-        batches.append(_judge(trace, lo, hi, groups, (routing, chained), sel, all_episodes))
+        batches.append(_judge(trace, lo, hi, groups, (routing, chained, runs), sel, all_episodes))
         done += n
         tick("episodes", done, total)
     if not any(b.counts for b in batches):
@@ -131,7 +133,7 @@ def _diff(
     verdicts = concat_episode_lists([b.reported for b in batches if b.reported is not None])
     # found in the column: iterating the report to it built an object per episode before it
     # (with no mismatch, one per episode of the trace)
-    mismatches = (verdicts.rows.get_column("verdict") == "mismatch").arg_true()
+    mismatches = verdicts.rows.get_column("verdict").cast(pl.String).is_in(d.FINDINGS).arg_true()
     first = verdicts[int(mismatches[0])] if len(mismatches) else None
     counts: dict[str, int] = {}
     for b in batches:
@@ -155,17 +157,18 @@ def _judge(
     lo: int | None,
     hi: int | None,
     groups: list[Group],
-    known: tuple[lost.Routing, pl.DataFrame],
+    known: tuple[lost.Routing, pl.DataFrame, pl.DataFrame],
     sel: pl.Expr,
     all_episodes: bool,
 ) -> _Batch:
     """The episodes ``lo <= s < hi``: their own lookup rows are read from ``view``
     (`Trace.episode_range`), the store history from ``past`` (the rows before the batch's
     end), what needs other episodes' lookups (a request's earlier ones) from ``trace``.
-    ``known``: the trace's `lost.Routing` and the batch's `_chains`."""
-    routing, chains = known
+    ``known``: the trace's `lost.Routing`, the batch's `_chains` and the trace's
+    `_deferral_runs`."""
+    routing, chains, runs = known
     view = trace.episode_range(lo, hi)
-    eps = _episodes(view, groups, chains, sel)
+    eps = _episodes(view, groups, chains, runs, sel)
     if eps.height == 0:
         return _Batch({}, None, None)
     t_max = eps.get_column("t").max()
@@ -180,7 +183,7 @@ def _judge(
     reported = (
         judged
         if all_episodes
-        else judged.filter(pl.col("verdict").is_in(["explained", "mismatch"]))
+        else judged.filter(pl.col("verdict").is_in(["explained", *d.FINDINGS]))
     )
     by_gid = {g.gid: g for g in groups}
     stored = _stored_near(trace, before, reported, explained, by_gid) if explained.height else {}
@@ -264,7 +267,7 @@ def _lost_tokens(judged: pl.DataFrame, routing: lost.Routing) -> lost.Partial:
     # whole frame copies every column of the rows it keeps
     cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(pl.col("verdict") == "cold")
     boundaries = lost.routing_boundaries(cold, routing)
-    counted = j.select("engine", "N", "verdict").filter(pl.col("verdict") != "deferred")
+    counted = j.select("engine", "N", "verdict").filter(~pl.col("verdict").is_in(d.ASKED_AGAIN))
     per_episode = j.select(*KEY, "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid")
     return lost.fold(lost.account(per_episode, boundaries), counted.drop("verdict"))
 
@@ -291,16 +294,18 @@ def _chains(trace: Trace, groups: list[Group], offers: pl.DataFrame) -> pl.DataF
 
 
 def _episodes(
-    trace: Trace, groups: list[Group], chains: pl.DataFrame, sel: pl.Expr
+    trace: Trace, groups: list[Group], chains: pl.DataFrame, runs: pl.DataFrame, sel: pl.Expr
 ) -> pl.DataFrame:
     """Every episode of ``trace`` that ``sel`` selects, with L, F, its intended boundaries
-    (``chains``: `_chains`), E and the base verdict."""
+    (``chains``: `_chains`), E, its deferral run (``runs``: `_deferral_runs`) and the base
+    verdict."""
     eps = frames.episodes(trace)
     summaries = frames.scans(trace)
     # each piece is collected on its own (small: one row per episode): composed in one lazy
     # plan with the joins below, a whole pass ran under _expected_boundary's reuse of `out`
     # (measured at 150M rows: +64 MB peak, and slower)
-    F = frames.collect(scans.resident_prefix(summaries, eps, groups)).lazy()
+    leads = _tiered_leads(trace, groups) if frames.is_tiered(trace) else None
+    F = frames.collect(scans.resident_prefix(summaries, eps, groups, leads)).lazy()
     B = chains.lazy()
     top = d.match_ceiling(pl.col("L"), pl.col("F"))  # F null: no full-attention constraint
     base = frames.collect(
@@ -309,9 +314,40 @@ def _episodes(
     out = (
         base.join(F, on=KEY, how="left").join(B, on=KEY, how="left").with_columns(top.alias("top"))
     )
-    out = out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left")
+    out = out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left").join(
+        runs.lazy(), on=KEY, how="left"
+    )
     return (
         out.with_columns(base_verdict().alias("verdict")).filter(sel).sort("s").pipe(frames.collect)
+    )
+
+
+def _tiered_leads(trace: Trace, groups: list[Group]) -> pl.LazyFrame:
+    """`scans.tiered_leads` of the episodes of ``trace``."""
+    fa = [g.gid for g in groups if g.full_attention]
+    calls = frames.collect(
+        frames.lookups(trace, gids=fa).select("inst", "s", "scan", "seq", "gid", "key", "result")
+    )
+    tiered = durable(calls.select("inst", "s", "key"), frames.tiers(trace))
+    return scans.tiered_leads(calls, tiered).lazy()
+
+
+def _deferral_runs(trace: Trace) -> pl.DataFrame:
+    """(inst, s, deferrals, waited) of every deferred episode: how many of its request's
+    lookups in a row on its instance were deferred, this one included, and the nanoseconds
+    since the first of them (`keytrace.analysis.definitions.stalled`). Of the whole trace:
+    a run of deferrals crosses batches."""
+    eps = frames.collect(frames.episodes(trace).select("inst", "req_id", "s", "t", "X"))
+    deferred = pl.col("X").is_null()
+    return (
+        eps.sort("inst", "req_id", "s")
+        .with_columns((~deferred).cum_sum().over("inst", "req_id").alias("run"))
+        .filter(deferred)
+        .with_columns(
+            pl.col("s").cum_count().over("inst", "req_id", "run").alias("deferrals"),
+            (pl.col("t") - pl.col("t").first().over("inst", "req_id", "run")).alias("waited"),
+        )
+        .select(*KEY, pl.col("deferrals").cast(pl.Int64), "waited")
     )
 
 
@@ -383,7 +419,8 @@ def _explain_shortfalls(
     needed = unknown.derive_keys(trace, needed, sf)
     needed = unknown.settle_offers(trace, needed, sf)
     needed = needed.join(proofs, on=[*KEY, "gid", "chunk"], how="left")
-    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups)
+    tiers = frames.tiers(trace) if frames.is_tiered(trace) else None
+    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups, tiers)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     # decisive causes in (group, chunk) order: the first one names an episode's shortfall
     # tokens in the account, so it must not depend on the order joins left the rows in
@@ -543,9 +580,12 @@ def _with_causes(
     bind: pl.DataFrame,
     sf: pl.DataFrame,
     groups: list[Group],
+    tiers: pl.LazyFrame | None = None,
 ) -> dict[str, pl.DataFrame]:
     """Causes for the needed chunks (HIT: resident; never looked up: not_looked_up) and for
-    each episode's terminal key, from one pass over ``stores`` for just those keys' rows."""
+    each episode's terminal key, from one pass over ``stores`` for just those keys' rows.
+    ``tiers``: a tiered trace's tier rows; the probes then carry their episode's request
+    and whether its chunks fit the primary (`_fits`)."""
     tpc = {g.gid: g.tpc for g in groups}
     ep = sf.select(*KEY, "t", pl.col("chain_P").alias("keyable_end"))
     # a needed chunk that did not hit is probed under its key and, under a candidate fix
@@ -559,6 +599,7 @@ def _with_causes(
             "gid",
             ((pl.col("chunk") + 1) * pl.col("tpc")).alias("token_end"),
             "keyable_end",
+            pl.col("result").cast(pl.String),
         )
         for col in ("key", "proof")
     )
@@ -575,6 +616,7 @@ def _with_causes(
                 * pl.col("bind_gid").replace_strict(tpc, return_dtype=pl.Int64)
             ).alias("token_end"),
             "keyable_end",
+            pl.col("term_result").cast(pl.String).alias("result"),
         )
     )
     probes = (
@@ -583,9 +625,14 @@ def _with_causes(
         .with_row_index("pid")
         .with_columns(pl.col("pid").cast(pl.Int64))
     )
+    if tiers is not None:
+        per_episode = sf.select(*KEY, "req_id").join(
+            _fits(needed, sf, groups, header.get("cpu_num_chunks")), on=KEY, how="left"
+        )
+        probes = probes.join(per_episode, on=KEY, how="left")
     group_ids = [g["group_id"] for g in header["groups"]]
     judged = (
-        causes(probes, stores, group_ids)
+        causes(probes, stores, group_ids, tiers)
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )
@@ -621,6 +668,22 @@ def _with_causes(
         .unique(KEY)
     )
     return {"needed": needed, "terminal": terminal}
+
+
+def _fits(
+    needed: pl.DataFrame, sf: pl.DataFrame, groups: list[Group], capacity: int | None
+) -> pl.DataFrame:
+    """(inst, s, fits): `keytrace.analysis.definitions.fits_primary` of each shortfall
+    episode's needed chunks: every windowed group's (``needed``) and every full-attention
+    group's ``[S, E)``."""
+    windowed = needed.group_by(KEY).agg(pl.len().cast(pl.Int64).alias("w"))
+    fa = [(pl.col("E") // g.tpc - pl.col("S") // g.tpc) for g in groups if g.full_attention]
+    total = pl.sum_horizontal(pl.col("w").fill_null(0), *fa)
+    return (
+        sf.select(*KEY, "S", "E")
+        .join(windowed, on=KEY, how="left")
+        .select(*KEY, lit(d.fits_primary(total, capacity)).alias("fits"))
+    )
 
 
 # ------------------------------------------------------------------ results

@@ -25,7 +25,7 @@ import pyarrow as pa
 from keytrace.errors import UnknownResultError
 from keytrace.format.reader import Trace
 from keytrace.format.schema import LOOKUP_RESULTS, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
-from keytrace.format.shape import lookup_rows
+from keytrace.format.shape import lookup_rows, tier_rows
 
 
 def collect(lf: pl.LazyFrame) -> pl.DataFrame:
@@ -341,3 +341,29 @@ def _request_chunk(req_id: pl.Expr, chunk: pl.Expr) -> pl.Expr:
     codes without a string being compared per row."""
     code = req_id.cast(pl.Categorical).to_physical().cast(pl.Int64)
     return chunk.cast(pl.Int64) * (1 << 32) + code
+
+
+def tiers(trace: Trace) -> pl.LazyFrame:
+    """One row per key per tier event (schema v3's ``tier`` kind; none before): inst, seq,
+    ts, event, req_id, ep (the lookup episode in progress, if any), tier, gid, chunk,
+    end_token, key, result. ``event`` and ``result`` stay categorical (compared with
+    literals only)."""
+    return tier_rows(trace).select(
+        pl.col("instance_id").alias("inst"),
+        "seq",
+        pl.col("ts_ns").alias("ts"),
+        "event",
+        _str("req_id").alias("req_id"),
+        pl.col("episode").alias("ep"),
+        "tier",
+        pl.col("group_id").alias("gid"),
+        pl.col("chunk_idx").alias("chunk"),
+        "end_token",
+        "key",
+        "result",
+    )
+
+
+def is_tiered(trace: Trace) -> bool:
+    """The trace was recorded on a tiered manager (its header lists secondary tiers)."""
+    return bool(trace.header.get("secondary_tiers"))

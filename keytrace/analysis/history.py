@@ -31,7 +31,14 @@ from collections.abc import Sequence
 
 import polars as pl
 
-from keytrace.analysis.definitions import KeyFacts, cause
+from keytrace.analysis.definitions import (
+    DURABLE_EVENTS,
+    PROMOTION_AS_STORE,
+    KeyFacts,
+    cause,
+    resident,
+    unsettled,
+)
 from keytrace.analysis.frames import collect
 from keytrace.analysis.rules import OFFER_EVENTS
 from keytrace.format.keys import key_hash, make_key
@@ -56,12 +63,115 @@ def store_rows(stores: pl.LazyFrame, keys: pl.Series) -> pl.DataFrame:
     )
 
 
-def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int]) -> pl.DataFrame:
+def durable(at: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
+    """``at`` (inst, s, key: keys at episodes) -> the same rows with ``durable``: a secondary
+    tier held the key at the episode (docs/diff.md, "Tiered offloading"): a write-through
+    to it completed before ``s`` or its lookup answered HIT before or during the episode
+    (``ep == s``), and it reported no eviction of the key since. Per tier, then any tier."""
+    base = at.select("inst", "s", "key").unique()
+    if base.height == 0:
+        return base.with_columns(pl.lit(False).alias("durable"))
+    keys = base.get_column("key").unique().implode()
+    ev = pl.col("event")
+    rows = collect(
+        tiers.filter(
+            pl.col("key").is_in(keys)
+            & (
+                ev.is_in([*DURABLE_EVENTS, "tier_evicted"])
+                | ((ev == "lookup") & (pl.col("result") == "HIT"))
+            )
+        ).select("inst", "seq", "ep", "tier", pl.col("event").cast(pl.String), "key")
+    )
+    seen = (
+        base.join(rows, on=["inst", "key"])
+        .filter((pl.col("seq") < pl.col("s")) | (pl.col("ep") == pl.col("s")))
+        .group_by("inst", "s", "key", "tier")
+        .agg(
+            pl.col("seq").filter(pl.col("event") != "tier_evicted").max().alias("held"),
+            pl.col("seq").filter(pl.col("event") == "tier_evicted").max().alias("gone"),
+        )
+        .filter(resident(pl.col("held"), pl.col("gone")))
+        .select("inst", "s", "key", pl.lit(True).alias("durable"))
+        .unique()
+    )
+    return base.join(seen, on=["inst", "s", "key"], how="left").with_columns(
+        pl.col("durable").fill_null(False)
+    )
+
+
+def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
+    """Per probe (pid): ``durable``, ``held``, ``no_room``, ``own_promotion_evicted`` (the
+    `keytrace.analysis.definitions.KeyFacts` a tiered manager adds)."""
+    ev = pl.col("event")
+    keys = probes.get_column("key").unique().implode()
+    rows = collect(
+        tiers.filter(
+            (pl.col("key").is_in(keys) & ev.is_in(["promotion_no_room", "promotion_evicted"]))
+            | ev.is_in(["promotions_held", "promotions_released"])
+        ).select("inst", "seq", "ep", pl.col("event").cast(pl.String), "req_id", "key")
+    )
+    base = probes.select(
+        "pid", "inst", "s", "key", *(["req_id"] if "req_id" in probes.columns else [])
+    )
+    out = base.join(durable(base, tiers), on=["inst", "s", "key"], how="left")
+    during = pl.col("ep") == pl.col("s")
+    no_room = (
+        base.join(rows.filter(ev == "promotion_no_room"), on=["inst", "key"])
+        .filter(during)
+        .select("pid", pl.lit(True).alias("no_room"))
+        .unique("pid")
+    )
+    if "req_id" in base.columns:
+        own = (
+            base.join(rows.filter(ev == "promotion_evicted"), on=["inst", "key", "req_id"])
+            .filter((pl.col("seq") < pl.col("s")) | during)
+            .select("pid", pl.lit(True).alias("own_promotion_evicted"))
+            .unique("pid")
+        )
+    else:
+        own = pl.DataFrame(schema={"pid": pl.Int64, "own_promotion_evicted": pl.Boolean})
+    flags = rows.filter(ev.is_in(["promotions_held", "promotions_released"])).select(
+        "inst", pl.col("seq").alias("at"), "event"
+    )
+    held = (
+        base.join(flags, on="inst")
+        .filter(pl.col("at") < pl.col("s"))
+        .group_by("pid")
+        .agg(
+            resident(
+                pl.col("at").filter(ev == "promotions_held").max(),
+                pl.col("at").filter(ev == "promotions_released").max(),
+            ).alias("held")
+        )
+    )
+    for extra in (no_room, own, held):
+        out = out.join(extra, on="pid", how="left")
+    return out.select(
+        "pid",
+        *(
+            pl.col(c).fill_null(False)
+            for c in ("durable", "held", "no_room", "own_promotion_evicted")
+        ),
+    )
+
+
+def causes(
+    probes: pl.DataFrame,
+    stores: pl.LazyFrame,
+    group_ids: Sequence[int],
+    tiers: pl.LazyFrame | None = None,
+) -> pl.DataFrame:
     """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys (and
     their block hashes under ``group_ids``): two passes over ``stores``, one for those
     keys' rows, one for each group's first preparation. ``stores`` may be any part of the
     store rows holding every row before the probes' episodes (`keytrace.analysis.diff`
     passes the rows up to a batch's end).
+
+    ``tiers`` (`keytrace.analysis.frames.tiers`, for a tiered trace): promotions count as
+    stores into the primary, and the tier facts of ``docs/diff.md`` ("Tiered offloading")
+    are read from them; probes may then carry ``req_id`` (the episode's request), ``fits``
+    (whether its chunks fit the primary; True when absent) and ``result`` (the episode's
+    own lookup result for the key).
     """
     if probes.height == 0:
         return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
@@ -74,6 +184,22 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
         .agg(pl.col("seq").min().alias("first_prep"))
     )
     hist = rows.join(keys, on="key", how="semi").select("inst", "seq", "ts", "event", "key")
+    stored_hist = hist
+    if tiers is not None:
+        promoted = collect(
+            tiers.filter(
+                pl.col("key").is_in(keys["key"].implode())
+                & pl.col("event").is_in(list(PROMOTION_AS_STORE))
+            ).select(
+                "inst",
+                "seq",
+                "ts",
+                pl.col("event").cast(pl.String).replace_strict(PROMOTION_AS_STORE),
+                "key",
+            )
+        )
+        if promoted.height:
+            hist = pl.concat([hist.with_columns(pl.col("event").cast(pl.String)), promoted])
     resets = rows.filter(ev == "reset").select("inst", "seq")
     other_gid = rows.filter(ev == "completed").select(
         "inst", "seq", pl.col("gid").alias("other_gid"), key_hash(pl.col("key")).alias("h")
@@ -103,7 +229,7 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
     # other instances, before the episode's wall clock: the store path there decided to
     # write the key (whether it is still resident there or not, this engine never had it)
     other = (
-        base.join(hist, on="key")
+        base.join(stored_hist, on="key")
         .filter(
             (pl.col("inst_right") != pl.col("inst"))
             & (pl.col("ts") < pl.col("t"))
@@ -127,6 +253,17 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
         .join(skew, on="pid", how="left")
         .join(first_prep, on=["inst", "gid"], how="left")
     )
+    tiered = {}
+    if tiers is not None:
+        facts = facts.join(_tier_facts(probes, tiers), on="pid", how="left")
+        tiered = {
+            "durable": pl.col("durable"),
+            "held": pl.col("held"),
+            "no_room": pl.col("no_room"),
+            "own_promotion_evicted": pl.col("own_promotion_evicted"),
+            "fits": pl.col("fits").fill_null(True) if "fits" in probes.columns else True,
+            "unsettled": unsettled(pl.col("result")) if "result" in probes.columns else False,
+        }
     c = pl.col
     facts_of = KeyFacts(
         s=c("s"),
@@ -141,5 +278,6 @@ def causes(probes: pl.DataFrame, stores: pl.LazyFrame, group_ids: Sequence[int])
         own_first_prepared=c("first_prep"),
         token_end=c("token_end"),
         keyable_end=c("keyable_end"),
+        **tiered,
     )
     return facts.with_columns(cause(facts_of).alias("cause")).select(*probes.columns, "cause")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import EXPLAINED_CAUSES, served, short_of_E
+from keytrace.analysis.definitions import ASKED_AGAIN, EXPLAINED_CAUSES, served, short_of_E
 from keytrace.analysis.rules import Group
 
 CATEGORIES = ("gpu_prefix", "offload", "short", "cold_routing", "cold_not_stored", "past_boundary")
@@ -82,7 +82,7 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.LazyFrame:
     gpu, offload = served(pl.col("S"), pl.col("N"), pl.col("A"), pl.col("X"))
     ep = (
         judged.lazy()
-        .filter(pl.col("verdict") != "deferred")
+        .filter(~pl.col("verdict").is_in(ASKED_AGAIN))
         .join(routing.lazy(), on=["inst", "s"], how="left")
         .with_columns(gpu.alias("gpu_prefix"), offload.alias("offload"))
         .with_columns((pl.col("gpu_prefix") + pl.col("offload")).alias("served"))

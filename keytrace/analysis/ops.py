@@ -10,8 +10,9 @@ the two worlds spell differently goes through here:
   (`lt`, `le`, `gt`, `ge`) say False where either side is unknown, so a rule never needs
   Python's ``not`` or polars' ``~`` on something that may be unknown (`negate` is for
   known truth values only);
-- ``min``/``max`` of several values that ignore unknown ones (`least`, `greatest`, like
-  polars' ``min_horizontal``);
+- ``min``/``max`` of several values (`least`, `greatest`: every one known), and of known
+  ones only (`least_known`, `greatest_known`: an unknown bound is no bound, like polars'
+  ``min_horizontal``);
 - a choice (`cases`): the first case whose condition holds. For plain values the
   conditions and values are evaluated lazily, in order, as ``if``/``elif`` would (a value
   may be a zero-argument function, called only when chosen); for expressions every case
@@ -99,14 +100,30 @@ def member(x: Any, values: Sequence[Any]) -> Truth:
 
 
 def least(*xs: Num) -> Num:
-    """The smallest known value of ``xs`` (None / null when none is known)."""
+    """The smallest of ``xs``, every one known (an unknown one is an error for plain
+    values; see `least_known`)."""
+    if is_expr(*xs):
+        return _pl().min_horizontal(*(lit(x) for x in xs))
+    return min(xs)
+
+
+def greatest(*xs: Num) -> Num:
+    """The largest of ``xs``, every one known (see `greatest_known`)."""
+    if is_expr(*xs):
+        return _pl().max_horizontal(*(lit(x) for x in xs))
+    return max(xs)
+
+
+def least_known(*xs: Num) -> Num:
+    """The smallest known value of ``xs`` (None / null when none is known): an unknown
+    bound is no bound (polars' ``min_horizontal`` ignores nulls alike)."""
     if is_expr(*xs):
         return _pl().min_horizontal(*(lit(x) for x in xs))
     got = [x for x in xs if x is not None]
     return min(got) if got else None
 
 
-def greatest(*xs: Num) -> Num:
+def greatest_known(*xs: Num) -> Num:
     """The largest known value of ``xs`` (None / null when none is known)."""
     if is_expr(*xs):
         return _pl().max_horizontal(*(lit(x) for x in xs))

@@ -16,6 +16,7 @@ import polars as pl
 
 from keytrace._version import __version__
 from keytrace.analysis import frames
+from keytrace.analysis.definitions import ASKED_AGAIN
 from keytrace.analysis.diff import EpisodeVerdict, diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.errors import TraceError
@@ -48,7 +49,7 @@ class ReplayPlan:
 
 
 def _choose(report_all: Sequence[EpisodeVerdict], request: str | None) -> EpisodeVerdict:
-    eps = [v for v in report_all if v.verdict != "deferred"]
+    eps = [v for v in report_all if v.verdict not in ASKED_AGAIN]
     if request is not None:
         mine = [v for v in eps if v.req_id == request]
         if not mine:

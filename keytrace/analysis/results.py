@@ -17,7 +17,7 @@ from keytrace.analysis.verdict import reason
 
 KEY = ["inst", "s"]
 
-VERDICTS = ("deferred", "cold", "hit", "explained", "mismatch")
+VERDICTS = ("stalled", "deferred", "cold", "hit", "explained", "mismatch")
 
 
 def hex_key(k: bytes | None) -> str | None:
@@ -380,7 +380,13 @@ def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
     e_text = {e: f"{e:,}" for e in reported["E"].drop_nulls().unique().to_list()}
     v = pl.col("verdict")
     return (
-        pl.when(v == "deferred")
+        pl.when(v == "stalled")
+        .then(
+            pl.lit("vLLM deferred the lookup ")
+            + pl.col("deferrals").cast(pl.String)
+            + pl.lit(" times in a row and served nothing: the request is stalled")
+        )
+        .when(v == "deferred")
         .then(pl.lit("vLLM deferred the lookup (returned None)"))
         .when(v == "cold")
         .then(pl.lit("no intended boundary is resident: a cold lookup"))

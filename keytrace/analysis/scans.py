@@ -44,18 +44,27 @@ SCAN_COLUMNS = (
 
 
 def resident_prefix(
-    scans: pl.LazyFrame, episodes: pl.LazyFrame, groups: list[Group]
+    scans: pl.LazyFrame,
+    episodes: pl.LazyFrame,
+    groups: list[Group],
+    leads: pl.LazyFrame | None = None,
 ) -> pl.LazyFrame:
     """F per episode (`keytrace.analysis.definitions.resident_prefix`), from the leading
     HITs of each full-attention group's first scan in the episode: one column per group,
-    null where the episode never scanned it; F is null with no full-attention group."""
+    null where the episode never scanned it; F is null with no full-attention group.
+    ``leads`` (inst, s, gid, lead_hits), for a tiered trace: the leading keys resident in
+    any tier (`tiered_leads`), instead of the scans' own HIT counts."""
     fa = [g for g in groups if g.full_attention]
     if not fa:
         return episodes.select("inst", "s", pl.lit(None, dtype=pl.Int64).alias("F"))
     first = (
-        scans.filter(pl.col("gid").is_in([g.gid for g in fa]))
-        .group_by("inst", "s", "gid")
-        .agg(pl.col("lead_hits").sort_by("scan").first())
+        leads
+        if leads is not None
+        else (
+            scans.filter(pl.col("gid").is_in([g.gid for g in fa]))
+            .group_by("inst", "s", "gid")
+            .agg(pl.col("lead_hits").sort_by("scan").first())
+        )
     )
     out = episodes.select("inst", "s", "S")
     for g in fa:
@@ -65,6 +74,24 @@ def resident_prefix(
         out = out.join(lead, on=["inst", "s"], how="left")
     F = definitions.resident_prefix(pl.col("S"), groups, lambda gid: pl.col(f"lead{gid}"))
     return out.select("inst", "s", F.cast(pl.Int64).alias("F"))
+
+
+def tiered_leads(calls: pl.DataFrame, durable: pl.DataFrame) -> pl.DataFrame:
+    """(inst, s, gid, lead_hits) of full-attention groups on a tiered manager: in each
+    episode's first scan of the group, the leading keys that were resident in some tier,
+    the primary (HIT) or a secondary (``durable``: `keytrace.analysis.history.durable`).
+    ``calls``: that group's lookups (inst, s, scan, seq, gid, key, result)."""
+    first = calls.join(
+        calls.group_by("inst", "s", "gid").agg(pl.col("scan").min()),
+        on=["inst", "s", "gid", "scan"],
+    )
+    ok = (pl.col("result") == "HIT") | pl.col("durable").fill_null(False)
+    return (
+        first.join(durable, on=["inst", "s", "key"], how="left")
+        .sort("seq")
+        .group_by("inst", "s", "gid")
+        .agg(ok.cast(pl.Int32).cum_prod().sum().cast(pl.Int32).alias("lead_hits"))
+    )
 
 
 def binding(scans: pl.LazyFrame) -> pl.LazyFrame:

@@ -20,11 +20,17 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.analysis import definitions as d
-from keytrace.analysis.definitions import RULE_CAUSES, UNSEEN
+from keytrace.analysis.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN
 
 CAUSE_TEXT = {
     "resident": "resident",
     "in_flight": "store in flight at the lookup (prepared before it, not yet completed)",
+    "promoting": "on a secondary tier, being promoted (or looked up) when the lookup ran",
+    "promotions_held": "on a secondary tier while promotions were held after a reset",
+    "promotion_evicted": "on a secondary tier; a promotion of this request evicted it from the CPU tier",
+    "promotion_no_room": "on a secondary tier; no CPU slot to promote it into (the request needs more chunks than the CPU tier holds)",
+    "promotion_starved": "on a secondary tier; no CPU slot to promote it into, though the request fits the CPU tier (other promotions held the slots)",
+    "secondary_resident": "on a secondary tier, yet the tiered lookup answered MISS",
     "evicted": "evicted before the episode",
     "other_engine": "offered on another engine before the lookup (a routing miss)",
     "store_failed": "offered, but the store's allocation or transfer failed",
@@ -37,10 +43,17 @@ CAUSE_TEXT = {
 
 
 def base_verdict() -> pl.Expr:
-    """Over columns S, X (external; null = deferred) and E (null = none):
-    `keytrace.analysis.definitions.base_verdict`."""
+    """Over columns S, X (external; null = deferred), E (null = none), and for deferred
+    episodes deferrals and waited: `keytrace.analysis.definitions.base_verdict`."""
     c = pl.col
-    out: pl.Expr = d.base_verdict(d.EpisodeNumbers(S=c("S"), X=c("X"), E=c("E")))
+    numbers = d.EpisodeNumbers(
+        S=c("S"),
+        X=c("X"),
+        E=c("E"),
+        deferrals=c("deferrals").fill_null(0),
+        waited=c("waited").fill_null(0),
+    )
+    out: pl.Expr = d.base_verdict(numbers)
     return out
 
 
@@ -90,4 +103,6 @@ def reason(verdict: str, decisive: list[str], term_result: str | None) -> str:
     if not decisive:
         return "every chunk vLLM's rule needs for a hit at E was resident, yet lookup fell short"
     rule = sorted({CAUSE_TEXT[c] for c in decisive if c in RULE_CAUSES})
+    if any(c in TIER_CAUSES for c in decisive if c in RULE_CAUSES):
+        return "the tiered manager did not serve chunks a tier held: " + "; ".join(rule)
     return "lookup needed chunks the store path did not keep: " + "; ".join(rule or texts)

@@ -20,13 +20,16 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """What this keytrace writes. Bump on any incompatible change; keep a tiny trace of each
 version under tests/data/. Readable: `READABLE_VERSIONS`."""
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 """v1: one lookup row per manager.lookup call and a separate ``episode`` kind. v2: one lookup
-row per scan (summary + raw lists), episodes and unqueried needed keys in the lookup kind."""
+row per scan (summary + raw lists), episodes and unqueried needed keys in the lookup kind.
+v3: v2 plus the ``tier`` kind (what a tiered offloading manager does below its public
+methods: secondary-tier lookups, promotions, write-through jobs) and the header's tier
+layout; a v2 trace reads as a v3 trace with no tier rows."""
 
 META_VERSION = b"keytrace.schema_version"
 META_KIND = b"keytrace.kind"
@@ -34,8 +37,9 @@ META_HEADER = b"keytrace.header"
 META_SOURCE = b"keytrace.source"
 META_KEYTRACE_VERSION = b"keytrace.version"
 
-KINDS: tuple[str, ...] = ("store", "lookup", "episode", "load", "step")
-"""Every kind any version uses (v2 has no ``episode`` kind: episodes are lookup rows)."""
+KINDS: tuple[str, ...] = ("store", "lookup", "episode", "load", "step", "tier")
+"""Every kind any version uses (v2 has no ``episode`` kind: episodes are lookup rows; only
+v3 has ``tier``)."""
 
 LOOKUP_RESULTS: tuple[str, ...] = ("MISS", "HIT", "HIT_PENDING", "RETRY")
 """vLLM's ``LookupResult`` names. Recorded verbatim: a HIT_PENDING is never a MISS."""
@@ -61,6 +65,24 @@ OFFERED_EVENTS: tuple[str, ...] = ("prepared", "rejected", "failed")
 """Each offered key gets exactly one outcome row; "offered" is the union of outcomes."""
 
 LOAD_EVENTS: tuple[str, ...] = ("prepared", "completed")
+
+TIER_EVENTS: tuple[str, ...] = (
+    "lookup",  # a secondary tier answered a lookup the primary missed (``result``)
+    "peer_lookup",  # a lookup a secondary tier made for a peer, through its parent
+    "promotion_prepared",  # a primary slot taken for a key found on ``tier``
+    "promotion_no_room",  # the primary had no slot: the lookup answered MISS
+    "promotion_evicted",  # a key the primary evicted to make room for a promotion
+    "promotion_completed",  # the promoted key is readable in the primary
+    "promotion_failed",  # the load from ``tier`` failed: the slot is freed
+    "cascade_submitted",  # a write-through (or request-level cascade) job to ``tier``
+    "cascade_completed",  # ``tier`` holds the keys
+    "cascade_failed",
+    "cascade_dropped",  # back-pressure dropped the write-through to ``tier``
+    "tier_evicted",  # ``tier`` reported it no longer holds the key
+    "promotions_held",  # reset_cache: lookups answer MISS for secondary keys until released
+    "promotions_released",  # on_reset_flushed
+)
+"""Events of the ``tier`` kind (schema v3), one row per key (none for the last two)."""
 
 _STR = pa.dictionary(pa.int32(), pa.string())
 
@@ -201,14 +223,29 @@ _LOOKUP_V2: tuple[pa.Field[Any], ...] = (
     *_raw("tail"),
 )
 
+_TIER: tuple[pa.Field[Any], ...] = (
+    pa.field("event", _STR, nullable=False),
+    pa.field("req_id", _STR),
+    pa.field("episode", pa.int64()),  # the lookup episode in progress, if any
+    pa.field("tier", pa.int32()),  # secondary tier index (null: the primary / no tier)
+    pa.field("group_id", pa.int32()),
+    pa.field("chunk_idx", pa.int64()),
+    pa.field("end_token", pa.int64()),
+    pa.field("key", pa.binary()),
+    pa.field("result", _STR),  # lookups: the tier's LookupResult name
+    pa.field("job_id", pa.int64()),  # the tiering manager's transfer job
+)
+
+_V2: dict[str, pa.Schema] = {
+    "store": V1_SCHEMAS["store"],
+    "lookup": pa.schema(COMMON_FIELDS + _LOOKUP_V2),
+    "load": V1_SCHEMAS["load"],
+    "step": V1_SCHEMAS["step"],
+}
 SCHEMAS_BY_VERSION: dict[int, dict[str, pa.Schema]] = {
     1: V1_SCHEMAS,
-    2: {
-        "store": V1_SCHEMAS["store"],
-        "lookup": pa.schema(COMMON_FIELDS + _LOOKUP_V2),
-        "load": V1_SCHEMAS["load"],
-        "step": V1_SCHEMAS["step"],
-    },
+    2: _V2,
+    3: {**_V2, "tier": pa.schema(COMMON_FIELDS + _TIER)},
 }
 SCHEMAS: dict[str, pa.Schema] = SCHEMAS_BY_VERSION[SCHEMA_VERSION]
 """Arrow schema of each row kind this keytrace writes (without the per-part metadata)."""

@@ -13,7 +13,8 @@ version a trace is:
   row. v1 recorded neither listed keys nor the GPU prefix cache's
   ``shared_prefix_boundary``: those are absent, as they were.
 
-The store, load and step kinds have one shape in every version.
+The store, load and step kinds have one shape in every version; the ``tier`` kind exists
+from v3 on (`tier_rows`: empty for older traces).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import polars as pl
 from keytrace.format.reader import Trace
 from keytrace.format.schema import SCAN_ENDING, SCAN_EPISODE, SCHEMA_VERSION, SCHEMAS_BY_VERSION
 
-__all__ = ["has_episodes", "lookup_rows", "scan_summaries"]
+__all__ = ["has_episodes", "lookup_rows", "scan_summaries", "tier_rows"]
 
 
 def _schema(kind: str) -> dict[str, pl.DataType]:
@@ -35,7 +36,7 @@ def _schema(kind: str) -> dict[str, pl.DataType]:
 def lookup_rows(trace: Trace) -> pl.LazyFrame:
     """The lookup side of ``trace`` in the current schema's shape (see the module
     docstring)."""
-    if trace.version == SCHEMA_VERSION:
+    if trace.version >= 2:  # v2 and v3 lay the lookup kind out alike
         return trace.frame("lookup")
     schema = _schema("lookup")
     scans = _v1_scans(trace.frame("lookup"))
@@ -58,7 +59,14 @@ def lookup_rows(trace: Trace) -> pl.LazyFrame:
 def has_episodes(trace: Trace) -> bool:
     """Whether ``trace`` holds its episodes (v1 keeps them in parts of their own, which a
     user may leave out; v2 in the lookup parts)."""
-    return bool(trace.parts_of("lookup" if trace.version == SCHEMA_VERSION else "episode"))
+    return bool(trace.parts_of("lookup" if trace.version >= 2 else "episode"))
+
+
+def tier_rows(trace: Trace) -> pl.LazyFrame:
+    """The ``tier`` kind (schema v3); none for older traces, which recorded no tier."""
+    if "tier" in SCHEMAS_BY_VERSION[trace.version]:
+        return trace.frame("tier")
+    return pl.LazyFrame(schema=_schema("tier"))
 
 
 def scan_summaries(calls: pl.LazyFrame) -> pl.LazyFrame:

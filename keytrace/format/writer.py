@@ -87,12 +87,14 @@ class _Buffer:
 _KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "store": ("key", "end_token"),
     "load": ("key", "end_token"),
+    "tier": ("key", "end_token"),
     "lookup": (),
     "step": (),
 }
 _DERIVED: dict[str, tuple[str, ...]] = {
     "store": ("group_id", "chunk_idx"),
     "load": ("group_id", "chunk_idx"),
+    "tier": ("group_id", "chunk_idx"),
     # v2 lookup rows: chunk indices follow from end tokens and the group's chunk size
     "lookup": (
         "term_chunk",

@@ -77,7 +77,7 @@ DEFAULT_INTERVAL = 60.0
 class _KeyRec:
     """One key's store history on one instance: last sequence number of each event."""
 
-    __slots__ = ("completed", "evicted", "failed", "offered_ts", "prepared", "rejected")
+    __slots__ = ("completed", "evicted", "failed", "offered_ts", "prepared", "rejected", "tiers")
 
     def __init__(self) -> None:
         self.completed: int | None = None
@@ -86,6 +86,9 @@ class _KeyRec:
         self.failed: int | None = None
         self.rejected = False
         self.offered_ts: int | None = None
+        self.tiers: dict[int | None, list[int | None]] | None = None
+        """A tiered manager's secondary tiers: tier -> [last seq it held the key (a
+        write-through completed, or its lookup answered HIT), last seq it evicted it]."""
 
 
 @dataclass
@@ -104,6 +107,34 @@ class _Instance:
     prompt: dict[str, int] = field(default_factory=dict)  # req -> P
     offers: dict[bytes, dict[tuple[str, int], int]] = field(default_factory=dict)
     """anchor key -> (req, b) -> first offer seq"""
+    deferred: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """req -> (consecutive deferred episodes, wall clock of the first of them)"""
+    held: list[int | None] = field(default_factory=lambda: [None, None])
+    """[last promotions_held seq, last promotions_released seq]"""
+    no_room: dict[int, set[bytes]] = field(default_factory=dict)
+    """episode -> keys its lookups found on a tier with no primary slot to promote into"""
+    promoted_out: dict[str, set[bytes]] = field(default_factory=dict)
+    """req -> keys its own promotions evicted from the primary"""
+    open: int | None = None
+    """The episode in progress (its sequence number), if any."""
+    pending: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    """Store-like rows recorded during the episode in progress (a tiered manager's
+    promotions and the evictions they cause), applied once it is judged: the episode is
+    judged on the history before it, as the differ reads it (``seq < s``)."""
+
+
+@dataclass(frozen=True)
+class _Moment:
+    """An episode the causes of its keys are read at: its instance, sequence number and wall
+    clock, how far its chain keyed (``keyable_end``), its request, and whether its needed
+    chunks fit the primary tier."""
+
+    st: _Instance
+    s: int
+    t: int
+    keyable_end: int | None
+    req_id: str
+    fits: bool
 
 
 @dataclass(frozen=True)
@@ -146,6 +177,9 @@ class Alarm:
         self._anchor_tail = gid_tail(self.anchor.gid)
         self.group_ids = [int(g["group_id"]) for g in header.get("groups", [])]
         self.tph = int(header.get("tokens_per_hash") or 1)
+        self.tiered = bool(header.get("secondary_tiers"))
+        """A tiered manager: F, residency and causes read what its tiers hold."""
+        self.primary_chunks: int | None = header.get("cpu_num_chunks")
         self.retention = int(header.get("retention_interval") or 0)
         self.max_records = max(1024, max_bytes // BYTES_PER_RECORD)
         self.interval = interval
@@ -216,33 +250,104 @@ class Alarm:
         """One store-side call's rows (the recorder's ``store`` kind)."""
         st = self._inst[inst]
         with self._lock:
-            if event == "reset":
-                st.reset = seq
+            if st.open is not None and seq > st.open:
+                st.pending.append(("store", (seq, ts, event, req_id, keys, ends)))
                 return
-            for tail, n in Counter(key_tail(k) for k in keys).items():  # per group, not key
-                self.stored[(st.engine, str(tail_gid(tail)), event)] += n
-                if event == "prepared":
-                    st.first_prep.setdefault(tail_gid(tail), seq)
-            offer = event in OFFER_EVENTS
-            boundary = event in STORE_OFFERS and req_id is not None and req_id in st.bounds
-            anchor = self._anchor_tail
-            touch, tag = self._touch, st.tag
-            for key, end in zip(keys, ends, strict=True):
-                rec = touch(key + tag)
-                if event == "completed":
-                    rec.completed = seq
-                elif event == "evicted":
-                    rec.evicted = seq
-                elif event == "prepared":
-                    rec.prepared = seq
-                elif event == "failed":
-                    rec.failed = seq
-                elif event == "rejected":
-                    rec.rejected = True
-                if offer and rec.offered_ts is None:
-                    rec.offered_ts = ts
-                if boundary and end is not None and key_tail(key) == anchor:
-                    self._boundary_offer(st, req_id, key, end, seq)  # type: ignore[arg-type]
+            self._store(st, seq, ts, event, req_id, keys, ends)
+
+    def _store(
+        self,
+        st: _Instance,
+        seq: int,
+        ts: int,
+        event: str,
+        req_id: str | None,
+        keys: Sequence[bytes],
+        ends: Sequence[int | None],
+    ) -> None:
+        if event == "reset":
+            st.reset = seq
+            return
+        for tail, n in Counter(key_tail(k) for k in keys).items():  # per group, not key
+            self.stored[(st.engine, str(tail_gid(tail)), event)] += n
+            if event == "prepared":
+                st.first_prep.setdefault(tail_gid(tail), seq)
+        offer = event in OFFER_EVENTS
+        boundary = event in STORE_OFFERS and req_id is not None and req_id in st.bounds
+        anchor = self._anchor_tail
+        touch, tag = self._touch, st.tag
+        for key, end in zip(keys, ends, strict=True):
+            rec = touch(key + tag)
+            if event == "completed":
+                rec.completed = seq
+            elif event == "evicted":
+                rec.evicted = seq
+            elif event == "prepared":
+                rec.prepared = seq
+            elif event == "failed":
+                rec.failed = seq
+            elif event == "rejected":
+                rec.rejected = True
+            if offer and rec.offered_ts is None:
+                rec.offered_ts = ts
+            if boundary and end is not None and key_tail(key) == anchor:
+                self._boundary_offer(st, req_id, key, end, seq)  # type: ignore[arg-type]
+
+    def tier(
+        self,
+        inst: int,
+        seq: int,
+        ts: int,
+        event: str,
+        req_id: str | None,
+        tier: int | None,
+        keys: Sequence[bytes | None],
+        episode: int | None,
+        result: str | None = None,
+    ) -> None:
+        """One tier-side call's rows (the recorder's ``tier`` kind): promotions count as
+        stores into the primary, write-throughs and tier lookups as what a tier holds
+        (the facts `keytrace.analysis.history` reads from a trace)."""
+        st = self._inst[inst]
+        with self._lock:
+            deferred = event in d.PROMOTION_AS_STORE or event.startswith("promotions_")
+            if deferred and st.open is not None and seq > st.open:
+                st.pending.append(("tier", (seq, ts, event, req_id, tier, keys, episode, result)))
+                return
+            self._tier(st, seq, event, req_id, tier, keys, episode, result)
+
+    def _tier(
+        self,
+        st: _Instance,
+        seq: int,
+        event: str,
+        req_id: str | None,
+        tier: int | None,
+        keys: Sequence[bytes | None],
+        episode: int | None,
+        result: str | None,
+    ) -> None:
+        if event in ("promotions_held", "promotions_released"):
+            st.held[event == "promotions_released"] = seq
+            return
+        if event == "promotion_no_room" and episode is not None:
+            st.no_room.setdefault(episode, set()).update(k for k in keys if k)
+            return
+        if event == "promotion_evicted" and req_id is not None:
+            st.promoted_out.setdefault(req_id, set()).update(k for k in keys if k)
+            return
+        for key in keys:
+            if key is None:
+                continue
+            if event in d.PROMOTION_AS_STORE:
+                setattr(self._touch(key + st.tag), d.PROMOTION_AS_STORE[event], seq)
+            elif event in (*d.DURABLE_EVENTS, "lookup", "tier_evicted"):
+                if event == "lookup" and result != "HIT":
+                    continue
+                rec = self._touch(key + st.tag)
+                held_gone = (rec.tiers or {}).get(tier) or [None, None]
+                held_gone[event == "tier_evicted"] = seq
+                rec.tiers = {**(rec.tiers or {}), tier: held_gone}
 
     def _boundary_offer(self, st: _Instance, req_id: str, key: bytes, end: int, seq: int) -> None:
         chunk = chunk_ending_at(end, self.anchor.tpc)
@@ -282,10 +387,15 @@ class Alarm:
                     del table[req]
 
     # ------------------------------------------------------------- episodes
-    def episode_begin(self, inst: int, req_id: str, prompt: int, spb: int | None) -> None:
-        """A request's boundaries, as the store path will key them (`request_boundaries`)."""
+    def episode_begin(
+        self, inst: int, req_id: str, prompt: int, spb: int | None, seq: int | None = None
+    ) -> None:
+        """A request's boundaries, as the store path will key them (`request_boundaries`);
+        ``seq``: the episode's sequence number (store-like rows after it wait for its
+        verdict, `_Instance.pending`)."""
         st = self._inst[inst]
         with self._lock:
+            st.open = seq
             P = max(prompt, st.prompt.get(req_id, 0))
             st.prompt[req_id] = P
             bs = [store_boundary(self.groups, P)]
@@ -317,6 +427,15 @@ class Alarm:
                     if n:
                         self.looked_up[(st.engine, g, result)] += n
             j = self._judge(st, ep, scans, unqueried, tpc, proofs)
+            st.no_room.pop(ep.seq, None)
+            st.open = None
+            pending, st.pending = st.pending, []
+            for kind, args in pending:
+                if kind == "store":
+                    self._store(st, *args)
+                else:
+                    seq, _ts, event, req_id, tier, keys, episode, result = args
+                    self._tier(st, seq, event, req_id, tier, keys, episode, result)
             self.episodes[(st.engine, j.verdict)] += 1
             if self.judged is not None:
                 self.judged.append(j)
@@ -341,7 +460,14 @@ class Alarm:
         S, X, s = ep.local, ep.external, ep.seq
         base = {"instance": st.name, "req_id": ep.req_id, "episode": s, "S": S, "external": X}
         E, chain_P = self._expected(st, ep, scans, tpc)
-        verdict = d.base_verdict(d.EpisodeNumbers(S=S, X=X, E=E))
+        if X is None:
+            count, first = st.deferred.get(ep.req_id, (0, ep.ts))
+            st.deferred[ep.req_id] = (count + 1, first)
+            numbers = d.EpisodeNumbers(S=S, X=X, E=E, deferrals=count + 1, waited=ep.ts - first)
+        else:
+            st.deferred.pop(ep.req_id, None)
+            numbers = d.EpisodeNumbers(S=S, X=X, E=E)
+        verdict = d.base_verdict(numbers)
         if verdict != "shortfall":
             return Judged(verdict, E=E, **base)
         assert E is not None  # a shortfall has an expected boundary
@@ -354,7 +480,9 @@ class Alarm:
         S, s = ep.local, ep.seq
         first_lead: dict[int, int] = {}
         for sc in scans:
-            first_lead.setdefault(tail_gid(sc.gid_bytes), sc.lead)
+            gid = tail_gid(sc.gid_bytes)
+            if gid not in first_lead:
+                first_lead[gid] = self._lead(st, sc) if self.tiered else sc.lead
         F = d.resident_prefix(S, self.groups, first_lead.get)
         top = d.match_ceiling(lookup_cap(self.groups, ep.tokens, S, ep.max_new), F)
         boundaries: set[int] = set()
@@ -374,6 +502,25 @@ class Alarm:
         chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
         standing = d.standing_boundaries(top, self.groups, self.retention)
         return d.expected_boundary(S, chain_best, standing), chain_P
+
+    def _lead(self, st: _Instance, sc: Any) -> int:
+        """A full-attention scan's leading keys resident in some tier: HIT in the primary
+        or held by a secondary tier (`keytrace.analysis.scans.tiered_leads`)."""
+        n = 0
+        for key, result in zip(sc.keys, sc.results, strict=True):
+            if result != "HIT" and not self._durable(st, key):
+                break
+            n += 1
+        return n
+
+    def _durable(self, st: _Instance, key: bytes) -> bool:
+        """A secondary tier holds ``key`` (`keytrace.analysis.history.durable`)."""
+        rec = self._keys.get(key + st.tag)
+        return bool(
+            rec is not None
+            and rec.tiers
+            and any(d.resident(held, gone) for held, gone in rec.tiers.values())
+        )
 
     def _shortfall(
         self,
@@ -436,6 +583,7 @@ class Alarm:
             size = self.by_gid[bind_gid].tpc if bind_gid in self.by_gid else tpc.get(bind_gid)
             term_chunk = chunk_ending_at(term[1], size) if size else None
         unknown = False
+        at = _Moment(st, s, t, chain_P, ep.req_id, self._fits(S, E, len(needed)))
         causes: list[tuple[int, str]] = []  # (gid, cause) in (gid, chunk) order
         for gid, chunk, key, result, _seq in needed:
             end = (chunk + 1) * self.by_gid[gid].tpc
@@ -445,21 +593,14 @@ class Alarm:
             elif key is None and proof is None:
                 cause, unknown = UNSEEN, True
             else:
-                cause = None if key is None else self._cause(st, key, gid, s, t, end, chain_P)
+                cause = None if key is None else self._cause(at, key, gid, end, result)
             if proof is not None and cause != "resident":
-                cause = d.better_cause(cause, self._cause(st, proof, gid, s, t, end, chain_P))
+                cause = d.better_cause(cause, self._cause(at, proof, gid, end, result))
             causes.append((gid, cause or UNSEEN))
         term_cause = None
         if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
-            term_cause = self._cause(
-                st,
-                term[2],
-                bind_gid,
-                s,
-                t,
-                (term_chunk + 1) * self.by_gid[bind_gid].tpc,
-                chain_P,
-            )
+            end = (term_chunk + 1) * self.by_gid[bind_gid].tpc
+            term_cause = self._cause(at, term[2], bind_gid, end, term[3])
         rule = [c for _, c in causes if c in RULE_CAUSES]
         absent = [(g, c) for g, c in causes if d.absent(c)]
         decisive = d.decisive(rule, [c for g, c in absent if g == bind_gid], [c for _, c in absent])
@@ -494,17 +635,15 @@ class Alarm:
             **base,
         )
 
-    def _cause(
-        self,
-        st: _Instance,
-        key: bytes,
-        gid: int,
-        s: int,
-        t: int,
-        token_end: int,
-        keyable_end: int | None,
-    ) -> str:
-        """`keytrace.analysis.definitions.cause` for one key at (s, t), from its record."""
+    def _fits(self, S: int, E: int, windowed: int) -> bool:
+        """`keytrace.analysis.definitions.fits_primary` of an episode's needed chunks."""
+        fa = sum(E // g.tpc - S // g.tpc for g in self.groups if g.full_attention)
+        return bool(d.fits_primary(windowed + fa, self.primary_chunks))
+
+    def _cause(self, at: _Moment, key: bytes, gid: int, token_end: int, result: str | None) -> str:
+        """`keytrace.analysis.definitions.cause` for one key at an episode, from its record
+        (``result``: the episode's own lookup result for it)."""
+        st, s, t, keyable_end = at.st, at.s, at.t, at.keyable_end
         rec = self._keys.get(key + st.tag)
         reset = st.reset if st.reset is not None and st.reset < s else None
         facts = d.KeyFacts(
@@ -520,6 +659,12 @@ class Alarm:
             own_first_prepared=st.first_prep.get(gid),
             token_end=token_end,
             keyable_end=keyable_end,
+            durable=self._durable(st, key),
+            held=bool(d.resident(*st.held)),
+            no_room=key in st.no_room.get(s, ()),
+            own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
+            fits=at.fits,
+            unsettled=bool(d.unsettled(result)),
         )
         return str(d.cause(facts))
 

@@ -51,7 +51,9 @@ class Alarm(Protocol):
         keys: Sequence[bytes],
         ends: Sequence[int | None],
     ) -> None: ...
-    def episode_begin(self, inst: int, req_id: str, prompt: int, spb: int | None) -> None: ...
+    def episode_begin(
+        self, inst: int, req_id: str, prompt: int, spb: int | None, seq: int | None = None
+    ) -> None: ...
     def judge(
         self,
         inst: int,
@@ -67,6 +69,18 @@ class Alarm(Protocol):
     ) -> int | None: ...
     def account(self, inst: int, judged: Any, N: int, accepted: int | None) -> None: ...
     def summarize_pending(self) -> None: ...
+    def tier(
+        self,
+        inst: int,
+        seq: int,
+        ts: int,
+        event: str,
+        req_id: str | None,
+        tier: int | None,
+        keys: Sequence[bytes | None],
+        episode: int | None,
+        result: str | None = None,
+    ) -> None: ...
 
 
 log = logging.getLogger("keytrace")
@@ -124,6 +138,9 @@ class Recorder:
         self._common_tail = (w.instance, w.instance_id, w.engine_id, w.dp_rank, w.pid)
         self.step = 0
         self.episode = -1
+        self.in_episode = False
+        """Between ``get_num_new_matched_tokens``' start and end (tier rows carry the
+        episode then)."""
         self.scan = -1
         self.exact_scans = False
         self._scan: _Scan | None = None
@@ -135,6 +152,16 @@ class Recorder:
         self.groups: list[Any] = []
         """The header's offloaded groups, parsed once by the hook that needs them."""
         self.failures = 0
+        # a tiered manager's context (keytrace.vllm.hook.hooks, all under vLLM's manager lock)
+        self.promoting: int | None = None
+        """The secondary tier a promotion in progress reads from (``_initiate_promotion``)."""
+        self.promoted_from: dict[bytes, int | None] = {}
+        """Promoted keys not yet completed -> the tier they come from."""
+        self.storing: tuple[Sequence[bytes], Any] | None = None
+        """(keys, request context) of the ``complete_store`` call in progress: what a
+        write-through that back-pressure drops would have written."""
+        self.cascades: dict[int, tuple[str | None, int, list[bytes], Mapping[bytes, int]]] = {}
+        """Write-through jobs in flight: job id -> (request, tier, keys, positions)."""
 
     # ------------------------------------------------------------------ errors
     def fail(self, where: str, exc: BaseException) -> None:
@@ -165,6 +192,7 @@ class Recorder:
         self.end_scan()
         self.close_episode(req_id)
         self.episode = next(_SEQ)
+        self.in_episode = True
         self.scan = -1
         self.seen = {}
         self.lead_hits = {}
@@ -184,10 +212,13 @@ class Recorder:
             self._ep_scans[req_id] = []
             self._ep_unqueried.pop(req_id, None)
             self._ep_proofs.pop(req_id, None)
-            self._feed("episode_begin", req_id, num_prompt_tokens, shared_prefix_boundary)
+            self._feed(
+                "episode_begin", req_id, num_prompt_tokens, shared_prefix_boundary, self.episode
+            )
 
     def episode_end(self, req_id: str, external: int | None, load_async: bool | None) -> None:
         self.end_scan()
+        self.in_episode = False
         ep = self._pending_episode.get(req_id)
         if ep is not None:
             ep.external = external
@@ -470,6 +501,57 @@ class Recorder:
         )
         if self.alarm is not None:
             self._feed("store", seq, ts, "reset", None, [], [])
+
+    # ------------------------------------------------------------------- tiers
+    def evicted_by_promotion(
+        self,
+        req_id: str | None,
+        tier: int | None,
+        keys: Sequence[bytes],
+        positions: Mapping[bytes, int],
+    ) -> None:
+        """Keys the primary evicted to make room for a promotion: ``evicted`` store rows
+        (they left the CPU tier, whatever made room) and ``promotion_evicted`` tier rows
+        (what made room)."""
+        self._keyed("store", "evicted", req_id, keys, [positions.get(k) for k in keys])
+        self.tier_event("promotion_evicted", req_id, tier, keys, positions)
+
+    def tier_event(
+        self,
+        event: str,
+        req_id: str | None,
+        tier: int | None,
+        keys: Sequence[bytes | None],
+        positions: Mapping[bytes, int] | None = None,
+        *,
+        result: str | None = None,
+        job_id: int | None = None,
+    ) -> None:
+        """What a tiered manager did below its public methods (the ``tier`` kind, one row per
+        key; one keyless row for ``promotions_held``/``promotions_released``). Safe from any
+        thread: a peer's lookup can arrive from the tiering manager's poll thread, and this
+        touches no scan or episode state. Rows recorded while a lookup episode is in
+        progress carry its number (``episode``): what its lookups found and caused."""
+        ks = list(keys) or [None]
+        pos = (positions or {}).get
+        ends = [None if k is None else pos(k) for k in ks]
+        seq, ts = next(_SEQ), time.time_ns()
+        episode = self.episode if self.in_episode else None
+        call = (
+            seq,
+            ts,
+            *self._common_tail,
+            self.step,
+            event,
+            req_id,
+            episode,
+            tier,
+            result,
+            job_id,
+        )
+        self.writer.append("tier", len(ks), call, key=ks, end_token=ends)
+        if self.alarm is not None:
+            self._feed("tier", seq, ts, event, req_id, tier, ks, episode, result)
 
     # ------------------------------------------------------------------- loads
     def load(

@@ -122,7 +122,10 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
 
 def render_diff(report: Any, file: IO[str]) -> None:
     """Verdict line first, then evidence per reported episode."""
-    if report.first_mismatch is not None:
+    if report.first_mismatch is not None and report.first_mismatch.verdict == "stalled":
+        v = report.first_mismatch
+        file.write(f"STALLED: request {v.req_id}: {v.reason} (E={fmt_int(v.E)})\n")
+    elif report.first_mismatch is not None:
         v = report.first_mismatch
         t = v.terminal
         key_txt = (

@@ -43,6 +43,12 @@ FACT_SCHEMA = {
     "own_first_prepared": pl.Int64,
     "token_end": pl.Int64,
     "keyable_end": pl.Int64,
+    "durable": pl.Boolean,
+    "held": pl.Boolean,
+    "no_room": pl.Boolean,
+    "own_promotion_evicted": pl.Boolean,
+    "fits": pl.Boolean,
+    "unsettled": pl.Boolean,
 }
 FACTS = st.fixed_dictionaries(
     {
@@ -58,6 +64,12 @@ FACTS = st.fixed_dictionaries(
         "own_first_prepared": SEQ,
         "token_end": st.integers(1, 40),
         "keyable_end": SEQ,
+        "durable": FLAG,
+        "held": FLAG,
+        "no_room": FLAG,
+        "own_promotion_evicted": FLAG,
+        "fits": FLAG,
+        "unsettled": FLAG,
     }
 )
 
@@ -195,15 +207,33 @@ def facts(**kw: Any) -> d.KeyFacts:
     """Facts of a key at s = 100 with nothing recorded, then ``kw``."""
     base: dict[str, Any] = dict.fromkeys(FACT_SCHEMA)
     base.update(s=100, rejected=False, other_engine=False, sibling_stored=False, token_end=64)
+    base.update(durable=False, held=False, no_room=False, own_promotion_evicted=False, fits=True)
+    base.update(unsettled=False)
     base.update(kw)
     return d.KeyFacts(**base)
 
 
 def test_each_precedence_in_the_cause_table() -> None:
     """Every adjacent pair of causes, with the facts of both present: the earlier wins."""
+    tier = {"durable": True}
     both = [
         ("resident", "in_flight", facts(completed=20, prepared=30)),
-        ("in_flight", "evicted", facts(completed=20, evicted=30, prepared=40)),
+        ("in_flight", "promoting", facts(prepared=30, unsettled=True, **tier)),
+        ("promoting", "promotions_held", facts(unsettled=True, held=True, **tier)),
+        (
+            "promotions_held",
+            "promotion_evicted",
+            facts(held=True, own_promotion_evicted=True, **tier),
+        ),
+        (
+            "promotion_evicted",
+            "promotion_no_room",
+            facts(own_promotion_evicted=True, no_room=True, fits=False, **tier),
+        ),
+        # one or the other, by whether the episode fits the primary
+        ("promotion_no_room", "promotion_starved", facts(no_room=True, fits=False, **tier)),
+        ("promotion_starved", "secondary_resident", facts(no_room=True, fits=True, **tier)),
+        ("secondary_resident", "evicted", facts(completed=20, evicted=30, **tier)),
         ("evicted", "other_engine", facts(completed=20, evicted=30, other_engine=True)),
         ("other_engine", "store_failed", facts(prepared=20, failed=30, other_engine=True)),
         ("store_failed", "rejected", facts(failed=30, rejected=True)),
@@ -215,6 +245,9 @@ def test_each_precedence_in_the_cause_table() -> None:
     for earlier, _later, f in both:
         assert d.cause(f) == earlier
     assert d.cause(facts()) == "not_keyable"
+    assert (
+        d.cause(facts(completed=20, evicted=30, no_room=True, fits=True)) == "evicted"
+    )  # not durable
     # this group id reached the store path before s: a sibling says nothing
     assert d.cause(facts(sibling_stored=True, own_first_prepared=50, keyable_end=64)) == (
         "never_offered"

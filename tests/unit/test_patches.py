@@ -189,7 +189,9 @@ def test_table_is_well_formed() -> None:
     rows = [(p.feature, p.target, p.attr) for p in TABLE]
     assert len(rows) == len(set(rows))
     # the manager is wrapped per instance only (tiering aliases prepare_write to it)
-    assert {p.target for p in TABLE if p.attr in ("lookup", "prepare_store")} == {"manager"}
+    assert {p.target for p in TABLE if p.attr in ("lookup", "prepare_store")} == {"manager", "tier"}
+    # and so are a tiered manager's primary tier (its prepare_write is its prepare_store)
+    assert {p.target for p in TABLE if p.attr in ("prepare_write", "complete_write")} == {"primary"}
     assert {f for f in patches.FEATURES if f.startswith("inject:")} == {
         f"inject:{name}" for name in patches.catalog.INJECTIONS
     }

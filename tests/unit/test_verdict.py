@@ -22,7 +22,38 @@ from keytrace.analysis.verdict import base_verdict, reason, shortfall_verdicts
 )
 def test_base_verdict(S: int, X: int | None, E: int | None, expected: str) -> None:
     df = pl.DataFrame(
-        {"S": [S], "X": [X], "E": [E]}, schema={"S": pl.Int64, "X": pl.Int64, "E": pl.Int64}
+        {"S": [S], "X": [X], "E": [E], "deferrals": [1 if X is None else None], "waited": [0]},
+        schema={
+            "S": pl.Int64,
+            "X": pl.Int64,
+            "E": pl.Int64,
+            "deferrals": pl.Int64,
+            "waited": pl.Int64,
+        },
+    )
+    assert df.select(base_verdict())[0, 0] == expected
+
+
+@pytest.mark.parametrize(
+    ("deferrals", "waited", "expected"),
+    [
+        (49, 29_999_999_999, "deferred"),
+        (50, 0, "stalled"),  # the 50th consecutive deferral of the request
+        (1, 30_000_000_000, "stalled"),  # or 30 s after the first
+    ],
+)
+def test_a_request_deferred_without_end_is_stalled(
+    deferrals: int, waited: int, expected: str
+) -> None:
+    df = pl.DataFrame(
+        {"S": [0], "X": [None], "E": [1_024], "deferrals": [deferrals], "waited": [waited]},
+        schema={
+            "S": pl.Int64,
+            "X": pl.Int64,
+            "E": pl.Int64,
+            "deferrals": pl.Int64,
+            "waited": pl.Int64,
+        },
     )
     assert df.select(base_verdict())[0, 0] == expected
 

@@ -6,6 +6,7 @@ produce byte-identical headers, which is what lets the reader refuse mixed trace
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -91,8 +92,10 @@ def build_header(
         "supports_partial_tail": bool(cfg.supports_partial_tail),
         "dcp_world_size": int(cfg.dcp_world_size),
         "world_size": int(cfg.num_workers),
-        "cpu_num_chunks": getattr(manager, "_num_chunks", None),
+        "cpu_num_chunks": getattr(getattr(manager, "primary_tier", manager), "_num_chunks", None),
         "manager_class": type(manager).__name__,
+        "offload_spec": type(spec).__name__,
+        "secondary_tiers": secondary_tiers(manager, spec),
         "eviction_policy": str(
             extra.get("eviction_policy", getattr(spec, "eviction_policy", "lru"))
         ),
@@ -114,6 +117,33 @@ def build_header(
         "long_prefill_token_threshold": int(sc.long_prefill_token_threshold or 0),
         "async_scheduling": bool(sc.async_scheduling),
     }
+
+
+def secondary_tiers(manager: Any, spec: Any) -> list[dict[str, Any]]:
+    """The secondary tiers of a tiered manager, in index order: type, class, medium,
+    locality, and the settings as given in ``secondary_tiers`` (paths as they were
+    written, so two processes with one configuration write one header); none for a
+    manager without tiers."""
+    tiers = getattr(manager, "secondary_tiers", None)
+    if not isinstance(tiers, list):
+        return []
+    configs = list(getattr(spec, "secondary_tier_configs", None) or [])
+    out = []
+    for i, tier in enumerate(tiers):
+        medium = getattr(tier, "medium", None)
+        locality = getattr(tier, "locality", None)
+        settings = configs[i] if i < len(configs) else {}
+        out.append(
+            {
+                "index": i,
+                "type": str(getattr(tier, "tier_type", type(tier).__name__)),
+                "class": type(tier).__name__,
+                "medium": getattr(medium, "name", None),
+                "locality": getattr(locality, "name", None),
+                "settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
+            }
+        )
+    return out
 
 
 def engine_identity(vllm_config: Any) -> tuple[str | None, int | None]:

@@ -291,6 +291,16 @@ def lookup(
         secondary = False
     else:
         key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
+        if "exclude_tier_idx" in kw:  # a tier's peer, through its parent: not a scan
+            rec.tier_event(
+                "peer_lookup",
+                ctx.req_id,
+                kw["exclude_tier_idx"],
+                [key],
+                positions(ctx),
+                result=_result_name(result),
+            )
+            return
         secondary = len(args) > 2 or any(k not in ("key", "req_context") for k in kw)
     name = _RESULT_NAMES.get(result)
     if name is None:  # an enum's .name is a Python property: read once per member
@@ -341,3 +351,165 @@ def reset(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
     rec.reset()
+
+
+# ------------------------------------------------------------ tiered managers
+# A TieringOffloadingManager (vLLM 0.33.0, v1/kv_offload/tiering/manager.py) over a CPU
+# primary tier and secondary tiers. Its public methods are recorded like any manager's;
+# these observe what it does below them: the primary's promotion aliases (prepare_write /
+# complete_write, bound per instance), each secondary tier's lookups and write-through jobs,
+# back-pressure drops and the promotion hold after a reset. All run under vLLM's manager
+# lock (the scheduler's or the tier-poll thread's), so the recorder's tier context is never
+# entered concurrently; `Recorder.tier_event` itself is safe from any thread.
+
+
+def is_tiered(manager: Any) -> bool:
+    """A tiered manager: a primary tier and a list of secondary tiers."""
+    return hasattr(manager, "primary_tier") and isinstance(
+        getattr(manager, "secondary_tiers", None), list
+    )
+
+
+def _tier_index(sched: Any, tier: Any) -> int | None:
+    for i, t in enumerate(getattr(sched.manager, "secondary_tiers", None) or ()):
+        if t is tier:
+            return i
+    return None
+
+
+def _result_name(result: Any) -> str:
+    name = _RESULT_NAMES.get(result)
+    if name is None:
+        name = _RESULT_NAMES[result] = result.name
+    return name
+
+
+def promotion_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    """``_initiate_promotion(tier_idx, key, req_context)``: the tier it promotes from."""
+    rec.promoting = int(arg(args, kw, 0, "tier_idx"))
+
+
+def promotion_end(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    rec.promoting = None
+
+
+def prepare_write(
+    rec: Recorder, sched: Any, out: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """The primary's ``prepare_write(keys, req_context)`` (its ``prepare_store``, for a
+    promotion): a slot taken (and what it evicted), or none free."""
+    keys, ctx = _keys(arg(args, kw, 0, "keys")), arg(args, kw, 1, "req_context")
+    pos, tier = positions(ctx), rec.promoting
+    if out is None:
+        rec.tier_event("promotion_no_room", ctx.req_id, tier, keys, pos)
+        return
+    taken = list(out.keys_to_store)
+    for k in taken:
+        rec.promoted_from[k] = tier
+    rec.tier_event("promotion_prepared", ctx.req_id, tier, taken, pos)
+    evicted = list(out.evicted_keys or ())
+    if evicted:
+        rec.evicted_by_promotion(ctx.req_id, tier, evicted, pos)
+
+
+def complete_write(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """The primary's ``complete_write(keys, req_context, success)``: a promotion landed."""
+    keys, ctx = list(arg(args, kw, 0, "keys")), arg(args, kw, 1, "req_context")
+    success = args[2] if len(args) > 2 else kw.get("success", True)
+    by_tier: dict[int | None, list[bytes]] = {}
+    for k in keys:
+        by_tier.setdefault(rec.promoted_from.pop(k, None), []).append(k)
+    event = "promotion_completed" if success else "promotion_failed"
+    for tier, ks in by_tier.items():
+        rec.tier_event(event, ctx.req_id, tier, ks, positions(ctx))
+
+
+def store_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    """``complete_store(keys, req_context, success)`` of a tiered manager: what its
+    write-through would write (read if back-pressure drops it)."""
+    rec.storing = (arg(args, kw, 0, "keys"), arg(args, kw, 1, "req_context"))
+
+
+def store_end(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    rec.storing = None
+
+
+def backpressure(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """``_should_store_to_tier(tier, num_blocks)`` said no: the write-through is dropped."""
+    if result is not False:
+        return
+    tier = _tier_index(sched, arg(args, kw, 0, "tier"))
+    keys, ctx = rec.storing if rec.storing is not None else ((), None)
+    req = ctx.req_id if ctx is not None else None
+    rec.tier_event("cascade_dropped", req, tier, list(keys), positions(ctx) if ctx else None)
+
+
+def reset_tiers(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """After a tiered manager's ``reset_cache``: promotions are held until released."""
+    if getattr(sched.manager, "_promotions_held", False):
+        rec.tier_event("promotions_held", None, None, [])
+
+
+def reset_flushed(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    rec.tier_event("promotions_released", None, None, [])
+
+
+def tier_lookup(
+    rec: Recorder, at: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """A secondary tier's ``lookup(key, req_context)`` (``at``: (scheduler, tier index))."""
+    key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
+    rec.tier_event("lookup", ctx.req_id, at[1], [key], positions(ctx), result=_result_name(result))
+
+
+def tier_submit_store(
+    rec: Recorder, at: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """``submit_store(job_metadata)``: a write-through (or cascade) job to this tier."""
+    job = arg(args, kw, 0, "job_metadata")
+    keys, ctx = list(job.keys), job.req_context
+    pos = positions(ctx)
+    rec.cascades[int(job.job_id)] = (ctx.req_id, at[1], keys, pos)
+    rec.tier_event("cascade_submitted", ctx.req_id, at[1], keys, pos, job_id=int(job.job_id))
+
+
+def tier_finished(
+    rec: Recorder, at: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """``get_finished_jobs()``: which write-through jobs landed. Read only when vLLM's answer
+    is a list or tuple (an iterator would be consumed here, and vLLM never sees it twice)."""
+    if not isinstance(result, (list, tuple)):
+        return
+    for job in result:
+        found = rec.cascades.pop(int(job.job_id), None)
+        if found is None:
+            continue  # a promotion's load: its completion is complete_write's
+        req, tier, keys, pos = found
+        event = "cascade_completed" if job.success else "cascade_failed"
+        rec.tier_event(event, req, tier, keys, pos, job_id=int(job.job_id))
+
+
+def tier_events(rec: Recorder, at: Any, events: Any) -> Any:
+    """``take_events()``: vLLM's events, each handed on as it is taken; the ones that say a
+    tier dropped keys are recorded (``tier_evicted``)."""
+    for event in events:
+        try:
+            if getattr(event, "removed", False):
+                keys = [bytes(k) for k in getattr(event, "keys", ()) or ()]
+                if keys:
+                    rec.tier_event("tier_evicted", None, at[1], keys)
+        except Exception as exc:
+            rec.fail("tier.take_events", exc)
+        yield event

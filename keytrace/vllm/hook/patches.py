@@ -12,7 +12,9 @@ A row (`Patch`) names
   *instance*, applied as each instance appears (the manager when a recorded scheduler is
   built, the connector when a harness is built). The manager is never patched at class
   level: tiering managers alias ``prepare_write = self.prepare_store`` on their primary
-  tier, and a class patch would record tier promotions as stores;
+  tier, and a class patch would record tier promotions as stores. A tiered manager also
+  gets its ``tiering`` rows (what it does below its public methods), its primary tier the
+  ``primary`` rows (the promotion aliases) and each secondary tier the ``tier`` rows;
 - the attribute, and a factory that makes the wrapper (given the instance's binding).
 
 Transparency: every wrapper is a ``wrapt.FunctionWrapper``. Identity-visible behaviour goes
@@ -49,7 +51,7 @@ from keytrace.vllm.mods import catalog, fixes, inject
 
 log = logging.getLogger("keytrace")
 
-Target = Literal["scheduler", "config", "manager", "connector"]
+Target = Literal["scheduler", "config", "manager", "tiering", "primary", "tier", "connector"]
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 Binding = Any  # None for class rows; what the instance rows need, e.g. (recorder, scheduler)
 Observer = Callable[..., Any]
@@ -182,6 +184,31 @@ def observe(
     return make
 
 
+def observe_iter(
+    where: str, over: Callable[[Recorder, Any, Any], Any]
+) -> Callable[[Binding], Wrapper]:
+    """An instance row whose observer hands vLLM's returned iterable on item by item:
+    ``over(rec, at, result)`` is a generator yielding every item of ``result`` unchanged
+    (it records as it goes; its own failures are counted, never raised)."""
+
+    def make(binding: Binding) -> Wrapper:
+        rec, at = binding
+
+        def wrapper(
+            wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            result = wrapped(*args, **kwargs)
+            try:
+                return over(rec, at, result)
+            except Exception as exc:
+                rec.fail(where, exc)
+                return result
+
+        return wrapper
+
+    return make
+
+
 def _record_init(binding: Binding) -> Wrapper:
     """``OffloadingConnectorScheduler.__init__``: start recording this scheduler.
 
@@ -238,6 +265,11 @@ def _start_recording(
         _STATE.warn_once(f"keytrace: not recording this scheduler ({type(exc).__name__}: {exc})")
         return
     apply_instance("record", "manager", sched.manager, (rec, sched))
+    if hooks.is_tiered(sched.manager):
+        apply_instance("record", "tiering", sched.manager, (rec, sched))
+        apply_instance("record", "primary", sched.manager.primary_tier, (rec, sched))
+        for i, tier in enumerate(sched.manager.secondary_tiers):
+            apply_instance("record", "tier", tier, (rec, (sched, i)))
     hooks.RECORDERS[sched] = rec
     with _STATE.lock:
         _STATE.recorders.append(rec)
@@ -353,6 +385,68 @@ TABLE: tuple[Patch, ...] = (
         observe("manager.complete_load", after=hooks.complete_load),
     ),
     Patch("record", "manager", "reset_cache", observe("manager.reset_cache", after=hooks.reset)),
+    # recording: below a tiered manager's public methods (vLLM 0.33.0's tiering manager)
+    Patch(
+        "record",
+        "tiering",
+        "_initiate_promotion",
+        observe(
+            "tiering.promotion",
+            before=hooks.promotion_begin,
+            after=hooks.promotion_end,
+            always=True,
+        ),
+        essential=False,
+    ),
+    Patch(
+        "record",
+        "tiering",
+        "complete_store",
+        observe(
+            "tiering.complete_store", before=hooks.store_begin, after=hooks.store_end, always=True
+        ),
+    ),
+    Patch(
+        "record",
+        "tiering",
+        "_should_store_to_tier",
+        observe("tiering.backpressure", after=hooks.backpressure),
+        essential=False,
+    ),
+    Patch("record", "tiering", "reset_cache", observe("tiering.reset", after=hooks.reset_tiers)),
+    Patch(
+        "record",
+        "tiering",
+        "on_reset_flushed",
+        observe("tiering.reset_flushed", after=hooks.reset_flushed),
+        essential=False,
+    ),
+    Patch(
+        "record",
+        "primary",
+        "prepare_write",
+        observe("primary.prepare_write", after=hooks.prepare_write),
+    ),
+    Patch(
+        "record",
+        "primary",
+        "complete_write",
+        observe("primary.complete_write", after=hooks.complete_write),
+    ),
+    Patch("record", "tier", "lookup", observe("tier.lookup", after=hooks.tier_lookup)),
+    Patch(
+        "record",
+        "tier",
+        "submit_store",
+        observe("tier.submit_store", after=hooks.tier_submit_store),
+    ),
+    Patch(
+        "record",
+        "tier",
+        "get_finished_jobs",
+        observe("tier.get_finished_jobs", after=hooks.tier_finished),
+    ),
+    Patch("record", "tier", "take_events", observe_iter("tier.take_events", hooks.tier_events)),
     # historical store-side bugs (testing only)
     *_store_mask_rows(
         "inject",

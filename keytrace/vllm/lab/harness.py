@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import functools
 import json
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +230,33 @@ def _chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
     )
 
 
+TIER_TYPES = ("example", "fs")
+"""Secondary tiers the harness builds: vLLM's in-memory ``example`` tier (synchronous: a
+run is exactly repeatable) and its ``fs`` tier (files under a directory; asynchronous
+lookups and transfers on threads, which `Harness.settle_tiers` waits for between steps).
+Both run on a CPU; ``obj``/``p2p`` need NIXL and ``kvcr`` its own package."""
+
+
+def tiered(geometry: Geometry, tiers: tuple[str, ...], root_dir: str | None = None) -> Geometry:
+    """``geometry`` with vLLM's ``TieringOffloadingSpec``: its CPU tier becomes the primary
+    over ``tiers`` (each of `TIER_TYPES`; an ``fs`` tier keeps its files under
+    ``root_dir``, which every engine of a run shares, as llm-d's shared file system does)."""
+    configs: list[dict[str, Any]] = []
+    for t in tiers:
+        if t == "example":
+            configs.append({"type": "example"})
+        elif t == "fs":
+            if root_dir is None:
+                raise ValueError("an fs tier needs a root_dir")
+            configs.append(
+                {"type": "fs", "root_dir": root_dir, "n_read_threads": 2, "n_write_threads": 2}
+            )
+        else:
+            raise ValueError(f"unknown tier {t!r}; the harness builds {', '.join(TIER_TYPES)}")
+    extra = {**geometry.extra, "spec_name": "TieringOffloadingSpec", "secondary_tiers": configs}
+    return geometry.with_(extra=extra)
+
+
 # ------------------------------------------------------------------ fake worker
 class AckWorker:
     """Stands in for the GPU worker: acknowledges transfer jobs, moves no bytes.
@@ -391,11 +419,9 @@ class Harness:
 
     # ------------------------------------------------------------ construction
     def _check_built(self) -> None:
-        """The connector must have exactly the geometry asked for, and a real manager."""
-        manager = self.manager
-        base = manager
-        while not isinstance(base, CPUOffloadingManager) and hasattr(base, "__wrapped__"):
-            base = base.__wrapped__
+        """The connector must have exactly the geometry asked for, and a real manager (a
+        CPU tier, alone or as the primary of a tiered manager)."""
+        base = self.cpu_tier
         if not isinstance(base, CPUOffloadingManager):
             raise RuntimeError(f"expected CPUOffloadingManager, got {type(base).__name__}")
         num_chunks = getattr(base, "_num_chunks", None)
@@ -493,6 +519,8 @@ class Harness:
             self._pending_async = (out, mro)
         else:
             self.scheduler.update_from_output(out, mro)
+        if self.secondary_tiers:
+            self.settle_tiers()
         return out
 
     def _model_output(self, out: SchedulerOutput, kv_out: KVConnectorOutput) -> ModelRunnerOutput:
@@ -519,7 +547,11 @@ class Harness:
                 raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
             self.step()
             steps += 1
-            busy = self.scheduler.has_requests() or not self.worker.idle
+            busy = (
+                self.scheduler.has_requests()
+                or not self.worker.idle
+                or (bool(self.secondary_tiers) and self.manager.has_pending_work())
+            )
             quiet = 0 if busy else quiet + 1
         if self._pending_async is not None:
             self.scheduler.update_from_output(*self._pending_async)
@@ -562,12 +594,39 @@ class Harness:
         )
 
     # ----------------------------------------------------------------- helpers
+    @property
+    def cpu_tier(self) -> Any:
+        """The CPU manager: the manager itself, or a tiered manager's primary tier."""
+        return getattr(self.manager, "primary_tier", self.manager)
+
+    @property
+    def secondary_tiers(self) -> list[Any]:
+        """A tiered manager's secondary tiers (none for a CPU-only one)."""
+        return list(getattr(self.manager, "secondary_tiers", None) or ())
+
+    def settle_tiers(self, timeout: float = 10.0) -> None:
+        """Wait until every secondary tier's I/O submitted so far is done: its transfer
+        jobs (``drain_jobs``, vLLM's own) and its asynchronous lookups (the fs tier's
+        lookup thread). Between two steps this models I/O that finishes while the model
+        runs, as on a server whose disk keeps up, and makes a run repeatable. Reads the
+        lookup state only (``_lookup_manager``); vLLM's code runs unchanged."""
+        deadline = time.monotonic() + timeout
+        for tier in self.secondary_tiers:
+            tier.drain_jobs()
+            lookups = getattr(tier, "_lookup_manager", None)
+            states = getattr(lookups, "_lookup_state", None)
+            if states is None:
+                continue
+            while time.monotonic() < deadline and any(
+                getattr(st.phase, "name", "") == "IN_FLIGHT" for st in list(states.values())
+            ):
+                if not getattr(lookups, "_pending_results").empty():  # noqa: B009
+                    break  # answered: the next lookup applies it
+                time.sleep(0.001)
+
     def cpu_keys(self) -> dict[bytes, bool]:
         """Keys the real CPU manager holds now -> ready flag (read-only inspection)."""
-        base = self.manager
-        while not isinstance(base, CPUOffloadingManager) and hasattr(base, "__wrapped__"):
-            base = base.__wrapped__
-        return _policy_keys(base)
+        return _policy_keys(self.cpu_tier)
 
 
 def _digest(out: SchedulerOutput, meta: OffloadingConnectorMetadata) -> tuple[Any, ...]:
