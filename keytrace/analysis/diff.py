@@ -323,13 +323,30 @@ def _episodes(
 
 
 def _tiered_leads(trace: Trace, groups: list[Group]) -> pl.LazyFrame:
-    """`scans.tiered_leads` of the episodes of ``trace``."""
-    fa = [g.gid for g in groups if g.full_attention]
+    """`scans.tiered_leads` of the episodes of ``trace`` (a tiered trace)."""
+    fa = {g.gid: g.tpc for g in groups if g.full_attention}
     calls = frames.collect(
-        frames.lookups(trace, gids=fa).select("inst", "s", "scan", "seq", "gid", "key", "result")
+        frames.lookups(trace, gids=list(fa)).select(
+            "inst", "s", "scan", "gid", "chunk", "key", "result"
+        )
     )
-    tiered = durable(calls.select("inst", "s", "key"), frames.tiers(trace))
-    return scans.tiered_leads(calls, tiered).lazy()
+    listed = frames.collect(
+        frames.unqueried(trace)
+        .filter(pl.col("gid").is_in(list(fa)))
+        .select("inst", "s", "gid", "chunk", "key")
+    )
+    cells = scans.tiered_cells(calls, listed)
+    starts = frames.collect(
+        frames.episodes(trace)
+        .select("inst", "s", "S")
+        .join(pl.LazyFrame({"gid": list(fa)}, schema={"gid": pl.Int32}), how="cross")
+        .with_columns(
+            (pl.col("S") // pl.col("gid").replace_strict(fa, return_dtype=pl.Int64)).alias("first")
+        )
+        .select("inst", "s", "gid", "first")
+    )
+    held = durable(cells.select("inst", "s", "key"), frames.tiers(trace))
+    return scans.tiered_leads(cells, held, starts).lazy()
 
 
 def _deferral_runs(trace: Trace) -> pl.DataFrame:

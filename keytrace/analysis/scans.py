@@ -76,21 +76,36 @@ def resident_prefix(
     return out.select("inst", "s", F.cast(pl.Int64).alias("F"))
 
 
-def tiered_leads(calls: pl.DataFrame, durable: pl.DataFrame) -> pl.DataFrame:
-    """(inst, s, gid, lead_hits) of full-attention groups on a tiered manager: in each
-    episode's first scan of the group, the leading keys that were resident in some tier,
-    the primary (HIT) or a secondary (``durable``: `keytrace.analysis.history.durable`).
-    ``calls``: that group's lookups (inst, s, scan, seq, gid, key, result)."""
+def tiered_cells(calls: pl.DataFrame, listed: pl.DataFrame) -> pl.DataFrame:
+    """(inst, s, gid, chunk, key, result): a full-attention group's chunks in an episode on
+    a tiered manager, as its first scan looked them up (``calls``: inst, s, scan, gid,
+    chunk, key, result) and, past where it stopped, as the recorder listed them
+    (``listed``: inst, s, gid, chunk, key; no result)."""
     first = calls.join(
         calls.group_by("inst", "s", "gid").agg(pl.col("scan").min()),
         on=["inst", "s", "gid", "scan"],
-    )
+    ).select("inst", "s", "gid", "chunk", "key", "result")
+    rest = listed.select(
+        "inst", "s", "gid", "chunk", "key", pl.lit(None, dtype=pl.String).alias("result")
+    ).join(first, on=["inst", "s", "gid", "chunk"], how="anti")
+    return pl.concat([first, rest]).drop_nulls("chunk")
+
+
+def tiered_leads(cells: pl.DataFrame, durable: pl.DataFrame, starts: pl.DataFrame) -> pl.DataFrame:
+    """(inst, s, gid, lead_hits): how many chunks from S on (``starts``: inst, s, gid,
+    first, the chunk S falls in) were resident in some tier, in a row: HIT in the primary,
+    or held by a secondary tier (``durable``: inst, s, key, durable, as
+    `keytrace.analysis.history.durable` says). ``cells``: `tiered_cells`."""
     ok = (pl.col("result") == "HIT") | pl.col("durable").fill_null(False)
+    in_row = pl.col("chunk") == pl.col("first") + pl.int_range(pl.len()).over("inst", "s", "gid")
     return (
-        first.join(durable, on=["inst", "s", "key"], how="left")
-        .sort("seq")
+        cells.join(durable, on=["inst", "s", "key"], how="left")
+        .join(starts, on=["inst", "s", "gid"])
+        .filter(pl.col("chunk") >= pl.col("first"))
+        .sort("inst", "s", "gid", "chunk")
+        .with_columns((ok & in_row).alias("ok"))
         .group_by("inst", "s", "gid")
-        .agg(ok.cast(pl.Int32).cum_prod().sum().cast(pl.Int32).alias("lead_hits"))
+        .agg(pl.col("ok").cast(pl.Int32).cum_prod().sum().cast(pl.Int32).alias("lead_hits"))
     )
 
 

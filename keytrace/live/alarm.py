@@ -442,11 +442,16 @@ class Alarm:
         return j
 
     def expected(
-        self, inst: int, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
+        self,
+        inst: int,
+        ep: Any,
+        scans: Sequence[Any],
+        tpc: Mapping[int, int],
+        unqueried: Mapping[int, Mapping[int, bytes]] | None = None,
     ) -> int | None:
-        """E of an episode in progress (its scans so far)."""
+        """E of an episode in progress (its scans so far, and the keys listed so far)."""
         with self._lock:
-            return self._expected(self._inst[inst], ep, scans, tpc)[0]
+            return self._expected(self._inst[inst], ep, scans, tpc, unqueried or {})[0]
 
     def _judge(
         self,
@@ -459,7 +464,7 @@ class Alarm:
     ) -> Judged:
         S, X, s = ep.local, ep.external, ep.seq
         base = {"instance": st.name, "req_id": ep.req_id, "episode": s, "S": S, "external": X}
-        E, chain_P = self._expected(st, ep, scans, tpc)
+        E, chain_P = self._expected(st, ep, scans, tpc, unqueried)
         if X is None:
             count, first = st.deferred.get(ep.req_id, (0, ep.ts))
             st.deferred[ep.req_id] = (count + 1, first)
@@ -474,7 +479,12 @@ class Alarm:
         return self._shortfall(st, ep, scans, unqueried, tpc, proofs, E, chain_P, base)
 
     def _expected(
-        self, st: _Instance, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
+        self,
+        st: _Instance,
+        ep: Any,
+        scans: Sequence[Any],
+        tpc: Mapping[int, int],
+        unqueried: Mapping[int, Mapping[int, bytes]],
     ) -> tuple[int | None, int | None]:
         """(E, chain_P): `keytrace.analysis.diff._expected_boundary` for one episode."""
         S, s = ep.local, ep.seq
@@ -482,35 +492,47 @@ class Alarm:
         for sc in scans:
             gid = tail_gid(sc.gid_bytes)
             if gid not in first_lead:
-                first_lead[gid] = self._lead(st, sc) if self.tiered else sc.lead
+                tiered = self.tiered and gid in self.by_gid
+                first_lead[gid] = (
+                    self._lead(st, sc, S, unqueried.get(gid, {})) if tiered else sc.lead
+                )
         F = d.resident_prefix(S, self.groups, first_lead.get)
         top = d.match_ceiling(lookup_cap(self.groups, ep.tokens, S, ep.max_new), F)
         boundaries: set[int] = set()
         chain_P: int | None = None
-        for sc in scans:
-            if sc.gid_bytes != self._anchor_tail:
-                continue
-            for key in sc.keys:
-                for (req, b), first in st.offers.get(key, {}).items():
-                    # always true when judged as the episode ends (nothing of this instance
-                    # is recorded during a lookup); kept: it is the definition (docs/diff.md)
-                    if first < s:
-                        boundaries.add(b)
-                        P = st.prompt.get(req)
-                        if P is not None:
-                            chain_P = P if chain_P is None else max(chain_P, P)
+        anchor_keys = [k for sc in scans if sc.gid_bytes == self._anchor_tail for k in sc.keys]
+        anchor_keys += unqueried.get(self.anchor.gid, {}).values()
+        for key in anchor_keys:
+            for (req, b), first in st.offers.get(key, {}).items():
+                # always true when judged as the episode ends (nothing of this instance
+                # is recorded during a lookup); kept: it is the definition (docs/diff.md)
+                if first < s:
+                    boundaries.add(b)
+                    P = st.prompt.get(req)
+                    if P is not None:
+                        chain_P = P if chain_P is None else max(chain_P, P)
         chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
         standing = d.standing_boundaries(top, self.groups, self.retention)
         return d.expected_boundary(S, chain_best, standing), chain_P
 
-    def _lead(self, st: _Instance, sc: Any) -> int:
-        """A full-attention scan's leading keys resident in some tier: HIT in the primary
-        or held by a secondary tier (`keytrace.analysis.scans.tiered_leads`)."""
-        n = 0
-        for key, result in zip(sc.keys, sc.results, strict=True):
+    def _lead(self, st: _Instance, sc: Any, S: int, listed: Mapping[int, bytes]) -> int:
+        """The leading chunks from S of a full-attention group resident in some tier: HIT
+        in the primary or held by a secondary tier, the scan's keys first, then the keys
+        listed past where it stopped (`keytrace.analysis.scans.tiered_leads`)."""
+        tpc = self.by_gid[tail_gid(sc.gid_bytes)].tpc
+        cells: dict[int, tuple[bytes, str | None]] = {}
+        for end, key, result in zip(sc.ends, sc.keys, sc.results, strict=True):
+            chunk = chunk_ending_at(end, tpc)
+            if chunk is not None:
+                cells.setdefault(chunk, (key, result))
+        for chunk, key in listed.items():
+            cells.setdefault(chunk, (key, None))
+        n, chunk = 0, S // tpc
+        while chunk in cells:
+            key, result = cells[chunk]
             if result != "HIT" and not self._durable(st, key):
                 break
-            n += 1
+            n, chunk = n + 1, chunk + 1
         return n
 
     def _durable(self, st: _Instance, key: bytes) -> bool:

@@ -65,7 +65,12 @@ class Alarm(Protocol):
     ) -> Any: ...
     def report(self, inst: int, j: Any) -> None: ...
     def expected(
-        self, inst: int, ep: Any, scans: Sequence[Any], tpc: Mapping[int, int]
+        self,
+        inst: int,
+        ep: Any,
+        scans: Sequence[Any],
+        tpc: Mapping[int, int],
+        unqueried: Mapping[int, Mapping[int, bytes]] | None = None,
     ) -> int | None: ...
     def account(self, inst: int, judged: Any, N: int, accepted: int | None) -> None: ...
     def summarize_pending(self) -> None: ...
@@ -244,7 +249,9 @@ class Recorder:
         ep = self._pending_episode.get(req_id)
         if self.alarm is None or ep is None:
             return None
-        return self._feed("expected", ep, self._ep_scans.get(req_id, []), self._tpc)  # type: ignore[no-any-return]
+        scans = self._ep_scans.get(req_id, [])
+        listed = self._ep_unqueried.get(req_id, {})
+        return self._feed("expected", ep, scans, self._tpc, listed)  # type: ignore[no-any-return]
 
     def _judge(self, ep: _Episode) -> None:
         """The alarm's verdict on an episode that just ended; its warning, if any."""

@@ -133,6 +133,10 @@ def record_unqueried(
     group hit from S in this episode; the window is `keytrace.analysis.rules.needed_range`
     at min(L, F), where the expected boundary lies unless an earlier boundary is the largest
     intended one.
+
+    On a tiered manager a key on a secondary tier is part of the prefix too, so F can reach
+    past the scan's hits: the full-attention keys from where its scan stopped up to L are
+    listed as well, and the windowed ones for a hit at L.
     """
     from keytrace.analysis.definitions import match_ceiling, resident_prefix
     from keytrace.analysis.rules import groups_from_header, lookup_cap, needed_range
@@ -141,16 +145,28 @@ def record_unqueried(
     rec.groups = groups
     local = int(arg(args, kw, 1, "num_computed_tokens"))
     max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
-    top = match_ceiling(
-        lookup_cap(groups, int(request.num_tokens), local, max_new),
-        resident_prefix(local, groups, rec.lead_hits.get),
-    )
+    cap = lookup_cap(groups, int(request.num_tokens), local, max_new)
+    tiered = bool(rec.writer.header.get("secondary_tiers"))
+    top = cap if tiered else match_ceiling(cap, resident_prefix(local, groups, rec.lead_hits.get))
     if top <= local:
         return
     status = sched._req_status.get(request.request_id)
     if status is None:
         return
     configs = {c.group_idx: i for i, c in enumerate(sched.config.kv_group_configs)}
+    if tiered:
+        for g in groups:
+            if g.full_attention and g.gid in configs:
+                keys = status.group_states[configs[g.gid]].offload_keys
+                seen = rec.seen.get(g.gid, set())
+                rest = [
+                    c
+                    for c in range(local // g.tpc, min(cap // g.tpc, len(keys)))
+                    if (c + 1) * g.tpc not in seen
+                ]
+                if rest:
+                    ends = [(c + 1) * g.tpc for c in rest]
+                    rec.unqueried(request.request_id, g.gid, ends, [bytes(keys[c]) for c in rest])
     tph = int(rec.writer.header.get("tokens_per_hash") or 1)
     keyed = len(request.block_hashes) * tph
     hits = [top]  # the hit ends to list needed keys for

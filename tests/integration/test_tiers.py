@@ -1,0 +1,228 @@
+"""Tiered offloading (vLLM 0.33.0's TieringOffloadingSpec: a CPU primary tier over a
+secondary tier) recorded and judged on the real scheduler, with vLLM's real tiering manager
+and its real ``fs`` tier in a temporary folder (or its in-memory ``example`` tier).
+
+Geometry ``small``: FA tpc 64, SWA groups 1 and 2 (2 is MTP) tpc 16 with a 2-chunk window.
+A prompt of ``n * 64 + 35`` tokens has E = n * 64 and needs, for a hit at E, n FA chunks,
+2 chunks of group 1 and 3 of group 2 (the MTP peek): ``n + 5`` chunks at once.
+
+- ``n = 8`` (13 chunks) against a 12-chunk primary: each lookup promotes keys from disk,
+  the promotions evict the prefix's own earlier keys, and the request is deferred forever.
+- ``n = 12`` (17) against 16: promotions run out of room: the request cannot fit the
+  primary at all (capacity).
+- ``n = 3`` (8) behind an ``n = 12`` resend against 20: the long one's promotions hold the
+  slots and vLLM answers MISS for the short one's keys on disk, 0 external tokens, where an
+  uncontended manager would have served 192.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from tests.alarm_checks import SETTINGS, assert_alarm_agrees
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.analysis.diff import diff  # noqa: E402
+from keytrace.analysis.geometry import builtin  # noqa: E402
+from keytrace.cli import main  # noqa: E402
+from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.live.alarm import alarms  # noqa: E402
+from keytrace.vllm.hook.patches import recording  # noqa: E402
+from keytrace.vllm.lab.harness import Harness, tiered  # noqa: E402
+
+
+def tokens(n: int) -> int:
+    return n * 64 + 35
+
+
+def _harness(tmp_path: Path, cpu: int, tier: str = "fs", **kw: object) -> Harness:
+    geo = tiered(builtin("small").with_(cpu_chunks=cpu), (tier,), str(tmp_path / "disk"))
+    return Harness(geo, max_prompt_tokens=4_000, **kw)  # type: ignore[arg-type]
+
+
+def _steps(h: Harness, n: int) -> None:
+    for _ in range(n):
+        h.step()
+        if not h.scheduler.has_requests():
+            return
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
+
+
+def test_the_header_names_the_tiers(tmp_path: Path) -> None:
+    d = str(tmp_path / "t")
+    with recording(d):
+        h = _harness(tmp_path, 12)
+        h.scenario(tokens(3))
+    header = open_trace(d).header
+    assert header["offload_spec"] == "TieringOffloadingSpec"
+    assert header["cpu_num_chunks"] == 12
+    (tier,) = header["secondary_tiers"]
+    assert (tier["index"], tier["type"], tier["medium"]) == (0, "fs", "STORAGE")
+    assert tier["settings"]["root_dir"] == str(tmp_path / "disk")
+
+
+def test_a_prefix_on_disk_against_a_small_primary_is_stalled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    d = str(tmp_path / "t")
+    with recording(d, SETTINGS):
+        h = _harness(tmp_path, 12)
+        h.submit(tokens(8), chain=0)
+        h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        resend = h.submit(tokens(8), chain=0)
+        _steps(h, 60)
+        assert h.scheduler.has_requests()  # still waiting: vLLM never serves it
+        warnings = _warnings(caplog)
+    trace = open_trace(d)
+    report = diff(trace)
+    v = report.first_mismatch
+    assert v is not None and (v.req_id, v.verdict, v.E) == (resend, "stalled", 512)
+    # 49 deferrals, then stalled; the prime waited once for the fs tier's first answer
+    assert report.counts["deferred"] == 49 + 1 and report.counts["stalled"] >= 10
+    # the promotions evicted the prefix's own keys: every such eviction is a store row too
+    tiers = trace.collect("tier").with_columns(pl.col("event").cast(pl.String))
+    promoted_out = tiers.filter(pl.col("event") == "promotion_evicted")
+    evicted = trace.collect("store").filter(pl.col("event").cast(pl.String) == "evicted")
+    assert promoted_out.height > 50
+    assert set(promoted_out["key"].to_list()) <= set(evicted["key"].to_list())
+    assert main(["diff", d]) == 1
+    assert_alarm_agrees(d, alarms(), warnings)
+
+
+def test_a_short_resend_behind_promotions_is_starved(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    d = str(tmp_path / "t")
+    with recording(d, SETTINGS):
+        h = _harness(tmp_path, 20)
+        for chain, n in ((0, 12), (1, 3), (2, 12)):  # the third pushes both out of the CPU tier
+            h.submit(tokens(n), chain=chain)
+            h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        long, short = h.submit(tokens(12), chain=0), h.submit(tokens(3), chain=1)
+        _steps(h, 80)
+        warnings = _warnings(caplog)
+    assert h.observations[long].accepted_tokens == 768  # served from disk after promotion
+    assert h.observations[short].lookups[-1] == (0, 0)
+    report = diff(open_trace(d), all_episodes=True)
+    (v,) = [e for e in report.episodes if e.verdict == "mismatch"]
+    assert (v.req_id, v.E, v.external_tokens) == (short, 192, 0)
+    assert v.terminal is not None and v.terminal.cause == "promotion_starved"
+    assert {n.cause for n in v.needed} == {"promotion_starved", "promoting"}
+    assert "did not serve chunks a tier held" in v.reason
+    assert_alarm_agrees(d, alarms(), warnings)
+
+
+def test_a_request_bigger_than_the_primary_is_capacity(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    d = str(tmp_path / "t")
+    with recording(d, SETTINGS):
+        h = _harness(tmp_path, 16, tier="example")
+        for chain in (0, 1, 2):
+            h.submit(tokens(12), chain=chain)
+            h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        resend = h.submit(tokens(12), chain=0)
+        _steps(h, 40)
+        warnings = _warnings(caplog)
+    report = diff(open_trace(d), all_episodes=True)
+    (v,) = [e for e in report.episodes if e.req_id == resend and e.verdict == "explained"]
+    # 17 chunks needed at once, 16 in the primary: no promotion can make room
+    assert v.E == 768 and v.F == 768 and v.terminal is not None
+    assert v.terminal.cause == "promotion_no_room"
+    assert report.verdict == "agree"
+    assert_alarm_agrees(d, alarms(), warnings)
+
+
+def test_a_key_on_disk_is_part_of_the_resident_prefix(tmp_path: Path) -> None:
+    """The primary holds none of the prefix and the full-attention scan stops at its first
+    key (no room to promote it): F still reaches E, because the keys after it are on disk
+    (the recorder lists them), so the episode is a shortfall, not a cold lookup."""
+    d = str(tmp_path / "t")
+    with recording(d, SETTINGS):
+        h = _harness(tmp_path, 16, tier="example")
+        for chain in (0, 1, 2):
+            h.submit(tokens(12), chain=chain)
+            h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        h.submit(tokens(12), chain=0)
+        _steps(h, 40)
+    trace = open_trace(d)
+    report = diff(trace, all_episodes=True)
+    listed = trace.frame("lookup").filter((pl.col("scan") == -2) & (pl.col("group_id") == 0))
+    assert listed.collect().height > 0  # full-attention keys past the scan, listed
+    assert not [v for v in report.episodes if v.req_id == "r4" and v.verdict == "cold"]
+
+
+def test_a_reset_clears_the_primary_and_the_disk_keeps_its_data(tmp_path: Path) -> None:
+    """With stores still in flight at a reset, vLLM holds promotions until its workers
+    report them (a late DMA could land in a freed slot): a lookup then answers MISS for keys
+    on disk (explained: promotions_held). Once released, the same keys are promoted and
+    served."""
+    d = str(tmp_path / "t")
+    with recording(d, SETTINGS):
+        h = _harness(tmp_path, 40, tier="example", store_delay=3)
+        h.submit(tokens(6), chain=0)
+        h.run_until_idle()
+        h.submit(tokens(3), chain=1)
+        h.step()  # its stores are in flight
+        h.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        held = h.submit(tokens(6), chain=0)
+        h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        later = h.submit(tokens(6), chain=0)
+        h.run_until_idle()
+    trace = open_trace(d)
+    events = trace.collect("tier")["event"].cast(pl.String).to_list()
+    assert "promotions_held" in events and "promotions_released" in events
+    report = diff(trace, all_episodes=True)
+    by_req = {v.req_id: v for v in report.episodes if v.verdict != "deferred"}
+    first = by_req[held]
+    assert first.verdict == "explained" and first.terminal is not None
+    assert first.terminal.cause == "promotions_held"
+    assert (by_req[later].verdict, by_req[later].external_tokens) == ("hit", 384)
+    assert_alarm_agrees(d, alarms(), [])
+
+
+def test_recording_a_tiered_manager_changes_no_decision(tmp_path: Path) -> None:
+    """The same tiered traffic, recorded and not: every step schedules and transfers the
+    same (the wrappers only observe; the primary's promotion aliases stay its own)."""
+
+    def run(record: bool, where: Path) -> list[object]:
+        h_dir = where / "t"
+        with recording(str(h_dir)) if record else _nothing():
+            h = _harness(where, 20, tier="example")
+            for chain, n in ((0, 12), (1, 3), (2, 12)):
+                h.submit(tokens(n), chain=chain)
+                h.run_until_idle()
+            h.reset_gpu_prefix_cache()
+            h.submit(tokens(12), chain=0)
+            h.submit(tokens(3), chain=1)
+            _steps(h, 40)
+            primary = h.cpu_tier
+            assert vars(primary)["prepare_write"] == primary.prepare_store
+        return h.digests
+
+    assert run(True, tmp_path / "a") == run(False, tmp_path / "b")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
