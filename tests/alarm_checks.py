@@ -37,12 +37,7 @@ def offline_fields(v: EpisodeVerdict, N: int) -> Fields:
     """`FIELDS` of the differ's verdict (``N``: the episode's num_tokens, from the trace)."""
     short = v.verdict in ("explained", "mismatch")
     causes = [(n.group_id, n.cause) for n in v.needed]
-    absent = [(g, c) for g, c in causes if d.absent(c)]
-    decisive = d.decisive(
-        [c for _, c in causes if c in d.RULE_CAUSES],
-        [c for g, c in absent if g == v.binding_group],
-        [c for _, c in absent],
-    )
+    decisive = d.decisive(d.candidates_of(causes, v.binding_group))
     t = v.terminal
     return {
         "verdict": v.verdict,

@@ -183,16 +183,19 @@ class KeyFacts:
     unsettled: Truth = False
     """The episode's own lookup of the key answered HIT_PENDING or RETRY (a promotion or a
     tier's asynchronous lookup under way: `unsettled`)."""
+    unasked: Truth = False
+    """The episode never looked the key up (its key is known from elsewhere)."""
 
 
 CAUSES: tuple[tuple[str, Callable[[KeyFacts], Truth]], ...] = (
     ("resident", lambda f: resident(f.completed, removal(f.evicted, f.reset))),
+    ("on_tier", lambda f: f.durable & f.unasked),
     ("in_flight", lambda f: in_flight(f.prepared, removal(f.evicted, f.reset), f.failed)),
     ("promoting", lambda f: f.durable & f.unsettled),
     ("promotions_held", lambda f: f.durable & f.held),
+    ("promotion_no_room", lambda f: f.durable & negate(f.fits)),
     ("promotion_evicted", lambda f: f.durable & f.own_promotion_evicted),
-    ("promotion_no_room", lambda f: f.durable & f.no_room & negate(f.fits)),
-    ("promotion_starved", lambda f: f.durable & f.no_room & f.fits),
+    ("promotion_starved", lambda f: f.durable & f.no_room),
     ("secondary_resident", lambda f: f.durable),
     ("evicted", lambda f: known(f.completed)),
     ("other_engine", lambda f: f.other_engine),
@@ -216,28 +219,24 @@ CAUSE_ORDER: tuple[str, ...] = (*(name for name, _ in CAUSES), LAST_CAUSE)
 """Every cause `cause` can give, most available first (`better_cause` ranks by it)."""
 CAUSE_RANK = {c: i for i, c in enumerate(CAUSE_ORDER)}
 """A cause's position in `CAUSE_ORDER`; a cause outside it ranks after all of them."""
-EXPLAINED_CAUSES = (
-    "in_flight",
-    "promoting",
-    "promotions_held",
-    "promotion_no_room",
-    "evicted",
-    "other_engine",
-    "store_failed",
-)
+BLOCKING_CAUSES = ("in_flight", "promotion_no_room", "evicted", "other_engine", "store_failed")
+"""Timing, capacity or routing that no tiered manager could have overcome: the key was not
+there to serve (being written, evicted and on no tier, elsewhere, never written) or the
+request does not fit the primary."""
+TIER_TIMING_CAUSES = ("promoting", "promotions_held")
+"""A key on a tier, on its way: a promotion or a tier's lookup under way, or promotions
+held after a reset."""
+EXPLAINED_CAUSES = (*BLOCKING_CAUSES[:1], *TIER_TIMING_CAUSES, *BLOCKING_CAUSES[1:])
 """Causes of an absent key that are timing, capacity or routing: a shortfall with only
-these is not a rule bug."""
-RULE_CAUSES = (
-    "promotion_evicted",
-    "promotion_starved",
-    "secondary_resident",
-    "rejected",
-    "other_group",
-    "never_offered",
-    "not_keyable",
-)
-"""Causes where vLLM's paths disagree about a key: the store path and the lookup path, or a
-tiered manager and the tier that holds the key."""
+these is not a rule bug (in `CAUSE_ORDER`'s order)."""
+STORE_RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
+"""The store path and the lookup path disagree about a key: with perfect timing, capacity
+and routing the lookup would still fall short."""
+TIER_RULE_CAUSES = ("promotion_evicted", "promotion_starved", "secondary_resident")
+"""A tiered manager did not serve a key a tier held, though the request fits its primary:
+alone, with nothing blocking, it would have served it."""
+RULE_CAUSES = (*TIER_RULE_CAUSES, *STORE_RULE_CAUSES)
+"""Causes where vLLM's paths disagree about a key (in `CAUSE_ORDER`'s order)."""
 TIER_CAUSES = (
     "promoting",
     "promotions_held",
@@ -346,22 +345,76 @@ def base_verdict(e: EpisodeNumbers) -> Any:
 
 @dataclass(frozen=True)
 class Shortfall:
-    """What `shortfall_verdict` reads: whether any needed chunk is absent for a rule cause,
-    whether the binding key was seen unsettled (`NOT_SETTLED`), whether any needed chunk is
-    absent for any cause."""
+    """What `shortfall_verdict` reads: whether any needed chunk is absent for a store rule
+    cause, whether the binding key was seen unsettled (`NOT_SETTLED`), whether any needed
+    chunk is absent for a blocking cause, for a tier rule cause, for any cause."""
 
-    any_rule: Truth
+    any_store_rule: Truth
     unsettled: Truth
+    any_blocking: Truth
+    any_tier_rule: Truth
     any_absent: Truth
 
 
 SHORTFALL_VERDICTS: tuple[tuple[str, Callable[[Shortfall], Truth]], ...] = (
-    ("mismatch", lambda f: f.any_rule),
+    ("mismatch", lambda f: f.any_store_rule),
     ("explained", lambda f: f.unsettled),
+    ("explained", lambda f: f.any_blocking),
+    ("mismatch", lambda f: f.any_tier_rule),
     ("explained", lambda f: f.any_absent),
 )
 """A shortfall's verdict, first match wins; none holding (every needed chunk was resident
-and lookup still fell short) is ``mismatch``."""
+and lookup still fell short) is ``mismatch``. A tier rule cause is a mismatch only where
+nothing blocking stood in the way: a tiered manager cannot serve a key that is on no tier,
+or a request bigger than its primary."""
+
+
+DECISIVE_ORDER: tuple[tuple[tuple[str, ...] | None, bool], ...] = (
+    (STORE_RULE_CAUSES, False),
+    (BLOCKING_CAUSES, True),
+    (BLOCKING_CAUSES, False),
+    (TIER_RULE_CAUSES, True),
+    (TIER_RULE_CAUSES, False),
+    (None, True),
+    (None, False),
+)
+"""Where a shortfall's decisive causes come from, first non-empty wins: (which causes, None
+for any absent one; whether the binding group's chunks only). The class that decides the
+verdict (`SHORTFALL_VERDICTS`) names it."""
+
+
+def shortfall_facts(candidates: Sequence[Any], term_result: Any) -> Shortfall:
+    """`Shortfall` of an episode from its `DECISIVE_ORDER` candidate lists (lists, or list
+    columns) and its binding key's result."""
+
+    def some(x: Any) -> Any:
+        return x.list.len() > 0 if is_expr(x) else bool(x)
+
+    by = dict(zip(DECISIVE_ORDER, candidates, strict=True))
+    return Shortfall(
+        any_store_rule=some(by[(STORE_RULE_CAUSES, False)]),
+        unsettled=unsettled(term_result),
+        any_blocking=some(by[(BLOCKING_CAUSES, False)]),
+        any_tier_rule=some(by[(TIER_RULE_CAUSES, False)]),
+        any_absent=some(by[(None, False)]),
+    )
+
+
+def candidates_of(causes: Sequence[tuple[int, str]], binding_group: int | None) -> list[list[str]]:
+    """`DECISIVE_ORDER`'s candidate lists from (group, cause) of every needed chunk, in
+    (group, chunk) order: plain values (the alarm, the tests); the differ builds the same
+    lists as polars aggregations (`keytrace.analysis.verdict.shortfall_verdicts`)."""
+    out = []
+    for kind, bound in DECISIVE_ORDER:
+        out.append(
+            [
+                c
+                for g, c in causes
+                if (c in kind if kind is not None else bool(absent(c)))
+                and (not bound or g == binding_group)
+            ]
+        )
+    return out
 
 
 def shortfall_verdict(f: Shortfall) -> Any:
@@ -386,9 +439,14 @@ FINDINGS = ("mismatch", "stalled")
 """Verdicts that are findings (exit 1): a disagreement, or a request that is never served."""
 
 
+AVAILABLE = ("resident", "on_tier")
+"""Causes that say a key was there to serve: in the primary, or on a tier (and the
+lookup never got to it)."""
+
+
 def absent(c: Any) -> Truth:
     """A needed chunk's cause that says its key was not there."""
-    return negate(member(c, ("resident", UNSEEN)))
+    return negate(member(c, (*AVAILABLE, UNSEEN)))
 
 
 def unsettled(term_result: Any) -> Truth:
@@ -396,16 +454,12 @@ def unsettled(term_result: Any) -> Truth:
     return member(term_result, NOT_SETTLED)
 
 
-def decisive(rule: Any, binding_absent: Any, all_absent: Any) -> Any:
-    """The causes shown with a shortfall's verdict: the rule causes among its needed chunks
-    when there are any, else the binding group's absent chunks' causes, else every absent
-    chunk's (lists, or list columns)."""
-    if is_expr(rule, binding_absent, all_absent):
-        return cases(
-            [(rule.list.len() > 0, rule), (binding_absent.list.len() > 0, binding_absent)],
-            all_absent,
-        )
-    return rule or binding_absent or all_absent
+def decisive(candidates: Sequence[Any]) -> Any:
+    """The causes shown with a shortfall's verdict: the first non-empty of its
+    `DECISIVE_ORDER` candidate lists (lists, or list columns)."""
+    if is_expr(*candidates):
+        return cases([(c.list.len() > 0, c) for c in candidates[:-1]], candidates[-1])
+    return next((c for c in candidates if c), candidates[-1])
 
 
 def shortfall_cause(decisive_causes: Any, term_result: Any) -> Any:

@@ -416,7 +416,7 @@ def _explain_shortfalls(
     )
     tph = int(trace.header.get("tokens_per_hash") or 1)
     unqueried, proofs = _recorded(view, keys)
-    needed = _needed(sf, groups, tph, proofs).join(
+    needed = _needed(sf, groups, tph, proofs, frames.is_tiered(trace)).join(
         bind.select(*KEY, "bind_gid"), on=KEY, how="left"
     )
     ranges = needed.group_by(*KEY, "gid").agg(
@@ -541,15 +541,21 @@ def _with_unqueried(needed: pl.DataFrame, unqueried: pl.DataFrame) -> pl.DataFra
 
 
 def _needed(
-    sf: pl.DataFrame, groups: list[Group], tph: int, proofs: pl.DataFrame | None = None
+    sf: pl.DataFrame,
+    groups: list[Group],
+    tph: int,
+    proofs: pl.DataFrame | None = None,
+    tiered: bool = False,
 ) -> pl.DataFrame:
     """One row per (episode, windowed group, needed chunk). Full-attention chunks in
-    [S, E) are resident by construction (E <= F), so only windowed groups are listed.
-    ``proofs`` (`_recorded`): a proof of the chunk just past a group's keyed ones
-    was in the lookup's key list too (`keytrace.analysis.rules.needed_range`)."""
+    [S, E) are resident by construction (E <= F), so only windowed groups are listed;
+    on a ``tiered`` manager they are resident *or on a tier*, and a promotion can fail,
+    so they are listed too. ``proofs`` (`_recorded`): a proof of the chunk just past a
+    group's keyed ones was in the lookup's key list too
+    (`keytrace.analysis.rules.needed_range`)."""
     parts = []
     for g in groups:
-        if g.full_attention:
+        if g.full_attention and not tiered:
             continue
         keyed = pl.col("H") * tph // g.tpc
         frame = sf
@@ -693,12 +699,17 @@ def _fits(
     """(inst, s, fits): `keytrace.analysis.definitions.fits_primary` of each shortfall
     episode's needed chunks: every windowed group's (``needed``) and every full-attention
     group's ``[S, E)``."""
-    windowed = needed.group_by(KEY).agg(pl.len().cast(pl.Int64).alias("w"))
-    fa = [(pl.col("E") // g.tpc - pl.col("S") // g.tpc) for g in groups if g.full_attention]
+    listed = needed.get_column("gid").unique().to_list()
+    counted = needed.group_by(KEY).agg(pl.len().cast(pl.Int64).alias("w"))
+    fa = [
+        (pl.col("E") // g.tpc - pl.col("S") // g.tpc)
+        for g in groups
+        if g.full_attention and g.gid not in listed
+    ]
     total = pl.sum_horizontal(pl.col("w").fill_null(0), *fa)
     return (
         sf.select(*KEY, "S", "E")
-        .join(windowed, on=KEY, how="left")
+        .join(counted, on=KEY, how="left")
         .select(*KEY, lit(d.fits_primary(total, capacity)).alias("fits"))
     )
 

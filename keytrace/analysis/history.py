@@ -263,6 +263,7 @@ def causes(
             "own_promotion_evicted": pl.col("own_promotion_evicted"),
             "fits": pl.col("fits").fill_null(True) if "fits" in probes.columns else True,
             "unsettled": unsettled(pl.col("result")) if "result" in probes.columns else False,
+            "unasked": pl.col("result").is_null() if "result" in probes.columns else False,
         }
     c = pl.col
     facts_of = KeyFacts(

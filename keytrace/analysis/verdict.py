@@ -24,6 +24,7 @@ from keytrace.analysis.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN
 
 CAUSE_TEXT = {
     "resident": "resident",
+    "on_tier": "on a secondary tier (this lookup never got to it)",
     "in_flight": "store in flight at the lookup (prepared before it, not yet completed)",
     "promoting": "on a secondary tier, being promoted (or looked up) when the lookup ran",
     "promotions_held": "on a secondary tier while promotions were held after a reset",
@@ -63,31 +64,23 @@ def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.Data
     ``needed``: (inst, s, gid, cause, binding) per needed chunk; ``terminals``: (inst, s,
     term_result) for every shortfall episode (term_result null when there was none).
     """
-    is_rule = pl.col("cause").is_in(RULE_CAUSES)
-    flags = (
-        needed.with_columns(d.absent(pl.col("cause")).alias("absent"))
-        .group_by("inst", "s")
-        .agg(
-            pl.col("cause").filter(is_rule).alias("rule"),
-            pl.col("cause").filter(pl.col("absent") & pl.col("binding")).alias("binding_absent"),
-            pl.col("cause").filter(pl.col("absent")).alias("all_absent"),
-        )
-    )
+    cause = pl.col("cause")
+    names = [f"c{i}" for i in range(len(d.DECISIVE_ORDER))]
+    lists = [
+        cause.filter(
+            (cause.is_in(kind) if kind is not None else d.absent(cause))
+            & (pl.col("binding") if bound else pl.lit(True))
+        ).alias(name)
+        for (kind, bound), name in zip(d.DECISIVE_ORDER, names, strict=True)
+    ]
+    flags = needed.group_by("inst", "s").agg(*lists)
     empty = pl.lit([], dtype=pl.List(pl.String))
-    some = [pl.col(x).list.len() > 0 for x in ("rule", "all_absent")]
-    verdict = d.shortfall_verdict(
-        d.Shortfall(
-            any_rule=some[0], unsettled=d.unsettled(pl.col("term_result")), any_absent=some[1]
-        )
-    )
+    candidates = [pl.col(n) for n in names]
+    verdict = d.shortfall_verdict(d.shortfall_facts(candidates, pl.col("term_result")))
     return (
         terminals.join(flags, on=["inst", "s"], how="left")
-        .with_columns(pl.col("rule", "binding_absent", "all_absent").fill_null(empty))
-        .with_columns(
-            d.decisive(pl.col("rule"), pl.col("binding_absent"), pl.col("all_absent")).alias(
-                "decisive"
-            )
-        )
+        .with_columns(pl.col(names).fill_null(empty))
+        .with_columns(d.decisive(candidates).alias("decisive"))
         .with_columns(verdict.alias("verdict"))
         .select("inst", "s", "verdict", "decisive", "term_result")
     )

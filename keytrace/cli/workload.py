@@ -22,6 +22,16 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
     return lo, hi
 
 
+def _tiers(text: str) -> tuple[str, ...]:
+    from keytrace.vllm.lab.harness import TIER_TYPES
+
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in names if t not in TIER_TYPES]
+    if unknown:
+        raise UsageError(f"unknown tier {unknown[0]!r}; known: {', '.join(TIER_TYPES)}")
+    return names
+
+
 @subcommand("workload")
 @click.option(
     "-o", "--out", "out_dir", default=None, help="Trace folder [default: a new temporary one]."
@@ -116,6 +126,13 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
 @click.option(
     "--budget", type=int, default=None, help="max_num_batched_tokens [default: the geometry's]."
 )
+@click.option(
+    "--tiers",
+    default="",
+    help="Secondary tiers under the CPU tier, joined by commas: vLLM's tiered manager "
+    "(TieringOffloadingSpec) over 'fs' (files in a temporary folder the engines share) "
+    "and/or 'example' (in memory). Pair it with a small --cpu-chunks for promotions.",
+)
 @inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
 @fix_option(
     "Apply a candidate fix to vLLM's offload path for the whole run (does it hold on "
@@ -154,6 +171,7 @@ def command(
     gpu_flush_steps: int,
     async_scheduling: bool,
     budget: int | None,
+    tiers: str,
     inject: str | None,
     fix: str | None,
     oracle: bool,
@@ -199,6 +217,7 @@ def command(
         budget=budget,
         inject=inject,
         fix=fix,
+        tiers=_tiers(tiers),
     )
     show = progress if progress is not None else sys.stderr.isatty()
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")
@@ -213,7 +232,9 @@ def command(
     click.echo(
         f"recorded {res.requests} requests ({res.turns} turns, {res.resends} resends, "
         f"{res.rerouted} rerouted) on {engines} engine(s) in {res.steps} steps, "
-        f"{res.gpu_flushes} GPU cache drops, {res.seconds:.1f}s -> {out}"
+        f"{res.gpu_flushes} GPU cache drops"
+        + (f", {res.aborted} aborted after deferrals without end" if res.aborted else "")
+        + f", {res.seconds:.1f}s -> {out}"
     )
     report = diff(open_trace(out))
     render_diff(report, sys.stdout)

@@ -488,14 +488,17 @@ class Alarm:
     ) -> tuple[int | None, int | None]:
         """(E, chain_P): `keytrace.analysis.diff._expected_boundary` for one episode."""
         S, s = ep.local, ep.seq
-        first_lead: dict[int, int] = {}
+        first_scan: dict[int, Any] = {}
         for sc in scans:
-            gid = tail_gid(sc.gid_bytes)
-            if gid not in first_lead:
-                tiered = self.tiered and gid in self.by_gid
-                first_lead[gid] = (
-                    self._lead(st, sc, S, unqueried.get(gid, {})) if tiered else sc.lead
-                )
+            first_scan.setdefault(tail_gid(sc.gid_bytes), sc)
+        first_lead: dict[int, int | None] = {}
+        if self.tiered:
+            for g in self.groups:
+                if g.full_attention:
+                    listed = unqueried.get(g.gid, {})
+                    first_lead[g.gid] = self._lead(st, g, first_scan.get(g.gid), S, listed)
+        else:
+            first_lead = {gid: sc.lead for gid, sc in first_scan.items()}
         F = d.resident_prefix(S, self.groups, first_lead.get)
         top = d.match_ceiling(lookup_cap(self.groups, ep.tokens, S, ep.max_new), F)
         boundaries: set[int] = set()
@@ -515,19 +518,26 @@ class Alarm:
         standing = d.standing_boundaries(top, self.groups, self.retention)
         return d.expected_boundary(S, chain_best, standing), chain_P
 
-    def _lead(self, st: _Instance, sc: Any, S: int, listed: Mapping[int, bytes]) -> int:
-        """The leading chunks from S of a full-attention group resident in some tier: HIT
-        in the primary or held by a secondary tier, the scan's keys first, then the keys
-        listed past where it stopped (`keytrace.analysis.scans.tiered_leads`)."""
-        tpc = self.by_gid[tail_gid(sc.gid_bytes)].tpc
+    def _lead(
+        self, st: _Instance, g: Group, sc: Any | None, S: int, listed: Mapping[int, bytes]
+    ) -> int | None:
+        """The leading chunks from S of full-attention group ``g`` resident in some tier:
+        HIT in the primary or held by a secondary tier, its first scan's keys first (``sc``,
+        None if the episode never scanned it), then the keys listed past where it stopped.
+        None where neither reaches S's chunk or beyond, as for a group never scanned
+        (`keytrace.analysis.scans.tiered_leads`)."""
         cells: dict[int, tuple[bytes, str | None]] = {}
-        for end, key, result in zip(sc.ends, sc.keys, sc.results, strict=True):
-            chunk = chunk_ending_at(end, tpc)
-            if chunk is not None:
-                cells.setdefault(chunk, (key, result))
+        if sc is not None:
+            for end, key, result in zip(sc.ends, sc.keys, sc.results, strict=True):
+                chunk = chunk_ending_at(end, g.tpc)
+                if chunk is not None:
+                    cells.setdefault(chunk, (key, result))
         for chunk, key in listed.items():
             cells.setdefault(chunk, (key, None))
-        n, chunk = 0, S // tpc
+        first = S // g.tpc
+        if not any(chunk >= first for chunk in cells):
+            return None
+        n, chunk = 0, first
         while chunk in cells:
             key, result = cells[chunk]
             if result != "HIT" and not self._durable(st, key):
@@ -579,7 +589,7 @@ class Alarm:
                     seen[(gid, chunk)] = (seq, key, result)
         needed: list[tuple[int, int, bytes | None, str | None, int | None]] = []
         for g in self.groups:
-            if g.full_attention:
+            if g.full_attention and not self.tiered:  # resident by construction (E <= F)
                 continue
             keyed = ep.hashes * self.tph // g.tpc
             proven = proofs.get(g.gid, {})
@@ -624,14 +634,10 @@ class Alarm:
             end = (term_chunk + 1) * self.by_gid[bind_gid].tpc
             term_cause = self._cause(at, term[2], bind_gid, end, term[3])
         rule = [c for _, c in causes if c in RULE_CAUSES]
-        absent = [(g, c) for g, c in causes if d.absent(c)]
-        decisive = d.decisive(rule, [c for g, c in absent if g == bind_gid], [c for _, c in absent])
+        candidates = d.candidates_of(causes, bind_gid)
+        decisive = d.decisive(candidates)
         term_result = term[3] if term is not None else None
-        verdict = d.shortfall_verdict(
-            d.Shortfall(
-                any_rule=bool(rule), unsettled=d.unsettled(term_result), any_absent=bool(absent)
-            )
-        )
+        verdict = d.shortfall_verdict(d.shortfall_facts(candidates, term_result))
         if verdict == "mismatch" and not rule and (unknown or self.forgotten):
             # nothing absent: a mismatch unless a needed key is unknown here (vLLM never
             # keyed it for this request; the differ may derive it from other requests in the
@@ -657,10 +663,15 @@ class Alarm:
             **base,
         )
 
-    def _fits(self, S: int, E: int, windowed: int) -> bool:
-        """`keytrace.analysis.definitions.fits_primary` of an episode's needed chunks."""
-        fa = sum(E // g.tpc - S // g.tpc for g in self.groups if g.full_attention)
-        return bool(d.fits_primary(windowed + fa, self.primary_chunks))
+    def _fits(self, S: int, E: int, listed: int) -> bool:
+        """`keytrace.analysis.definitions.fits_primary` of an episode's needed chunks
+        (``listed`` of them in its needed list: full attention's too on a tiered manager)."""
+        fa = (
+            0
+            if self.tiered
+            else sum(E // g.tpc - S // g.tpc for g in self.groups if g.full_attention)
+        )
+        return bool(d.fits_primary(listed + fa, self.primary_chunks))
 
     def _cause(self, at: _Moment, key: bytes, gid: int, token_end: int, result: str | None) -> str:
         """`keytrace.analysis.definitions.cause` for one key at an episode, from its record
@@ -687,6 +698,7 @@ class Alarm:
             own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
             fits=at.fits,
             unsettled=bool(d.unsettled(result)),
+            unasked=result is None,
         )
         return str(d.cause(facts))
 

@@ -47,7 +47,22 @@ CONFIGS = [
     for geometry in ("dsv4", "small")
     for cpu in (48, 96, 160)
 ]
-SEEN: dict[str, Counter[str]] = {"verdicts": Counter(), "causes": Counter(), "traffic": Counter()}
+# vLLM's tiered manager: the CPU tier as the primary over a disk tier (fs, files in a
+# temporary folder the two engines share) or the in-memory example tier, small enough that
+# lookups promote from the tier, promotions evict, and some requests never fit or stall
+TIERED = [
+    (geometry, tier, seed, cpu)
+    for geometry, cpus in (("small", (16, 24, 40)), ("dsv4", (40, 80)))
+    for tier in ("fs", "example")
+    for seed in (1, 2)
+    for cpu in cpus
+]
+SEEN: dict[str, Counter[str]] = {
+    "verdicts": Counter(),
+    "causes": Counter(),
+    "traffic": Counter(),
+    "tiered": Counter(),
+}
 
 
 @pytest.mark.parametrize(("geometry", "inject", "seed", "cpu"), CONFIGS)
@@ -101,6 +116,50 @@ def test_differ_agrees_with_isolated_lookups(
     assert_alarm_agrees(d, alarms(), warnings)
 
 
+@pytest.mark.parametrize(("geometry", "tier", "seed", "cpu"), TIERED)
+def test_differ_agrees_with_isolated_lookups_on_tiers(
+    geometry: str,
+    tier: str,
+    seed: int,
+    cpu: int,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same check on a tiered manager (keytrace.vllm.lab.oracle: a second isolated
+    lookup on a fresh tiered manager with the recorded primary capacity), and the live
+    alarm field by field."""
+    d = str(tmp_path / "trace")
+    spec = WorkloadSpec(
+        geometry=geometry, seed=seed, tiers=(tier,), cpu_chunks=cpu, conversations=12
+    )
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    res = run_workload(spec, d, alarm=SETTINGS)
+    warnings = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
+    cases = check(d, res.prompts)
+    bad = [c.describe() for c in cases if not c.agree]
+    assert bad == [], "\n".join(bad)
+    report = diff(open_trace(d))
+    assert report.lost is not None
+    per_engine = Counter[str]()
+    for row in report.lost.rows:
+        per_engine[row.engine] += row.tokens
+    assert dict(per_engine) == report.lost.prompt_tokens
+    SEEN["tiered"].update(
+        {
+            "shortfalls": len(cases),
+            "tier causes": sum(1 for c in cases if c.tiered_external is not None),
+            "promotion evictions": open_trace(d)
+            .frame("tier")
+            .filter(pl.col("event").cast(pl.String) == "promotion_evicted")
+            .select(pl.len())
+            .collect()
+            .item(),
+        }
+    )
+    SEEN["tiered"].update(f"verdict {c.verdict}" for c in cases)
+    assert_alarm_agrees(d, alarms(), warnings)
+
+
 def assert_v1_form_agrees(d: str, report: DiffReport, tmp_path: Path) -> None:
     """The recording written as v1 gives the verdicts of the same facts written as v2, and
     the facts only v2 holds never turn a v1 mismatch into anything else."""
@@ -133,5 +192,8 @@ def test_enough_was_checked() -> None:
     print(f"traffic: {dict(t)}")
     assert t["shortfalls"] >= 300
     assert t["engines"] == len(CONFIGS)  # every workload ran on two engines
+    tiered = SEEN["tiered"]
+    print(f"tiered: {dict(tiered)}")
+    assert tiered["shortfalls"] >= 300 and tiered["promotion evictions"] > 0
     assert min(t["preempted"], t["evicted"], t["hit_pending"], t["deferred"]) > 0
     assert SEEN["verdicts"]["mismatch"] >= 100 and SEEN["verdicts"]["explained"] >= 100

@@ -49,6 +49,7 @@ FACT_SCHEMA = {
     "own_promotion_evicted": pl.Boolean,
     "fits": pl.Boolean,
     "unsettled": pl.Boolean,
+    "unasked": pl.Boolean,
 }
 FACTS = st.fixed_dictionaries(
     {
@@ -70,6 +71,7 @@ FACTS = st.fixed_dictionaries(
         "own_promotion_evicted": FLAG,
         "fits": FLAG,
         "unsettled": FLAG,
+        "unasked": FLAG,
     }
 )
 
@@ -99,38 +101,60 @@ CAUSES = st.lists(st.sampled_from([*d.CAUSE_ORDER, d.UNSEEN]), max_size=4)
 RESULTS = st.one_of(st.none(), st.sampled_from(["MISS", "HIT", "HIT_PENDING", "RETRY"]))
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(CAUSES, CAUSES, CAUSES, RESULTS), min_size=1, max_size=30))
+NEEDED = st.lists(
+    st.tuples(st.integers(0, 2), st.sampled_from([*d.CAUSE_ORDER, d.UNSEEN])), max_size=6
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(NEEDED, st.integers(0, 2), RESULTS), min_size=1, max_size=30))
 def test_shortfall_verdicts_decisive_causes_and_the_naming_cause_give_one_answer(
-    rows: list[tuple[list[str], list[str], list[str], str | None]],
+    rows: list[tuple[list[tuple[int, str]], int, str | None]],
 ) -> None:
-    dicts = [{"rule": a, "binding": b, "all": c, "term": t} for a, b, c, t in rows]
-    schema = {
-        "rule": pl.List(pl.String),
-        "binding": pl.List(pl.String),
-        "all": pl.List(pl.String),
-        "term": pl.String,
-    }
+    """Candidate lists built from (group, cause) of the needed chunks (`candidates_of`, the
+    alarm's way), then the verdict, the decisive causes and the naming cause, on values and
+    on list columns (the differ's way)."""
+    names = [f"c{i}" for i in range(len(d.DECISIVE_ORDER))]
+    dicts = []
+    for needed, binding, term in rows:
+        lists = d.candidates_of(needed, binding)
+        dicts.append({**dict(zip(names, lists, strict=True)), "term": term})
+    schema = {**{n: pl.List(pl.String) for n in names}, "term": pl.String}
 
     def verdict(c: Any) -> Any:
-        some = (lambda x: x.list.len() > 0) if not isinstance(c["rule"], list) else bool
-        return d.shortfall_verdict(
-            d.Shortfall(
-                any_rule=some(c["rule"]),
-                unsettled=d.unsettled(c["term"]),
-                any_absent=some(c["all"]),
-            )
-        )
+        return d.shortfall_verdict(d.shortfall_facts([c[n] for n in names], c["term"]))
 
-    assert evaluated(verdict, dicts, schema) == [verdict(r) for r in dicts]
-    decisive = [d.decisive(r["rule"], r["binding"], r["all"]) for r in dicts]
-    got = evaluated(lambda c: d.decisive(c["rule"], c["binding"], c["all"]), dicts, schema)
-    assert got == decisive
-    named = [d.shortfall_cause(x, r["term"]) for x, r in zip(decisive, dicts, strict=True)]
-    with_decisive = [{**r, "rule": x} for x, r in zip(decisive, dicts, strict=True)]
-    assert evaluated(lambda c: d.shortfall_cause(c["rule"], c["term"]), with_decisive, schema) == (
-        named
+    def decisive(c: Any) -> Any:
+        return d.decisive([c[n] for n in names])
+
+    def naming(c: Any) -> Any:
+        return d.shortfall_cause(decisive(c), c["term"])
+
+    for fn in (verdict, decisive, naming):
+        assert evaluated(fn, dicts, schema) == [fn(r) for r in dicts]
+
+
+def test_a_blocking_cause_outranks_a_tier_rule_not_a_store_rule() -> None:
+    """A tiered manager cannot serve what is on no tier (here: a peek chunk whose store
+    failed), so a tier failure beside it is not what decided; a store rule decides always."""
+
+    def judged(causes: list[tuple[int, str]]) -> tuple[str, list[str]]:
+        cands = d.candidates_of(causes, 2)
+        return str(d.shortfall_verdict(d.shortfall_facts(cands, "MISS"))), list(d.decisive(cands))
+
+    tier = [(1, "promotion_evicted"), (2, "promotion_evicted")]
+    assert judged([*tier, (2, "store_failed")]) == ("explained", ["store_failed"])
+    assert judged(tier) == ("mismatch", ["promotion_evicted"])
+    assert judged([*tier, (2, "store_failed"), (1, "never_offered")]) == (
+        "mismatch",
+        ["never_offered"],
     )
+    # timing on a tier (a promotion under way) does not explain a tier failure away
+    assert judged([(2, "promotion_starved"), (1, "promoting")]) == (
+        "mismatch",
+        ["promotion_starved"],
+    )
+    assert judged([(1, "promoting")]) == ("explained", ["promoting"])
 
 
 @settings(max_examples=60, deadline=None)
@@ -208,7 +232,7 @@ def facts(**kw: Any) -> d.KeyFacts:
     base: dict[str, Any] = dict.fromkeys(FACT_SCHEMA)
     base.update(s=100, rejected=False, other_engine=False, sibling_stored=False, token_end=64)
     base.update(durable=False, held=False, no_room=False, own_promotion_evicted=False, fits=True)
-    base.update(unsettled=False)
+    base.update(unsettled=False, unasked=False)
     base.update(kw)
     return d.KeyFacts(**base)
 
@@ -217,22 +241,22 @@ def test_each_precedence_in_the_cause_table() -> None:
     """Every adjacent pair of causes, with the facts of both present: the earlier wins."""
     tier = {"durable": True}
     both = [
-        ("resident", "in_flight", facts(completed=20, prepared=30)),
+        ("resident", "on_tier", facts(completed=20, unasked=True, **tier)),
+        ("on_tier", "in_flight", facts(prepared=30, unasked=True, **tier)),
         ("in_flight", "promoting", facts(prepared=30, unsettled=True, **tier)),
         ("promoting", "promotions_held", facts(unsettled=True, held=True, **tier)),
+        ("promotions_held", "promotion_no_room", facts(held=True, fits=False, **tier)),
         (
-            "promotions_held",
-            "promotion_evicted",
-            facts(held=True, own_promotion_evicted=True, **tier),
-        ),
-        (
-            "promotion_evicted",
             "promotion_no_room",
-            facts(own_promotion_evicted=True, no_room=True, fits=False, **tier),
+            "promotion_evicted",
+            facts(fits=False, own_promotion_evicted=True, **tier),
         ),
-        # one or the other, by whether the episode fits the primary
-        ("promotion_no_room", "promotion_starved", facts(no_room=True, fits=False, **tier)),
-        ("promotion_starved", "secondary_resident", facts(no_room=True, fits=True, **tier)),
+        (
+            "promotion_evicted",
+            "promotion_starved",
+            facts(own_promotion_evicted=True, no_room=True, **tier),
+        ),
+        ("promotion_starved", "secondary_resident", facts(no_room=True, **tier)),
         ("secondary_resident", "evicted", facts(completed=20, evicted=30, **tier)),
         ("evicted", "other_engine", facts(completed=20, evicted=30, other_engine=True)),
         ("other_engine", "store_failed", facts(prepared=20, failed=30, other_engine=True)),

@@ -24,6 +24,18 @@ depend on the GPU prefix cache at that moment (a request whose GPU hit reached d
 full attention than in its windowed groups keeps window tails at that junction too), which
 a sequential replay does not reproduce; the recorded offers are what vLLM decided.
 
+On a tiered manager (a CPU primary over secondary tiers) a second isolated lookup runs on a
+fresh tiered manager (vLLM's, over its in-memory ``example`` tier) with the recorded primary
+capacity, its primary holding what of the request's keys was resident there at the episode
+and its secondary what was durable on a tier: an uncontended manager, the same capacity.
+A shortfall on a tiered trace is then a ``mismatch`` exactly when the first isolated lookup
+is still short (the store path), or the second one reaches E (the tiered manager could
+have served it alone) and the shortfall is not only timing (``in_flight``, ``promoting``,
+``promotions_held``: isolation removes that too); otherwise ``explained``. The second
+lookup's engine has no GPU prefix cache: the request's full-attention chunks below the
+episode's S are pinned in extra primary slots instead (`isolated_lookup`'s
+``pinned_local``), so the slots promotions compete for are the recorded ones.
+
 Needs the token ids (the trace does not carry them): `keytrace.vllm.lab.workload` keeps them.
 Imports vLLM.
 """
@@ -39,6 +51,7 @@ from keytrace.analysis import frames
 from keytrace.analysis.diff import diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.analysis.results import EpisodeVerdict
+from keytrace.format.keys import key_gid
 from keytrace.format.reader import Trace, open_trace
 
 ProgressFn = Callable[[str, int, int], None]
@@ -63,6 +76,8 @@ class OracleCase:
     resident_keys: int
     isolated_external: int
     agree: bool
+    tiered_external: int | None = None
+    """The second isolated lookup's tokens (a tiered trace), or None."""
 
     @property
     def isolated_reaches_E(self) -> bool:
@@ -76,12 +91,27 @@ class OracleCase:
             f"external {self.external_tokens}, E={self.E}); isolated lookup of "
             f"{self.num_tokens} tokens over {self.resident_keys} offered keys: external "
             f"{self.isolated_external}"
+            + (
+                ""
+                if self.tiered_external is None
+                else f"; on a fresh tiered manager: external {self.tiered_external}"
+            )
         )
 
 
-def agrees(verdict: str, reaches_E: bool) -> bool:
-    """The differ's verdict against the isolated lookup (see the module doc)."""
-    return reaches_E if verdict == "explained" else not reaches_E
+TIMING = ("in_flight", "promoting", "promotions_held")
+"""Causes isolation takes away on a tiered manager as well: the store or promotion would
+have finished."""
+
+
+def agrees(
+    verdict: str, reaches_E: bool, tier_reaches_E: bool | None = None, timing: bool = False
+) -> bool:
+    """The differ's verdict against the isolated lookups (see the module doc):
+    ``tier_reaches_E`` is the tiered isolated lookup's (None: not a tiered trace),
+    ``timing`` whether the shortfall's decisive causes are all timing."""
+    mismatch = not reaches_E or bool(tier_reaches_E and not timing)
+    return (verdict == "mismatch") == mismatch
 
 
 def check(
@@ -108,6 +138,14 @@ def check(
     full_attention = {
         g["group_id"] for g in trace.header["groups"] if g.get("window_chunks") is None
     }
+    tier_state = _tier_state(trace, todo) if frames.is_tiered(trace) else None
+    tier_geo = None
+    if tier_state is not None:
+        from keytrace.vllm.lab.harness import tiered
+
+        base = geometry_from_header(trace.header).with_(num_gpu_blocks=None)
+        tier_geo = tiered(base, ("example",))
+    fa_groups = [g for g in (tier_geo.groups if tier_geo else ()) if g.sliding_window is None]
     cases = []
     for i, v in enumerate(todo):
         t, n = when[(v.instance_id, v.episode)]
@@ -123,7 +161,19 @@ def check(
         prompt = list(token_ids[v.req_id])
         tokens = prompt + [OUTPUT_TOKEN] * (n - len(prompt))
         _local, external = isolated_lookup(geo, tokens, resident, expect=probes.get(v.req_id))
-        cases.append(_case(v, n, len(resident), external))
+        tier_external = None
+        if tier_state is not None and tier_geo is not None:
+            primary, secondary = tier_state.get((v.instance_id, v.episode), ([], []))
+            below = sum(v.S // g.block_size // tier_geo.blocks_per_chunk for g in fa_groups)
+            _local, tier_external = isolated_lookup(
+                tier_geo.with_(cpu_chunks=tier_geo.cpu_chunks + below),
+                tokens,
+                primary,
+                secondary=secondary,
+                pinned_local=v.S,
+                expect=probes.get(v.req_id),
+            )
+        cases.append(_case(v, n, len(resident), external, tier_external))
         if progress is not None:
             progress("isolated lookups", i + 1, len(todo))
     return cases
@@ -164,9 +214,103 @@ def _offers(trace: Trace) -> pl.DataFrame:
     )
 
 
-def _case(v: EpisodeVerdict, num_tokens: int, keys: int, external: int) -> OracleCase:
+def _tier_state(
+    trace: Trace, todo: Sequence[EpisodeVerdict]
+) -> dict[tuple[int, int], tuple[list[tuple[bytes, int | None]], list[bytes]]]:
+    """Per episode: the request's keys (every one the trace names: its lookups, listed keys
+    and store rows) resident in the primary at the episode, with their end tokens, and those
+    durable on a secondary tier then, by the differ's own definitions."""
+    from keytrace.analysis.history import causes, durable
+    from keytrace.analysis.unknown import records_of
+
+    eps = pl.DataFrame(
+        [(v.instance_id, v.episode, v.req_id) for v in todo],
+        schema={"inst": pl.Int64, "s": pl.Int64, "req_id": pl.String},
+        orient="row",
+    )
+    times = frames.collect(frames.episodes(trace).select("inst", "s", "t"))
+    listed = frames.unqueried(trace).select("inst", "req_id", "end_token", "key")
+    own = frames.collect(
+        pl.concat(
+            [
+                records_of(trace, eps.lazy()),
+                listed.join(eps.lazy(), on=["inst", "req_id"], how="semi"),
+            ]
+        ).unique()
+    )
+    # and the keys the verdict names (derived ones too: vLLM never keyed those for it)
+    needed = pl.DataFrame(
+        [
+            (v.instance_id, v.episode, bytes.fromhex(n.key), n.token_end)
+            for v in todo
+            for n in v.needed
+            if n.key
+        ],
+        schema={"inst": pl.Int64, "s": pl.Int64, "key": pl.Binary, "end_token": pl.Int64},
+        orient="row",
+    )
+    per_episode = pl.concat(
+        [eps.join(own, on=["inst", "req_id"]).select("inst", "s", "key", "end_token"), needed]
+    )
+    # full attention only up to E, as for the first isolated lookup: allowed past it, the
+    # lookup could aim at another boundary and say nothing about E
+    full = [g["group_id"] for g in trace.header["groups"] if g.get("window_chunks") is None]
+    limit = pl.DataFrame(
+        [(v.instance_id, v.episode, v.E) for v in todo],
+        schema={"inst": pl.Int64, "s": pl.Int64, "E": pl.Int64},
+        orient="row",
+    )
+    at = (
+        eps.join(times, on=["inst", "s"])
+        .join(per_episode, on=["inst", "s"])
+        .with_columns(key_gid(pl.col("key")).alias("gid"))
+        .join(limit, on=["inst", "s"])
+        .filter(~pl.col("gid").is_in(full) | (pl.col("end_token") <= pl.col("E")))
+        .drop("E")
+        .unique(["inst", "s", "key"])
+        .with_row_index("pid")
+        .with_columns(pl.col("pid").cast(pl.Int64))
+    )
+    tiers = frames.tiers(trace)
+    probes = at.select(
+        "pid",
+        "inst",
+        "s",
+        "t",
+        "key",
+        "gid",
+        pl.col("end_token").alias("token_end"),
+        pl.lit(None, dtype=pl.Int64).alias("keyable_end"),
+        "req_id",
+    )
+    group_ids = [g["group_id"] for g in trace.header["groups"]]
+    state = causes(probes, frames.stores(trace), group_ids, tiers).join(
+        durable(at.select("inst", "s", "key"), tiers), on=["inst", "s", "key"]
+    )
+    out: dict[tuple[int, int], tuple[list[tuple[bytes, int | None]], list[bytes]]] = {}
+    for inst, s, key, end, cause, held in state.select(
+        "inst", "s", "key", "token_end", "cause", "durable"
+    ).iter_rows():
+        primary, secondary = out.setdefault((inst, s), ([], []))
+        if cause == "resident":
+            primary.append((bytes(key), end))
+        if held:
+            secondary.append(bytes(key))
+    return out
+
+
+def _case(
+    v: EpisodeVerdict,
+    num_tokens: int,
+    keys: int,
+    external: int,
+    tier_external: int | None = None,
+) -> OracleCase:
     _group, _chunk, cause = v.evidence()
     reaches = v.E is not None and external >= v.E
+    tier_reaches = None if tier_external is None else v.E is not None and tier_external >= v.E
+    decisive = _decisive(v)
+    timing = bool(decisive) and all(c in TIMING for c in decisive)
     return OracleCase(
         req_id=v.req_id,
         engine_id=v.engine_id,
@@ -180,5 +324,15 @@ def _case(v: EpisodeVerdict, num_tokens: int, keys: int, external: int) -> Oracl
         E=v.E,
         resident_keys=keys,
         isolated_external=external,
-        agree=agrees(v.verdict, reaches),
+        agree=agrees(v.verdict, reaches, tier_reaches, timing),
+        tiered_external=tier_external,
     )
+
+
+def _decisive(v: EpisodeVerdict) -> list[str]:
+    """The shortfall's decisive causes (`keytrace.analysis.definitions.decisive`) from its
+    needed chunks."""
+    from keytrace.analysis import definitions as d
+
+    causes = [(n.group_id, n.cause) for n in v.needed]
+    return list(d.decisive(d.candidates_of(causes, v.binding_group)))

@@ -178,19 +178,46 @@ def replay_trace(
     return TraceReplay(plan, result, result.steps == plan.recorded_steps, notes)
 
 
+def _local_keys(h: Any, rid: str, local: int) -> list[tuple[bytes, int | None]]:
+    """The request's full-attention keys (with end tokens) for the chunks below ``local``."""
+    if local <= 0:
+        return []
+    hashes = h.scheduler.requests[rid].block_hashes
+    out: list[tuple[bytes, int | None]] = []
+    for gid, g in enumerate(h.geometry.groups):
+        if g.sliding_window is not None:
+            continue
+        tpc = g.block_size * h.geometry.blocks_per_chunk
+        for c in range(local // tpc):
+            end = (c + 1) * tpc
+            out.append((make_key(hashes[end // h.hash_block_size - 1], gid), end))
+    return out
+
+
 def isolated_lookup(
     geometry: Geometry,
     token_ids: Sequence[int],
     resident: Sequence[tuple[bytes, int | None]],
     *,
     expect: tuple[bytes, int] | None = None,
+    secondary: Sequence[bytes] = (),
+    pinned_local: int = 0,
+    max_steps: int = 400,
 ) -> tuple[int, int]:
     """(local, external) tokens the real scheduler gives ``token_ids`` on a fresh engine
     whose real CPU manager holds exactly ``resident`` (keys with their end-token positions),
     stored and settled: no eviction, nothing in flight, one engine, no concurrency.
 
     The keys go through the manager's own ``prepare_store``/``complete_store``; everything
-    else (hashing, the connector's lookup, the core scheduler) is stock vLLM.
+    else (hashing, the connector's lookup, the core scheduler) is stock vLLM. A tiered
+    ``geometry`` (`keytrace.vllm.lab.harness.tiered` over vLLM's in-memory ``example``
+    tier) holds ``resident`` in its primary tier and ``secondary`` in that tier: the lookup
+    then promotes what it needs, over as many steps as it takes (at most ``max_steps``;
+    then the request is aborted and served nothing). ``pinned_local``: the recorded
+    episode had that many tokens from the GPU prefix cache, which a fresh engine lacks;
+    the request's full-attention chunks below it are placed in the primary and pinned
+    there (the caller adds their slots to its capacity), as the GPU held them: found, and
+    never a promotion's victim.
 
     ``expect``: a recorded (key, end token) of this request; raises `TraceError` unless the
     request hashes to it here (other token ids, or a different ``PYTHONHASHSEED``, which
@@ -202,17 +229,23 @@ def isolated_lookup(
     from keytrace.vllm.lab.harness import Harness
 
     h = Harness(geometry, max_prompt_tokens=len(token_ids))
+    rid = h.submit_tokens(list(token_ids), max_tokens=1)
+    resident = list(resident) + _local_keys(h, rid, pinned_local)
     if resident:
         ctx = ReqContext(req_id="keytrace-isolation")
         for key, end in resident:
             if end is not None:
                 ctx.set_offload_key_position(key, end)
         keys = [k for k, _ in resident]
-        out = h.manager.prepare_store(keys, ctx)
+        out = h.cpu_tier.prepare_store(keys, ctx)
         if out is None:
             raise RuntimeError("the isolated CPU tier refused the keys: raise its capacity")
-        h.manager.complete_store(out.keys_to_store, ctx)
-    rid = h.submit_tokens(list(token_ids), max_tokens=1)
+        h.cpu_tier.complete_store(out.keys_to_store, ctx)
+        pinned = [k for k, _ in _local_keys(h, rid, pinned_local)]
+        if pinned:
+            h.cpu_tier.prepare_load(pinned, ctx)  # held as a load would hold them: pinned
+    for tier in h.secondary_tiers:
+        tier.chunks.update(dict.fromkeys(secondary, True))  # vLLM's example tier: key -> held
     if expect is not None:
         key, end = expect
         hashes = h.scheduler.requests[rid].block_hashes
@@ -222,6 +255,15 @@ def isolated_lookup(
                 "the isolated request does not hash to its recorded keys: its token ids or "
                 "PYTHONHASHSEED (which seeds vLLM's hash chain) differ from the recording"
             )
+    for _ in range(max_steps):
+        h.step()
+        if not h.scheduler.has_requests():
+            break
+    else:
+        from vllm.v1.request import RequestStatus
+
+        h.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        return h.observations[rid].local_tokens, 0
     h.run_until_idle()
     obs = h.observations[rid]
     return obs.local_tokens, obs.accepted_tokens

@@ -14,7 +14,11 @@ all recorded into one trace) with a seeded workload:
   prefix cache is dropped and running requests are preempted (they look up again), as
   under GPU memory pressure; the CPU tier keeps its content;
 - async scheduling; two engines, with a conversation's next turn sometimes routed to the
-  other one (its offloaded prefix then lives on an engine the turn cannot reach).
+  other one (its offloaded prefix then lives on an engine the turn cannot reach);
+- with ``tiers`` (e.g. ``("fs",)``): vLLM's tiered manager, the CPU tier as its primary
+  over those secondary tiers, one disk folder shared by the engines (as llm-d's shared
+  file system); a request the tiered manager defers `ABORT_DEFERRALS` times in a row is
+  aborted, as a client that gives up would.
 
 Lengths are drawn from ranges several full-attention chunks wide, so prompts land on every
 residue class of that chunk. Everything is derived from ``seed``: the same spec records
@@ -28,6 +32,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from keytrace.analysis.geometry import Geometry, builtin
 from keytrace.errors import KeytraceError
@@ -37,6 +42,10 @@ from keytrace.vllm import require_vllm
 ProgressFn = Callable[[str, int, int], None]
 OUTPUT_TOKEN = 7  # what the harness's stand-in model samples, every step
 STALL_STEPS = 500
+ABORT_DEFERRALS = 64
+"""Consecutive deferred lookups after which the workload aborts a request (a client that
+gives up): a tiered manager can defer one without end, and a run must finish. Above
+`keytrace.analysis.definitions.STALL_EPISODES`, so such a request is judged stalled first."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,7 @@ class WorkloadSpec:
     budget: int | None = None  # max_num_batched_tokens; default the geometry's
     inject: str | None = None
     fix: str | None = None  # a candidate fix (keytrace.vllm.mods.fixes) active for the whole run
+    tiers: tuple[str, ...] = ()  # secondary tiers under the CPU tier (keytrace.vllm.lab.harness)
 
 
 @dataclass
@@ -78,6 +88,7 @@ class WorkloadResult:
     gpu_flushes: int = 0
     steps: int = 0
     seconds: float = 0.0
+    aborted: int = 0
     longest_prompt: int = 0
     request_engines: dict[str, int] = field(default_factory=dict)
     prompts: dict[str, list[int]] = field(default_factory=dict)
@@ -149,11 +160,26 @@ def run_workload(
     ``trace_dir=None`` run the same traffic unrecorded (the recorder benchmark's baseline).
     The final flush of every part is part of the run."""
     require_vllm()
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="keytrace-tier-") as disk:
+        return _run(spec, trace_dir, progress, alarm, disk)
+
+
+def _run(
+    spec: WorkloadSpec,
+    trace_dir: str | None,
+    progress: ProgressFn | None,
+    alarm: AlarmSettings | None,
+    disk: str,
+) -> WorkloadResult:
     from keytrace.vllm.hook.patches import fixed, injected, recording
-    from keytrace.vllm.lab.harness import Harness
+    from keytrace.vllm.lab.harness import Harness, tiered
 
     rng = random.Random(spec.seed)
     geo = workload_geometry(spec)
+    if spec.tiers:
+        geo = tiered(geo, spec.tiers, disk)
     a = _unit(geo)
     systems = [
         _tokens(rng, int(a * rng.uniform(*spec.system_chunks))) for _ in range(spec.system_prompts)
@@ -198,6 +224,7 @@ def run_workload(
                 busy = h.scheduler.has_requests() or not h.worker.idle
                 if busy and h.step().num_scheduled_tokens:
                     last_progress = step
+                res.aborted += _abort_stalled(h)
             step += 1
             if spec.gpu_flush_steps and step % spec.gpu_flush_steps == 0:
                 res.gpu_flushes += sum(h.flush_gpu_cache() for h in engines)
@@ -214,11 +241,30 @@ def run_workload(
             if all(c.turns_left == 0 and c.waiting is None for c in convs) and not resends:
                 break
         for h in engines:
+            while h.scheduler.has_requests():  # the last turns; a stalled one is aborted
+                h.step()
+                res.aborted += _abort_stalled(h)
             h.run_until_idle()
         res.steps = step
     res.requests = len(res.request_engines)
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _abort_stalled(h: Any) -> int:
+    """Abort every request of ``h`` whose last `ABORT_DEFERRALS` lookups were deferred."""
+    from vllm.v1.request import RequestStatus
+
+    stuck = [
+        rid
+        for rid in list(h.scheduler.requests)
+        if (obs := h.observations.get(rid)) is not None
+        and len(obs.lookups) >= ABORT_DEFERRALS
+        and all(x is None for _, x in obs.lookups[-ABORT_DEFERRALS:])
+    ]
+    if stuck:
+        h.scheduler.finish_requests(stuck, RequestStatus.FINISHED_ABORTED)
+    return len(stuck)
 
 
 def _send_turn(
