@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -115,10 +116,15 @@ def _case_strategy(aligned_windows: bool) -> Any:
 
 
 def run_case(case: Case, *, trace_dir: str | None = None) -> dict[str, Any]:
-    """Record and diff one case on the real scheduler; the episode's verdict as a dict."""
+    """Record and diff one case on the real scheduler; the episode's verdict as a dict.
+    Without ``trace_dir`` the trace goes to a temporary directory, removed after the diff
+    (a fuzz run replays hundreds of cases)."""
     from keytrace.vllm.lab.replay import replay
 
-    return replay(case.geometry, [case.prime], case.episode, trace_dir=trace_dir).outcome()
+    if trace_dir is not None:
+        return replay(case.geometry, [case.prime], case.episode, trace_dir=trace_dir).outcome()
+    with tempfile.TemporaryDirectory(prefix="keytrace-fuzz-") as d:
+        return replay(case.geometry, [case.prime], case.episode, trace_dir=d).outcome()
 
 
 def fuzz(
