@@ -114,6 +114,7 @@ def _diff(
     offers = boundary_offers(trace, groups)
     routing = lost.routing(frames.stores(trace), offers, groups)
     runs = _deferral_runs(trace)
+    promotions = lost.promotions(frames.tiers(trace), groups) if frames.is_tiered(trace) else None
     sel = _selection(request, engine, rank)
     ranges = _episode_ranges(trace, batch_episodes)
     batches: list[_Batch] = []
@@ -125,7 +126,9 @@ def _diff(
     chains = [_chains(trace.episode_range(lo, hi), groups, offers) for lo, hi, _ in ranges]
     del offers  # what the batches need of it is in `routing` and `chains`
     for (lo, hi, n), chained in zip(ranges, chains, strict=True):
-        batches.append(_judge(trace, lo, hi, groups, (routing, chained, runs), sel, all_episodes))
+        batches.append(
+            _judge(trace, lo, hi, groups, (routing, chained, runs, promotions), sel, all_episodes)
+        )
         done += n
         tick("episodes", done, total)
     if not any(b.counts for b in batches):
@@ -157,16 +160,16 @@ def _judge(
     lo: int | None,
     hi: int | None,
     groups: list[Group],
-    known: tuple[lost.Routing, pl.DataFrame, pl.DataFrame],
+    known: tuple[lost.Routing, pl.DataFrame, pl.DataFrame, pl.DataFrame | None],
     sel: pl.Expr,
     all_episodes: bool,
 ) -> _Batch:
     """The episodes ``lo <= s < hi``: their own lookup rows are read from ``view``
     (`Trace.episode_range`), the store history from ``past`` (the rows before the batch's
     end), what needs other episodes' lookups (a request's earlier ones) from ``trace``.
-    ``known``: the trace's `lost.Routing`, the batch's `_chains` and the trace's
-    `_deferral_runs`."""
-    routing, chains, runs = known
+    ``known``: the trace's `lost.Routing`, the batch's `_chains`, the trace's
+    `_deferral_runs` and its `lost.promotions` (None: not tiered)."""
+    routing, chains, runs, promotions = known
     view = trace.episode_range(lo, hi)
     eps = _episodes(view, groups, chains, runs, sel)
     if eps.height == 0:
@@ -179,7 +182,7 @@ def _judge(
     judged = _with_explanations(eps, explained)
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().iter_rows())
-    partial = _lost_tokens(judged, routing)
+    partial = _lost_tokens(judged, routing, promotions)
     reported = (
         judged
         if all_episodes
@@ -253,9 +256,11 @@ def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFra
     )
 
 
-def _lost_tokens(judged: pl.DataFrame, routing: lost.Routing) -> lost.Partial:
+def _lost_tokens(
+    judged: pl.DataFrame, routing: lost.Routing, promotions: pl.DataFrame | None
+) -> lost.Partial:
     """The per-engine account of every prompt token (`keytrace.analysis.lost`), folded
-    over these episodes."""
+    over these episodes (``promotions``: `lost.promotions` of a tiered trace)."""
     first_cause = d.shortfall_cause(pl.col("decisive"), pl.col("term_result"))
     j = judged.with_columns(
         pl.coalesce("engine_id", "instance").alias("engine"),
@@ -268,8 +273,10 @@ def _lost_tokens(judged: pl.DataFrame, routing: lost.Routing) -> lost.Partial:
     cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(pl.col("verdict") == "cold")
     boundaries = lost.routing_boundaries(cold, routing)
     counted = j.select("engine", "N", "verdict").filter(~pl.col("verdict").is_in(d.ASKED_AGAIN))
-    per_episode = j.select(*KEY, "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid")
-    return lost.fold(lost.account(per_episode, boundaries), counted.drop("verdict"))
+    per_episode = j.select(
+        *KEY, "req_id", "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid"
+    )
+    return lost.fold(lost.account(per_episode, boundaries, promotions), counted.drop("verdict"))
 
 
 # ------------------------------------------------------------------ episodes

@@ -6,7 +6,11 @@ plus what a preempted request had generated before it resumed), exactly once (a 
 episode is asked again; a resumed request is recomputed, so it counts again):
 
 - ``gpu_prefix``: S, the local GPU prefix-cache hit;
-- ``offload``: the external tokens the scheduler accepted from the offload tier;
+- ``offload``: the external tokens the scheduler accepted from the offload tier (on a
+  tiered manager: those the CPU tier already held);
+- ``promoted`` (with the secondary tier): on a tiered manager, the accepted tokens whose
+  anchor-group chunk this request's lookups promoted from that tier into the CPU tier
+  (`promoted_tokens`); with ``offload`` they are what the scheduler accepted;
 - ``short:<cause>`` (with the binding group): for a shortfall, E - S - offload, the tokens
   between what was served and the expected boundary, by the first decisive cause
   (``in_flight``, ``evicted``, ``other_engine``, ``store_failed`` explain it; the rest are
@@ -29,7 +33,15 @@ from keytrace.analysis import frames
 from keytrace.analysis.definitions import ASKED_AGAIN, EXPLAINED_CAUSES, served, short_of_E
 from keytrace.analysis.rules import Group
 
-CATEGORIES = ("gpu_prefix", "offload", "short", "cold_routing", "cold_not_stored", "past_boundary")
+CATEGORIES = (
+    "gpu_prefix",
+    "offload",
+    "promoted",
+    "short",
+    "cold_routing",
+    "cold_not_stored",
+    "past_boundary",
+)
 LABELS = {
     "gpu_prefix": "GPU prefix cache",
     "offload": "offload tier (loaded)",
@@ -47,6 +59,7 @@ class LostRow:
     group: int | None  # for "short": the binding group
     tokens: int
     episodes: int
+    tier: int | None = None  # for "promoted": the secondary tier's index (header)
 
     @property
     def explained(self) -> bool:
@@ -59,6 +72,8 @@ class LostRow:
             kind = "timing/capacity" if self.explained else "RULE"
             where = f", group {self.group}" if self.group is not None else ""
             return f"short of E ({kind}): {self.cause}{where}"
+        if self.category == "promoted":
+            return f"offload tier, promoted from secondary tier {self.tier}"
         return LABELS[self.category]
 
 
@@ -72,12 +87,16 @@ class LostTokens:
     rows: list[LostRow] = field(default_factory=list)
 
 
-def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.LazyFrame:
-    """Per counted episode its tokens in each of `CATEGORIES` (one column each), from
-    judged episodes.
+def account(
+    judged: pl.DataFrame, routing: pl.DataFrame, promotions: pl.DataFrame | None = None
+) -> pl.LazyFrame:
+    """Per counted episode its tokens in each of `CATEGORIES` (one column each; on a tiered
+    trace ``promoted_<tier>`` per secondary tier in place of ``promoted``), from judged
+    episodes.
 
-    ``judged`` holds per episode: inst, s, engine, verdict, S, N, X, A, E, cause, bind_gid;
-    ``routing``: (inst, s, E_other) for cold episodes another engine held a boundary for.
+    ``judged`` holds per episode: inst, s, req_id, engine, verdict, S, N, X, A, E, cause,
+    bind_gid; ``routing``: (inst, s, E_other) for cold episodes another engine held a
+    boundary for; ``promotions``: `promotions` (None: not a tiered trace).
     """
     gpu, offload = served(pl.col("S"), pl.col("N"), pl.col("A"), pl.col("X"))
     ep = (
@@ -87,8 +106,23 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.LazyFrame:
         .with_columns(gpu.alias("gpu_prefix"), offload.alias("offload"))
         .with_columns((pl.col("gpu_prefix") + pl.col("offload")).alias("served"))
     )
+    promoted = ["promoted"]
+    if promotions is not None:
+        tiers = sorted(promotions.get_column("tier").unique().to_list())
+        promoted = [f"promoted_{t}" for t in tiers]
+        by_tier = promoted_tokens(ep, promotions).collect()
+        for t, col in zip(tiers, promoted, strict=True):
+            mine = by_tier.filter(pl.col("tier") == t).select(
+                "inst", "s", pl.col("tokens").alias(col)
+            )
+            ep = ep.join(mine.lazy(), on=["inst", "s"], how="left").with_columns(
+                pl.col(col).fill_null(0)
+            )
+        ep = ep.with_columns(pl.col("offload") - pl.sum_horizontal(*promoted, pl.lit(0)))
+    else:
+        ep = ep.with_columns(pl.lit(0, pl.Int64).alias("promoted"))
     short = pl.when(pl.col("verdict").is_in(["explained", "mismatch"])).then(
-        short_of_E(pl.col("E"), pl.col("gpu_prefix"), pl.col("offload"))
+        short_of_E(pl.col("E"), pl.col("gpu_prefix"), pl.col("served") - pl.col("gpu_prefix"))
     )
     routed = pl.when(pl.col("verdict") == "cold").then(
         pl.max_horizontal(pl.col("E_other").fill_null(0) - pl.col("served"), 0)
@@ -97,13 +131,71 @@ def account(judged: pl.DataFrame, routing: pl.DataFrame) -> pl.LazyFrame:
         short.fill_null(0).alias("short"), routed.fill_null(0).alias("cold_routing")
     )
     cold_rest = pl.col("N") - pl.col("served") - pl.col("cold_routing")
+    rest = [c for c in CATEGORIES if c != "promoted"]
     return ep.with_columns(
         pl.when(pl.col("verdict") == "cold").then(cold_rest).otherwise(0).alias("cold_not_stored"),
         pl.when(pl.col("verdict") == "cold")
         .then(0)
         .otherwise(pl.col("N") - pl.col("served") - pl.col("short"))
         .alias("past_boundary"),
-    ).select("engine", "cause", "bind_gid", *CATEGORIES)
+    ).select("engine", "cause", "bind_gid", *rest[:2], *promoted, *rest[2:])
+
+
+def promotions(tiers: pl.LazyFrame, groups: list[Group]) -> pl.DataFrame:
+    """(inst, req_id, seq, tier, lo, hi): the token range [lo, hi) of every anchor-group
+    chunk a request's lookup promoted from a secondary tier into the CPU tier
+    (``tiers``: `keytrace.analysis.frames.tiers`). The anchor group stands for the chunk's
+    tokens, as it does for boundaries: a promotion of another group's chunk alone moves
+    no token from one row to another."""
+    from keytrace.analysis.definitions import anchor
+
+    a = anchor(groups)
+    return frames.collect(
+        tiers.filter((pl.col("event") == "promotion_prepared") & (pl.col("gid") == a.gid))
+        .drop_nulls("req_id")
+        .select(
+            "inst",
+            "req_id",
+            "seq",
+            pl.col("tier").cast(pl.Int32),
+            (pl.col("end_token") - a.tpc).alias("lo"),
+            pl.col("end_token").alias("hi"),
+        )
+    )
+
+
+def promoted_tokens(episodes: pl.LazyFrame, promotions: pl.DataFrame) -> pl.LazyFrame:
+    """(inst, s, tier, tokens): of each episode's accepted tokens (gpu_prefix, served],
+    those in a chunk its request promoted before the episode, by the tier it came from (a
+    chunk promoted more than once: its latest promotion)."""
+    lo = pl.max_horizontal("lo", "gpu_prefix")
+    hi = pl.min_horizontal("hi", "served")
+    return (
+        episodes.filter(pl.col("served") > pl.col("gpu_prefix"))
+        .select("inst", "s", "req_id", "gpu_prefix", "served")
+        .join(promotions.lazy(), on=["inst", "req_id"])
+        .filter(pl.col("seq") < pl.col("s"))
+        .sort("seq")
+        .group_by("inst", "s", "lo")
+        .agg(pl.all().last())
+        .with_columns(pl.max_horizontal(hi - lo, 0).alias("tokens"))
+        .group_by("inst", "s", "tier")
+        .agg(pl.col("tokens").sum())
+    )
+
+
+_BY = ("engine", "cause", "bind_gid")
+"""`fold`'s grouping: every other column of `account`'s frame is a category's tokens."""
+
+
+def _category(column: str) -> str:
+    """The category of one of `account`'s columns (``promoted_<tier>``: ``promoted``)."""
+    return "promoted" if column.startswith("promoted") else column
+
+
+def _tier(column: str) -> int | None:
+    """The secondary tier of a ``promoted_<tier>`` column, else None."""
+    return int(column.rsplit("_", 1)[1]) if column.startswith("promoted_") else None
 
 
 @dataclass(frozen=True)
@@ -125,10 +217,11 @@ def fold(per_episode: pl.LazyFrame, prompt: pl.DataFrame) -> Partial:
     six times the episodes (measured: +145 MB at 150M trace rows).
     ``prompt``: (engine, N) per counted episode, for the totals the rows must add up to.
     """
+    columns = [c for c in per_episode.collect_schema().names() if c not in _BY]
     per_cause = frames.collect(
-        per_episode.group_by("engine", "cause", "bind_gid").agg(
-            *(pl.col(c).sum().alias(c) for c in CATEGORIES),
-            *((pl.col(c) > 0).sum().cast(pl.Int64).alias(f"n_{c}") for c in CATEGORIES),
+        per_episode.group_by(*_BY).agg(
+            *(pl.col(c).sum().alias(c) for c in columns),
+            *((pl.col(c) > 0).sum().cast(pl.Int64).alias(f"n_{c}") for c in columns),
         )
     )
     prompts = prompt.group_by("engine").agg(pl.col("N").sum(), pl.len().alias("episodes"))
@@ -146,33 +239,44 @@ def summarize(partials: list[Partial]) -> LostTokens:
         .agg(pl.all().sum())
         .lazy()
     )
+    columns = [
+        c for c in per_cause.collect_schema().names() if c not in _BY and not c.startswith("n_")
+    ]
     long = pl.concat(
         [
             per_cause.select(
                 "engine",
-                pl.lit(c).alias("category"),
+                pl.lit(_category(c)).alias("category"),
                 (pl.col("cause") if c == "short" else pl.lit(None, pl.String)).alias("cause"),
                 (pl.col("bind_gid") if c == "short" else pl.lit(None, pl.Int32)).alias("group"),
+                pl.lit(_tier(c), pl.Int32).alias("tier"),
                 pl.col(c).cast(pl.Int64).alias("tokens"),
                 pl.col(f"n_{c}").cast(pl.Int64).alias("episodes"),
             )
-            for c in CATEGORIES
+            for c in columns
         ]
     )
     every = pl.lit("all").alias("engine")
     agg = (
         pl.concat([long, long.with_columns(every)])
-        .group_by("engine", "category", "cause", "group")
+        .group_by("engine", "category", "cause", "group", "tier")
         .agg(pl.col("tokens").sum(), pl.col("episodes").sum())
         .filter(pl.col("tokens") > 0)
         .pipe(frames.collect)
     )
     order = {c: i for i, c in enumerate(CATEGORIES)}
     rows = [
-        LostRow(str(e), cat, cause, grp, int(tok), int(n))
-        for e, cat, cause, grp, tok, n in sorted(
+        LostRow(str(e), cat, cause, grp, int(tok), int(n), tier)
+        for e, cat, cause, grp, tier, tok, n in sorted(
             agg.iter_rows(),
-            key=lambda r: (r[0] == "all", str(r[0]), order[r[1]], str(r[2]), r[3] or -1),
+            key=lambda r: (
+                r[0] == "all",
+                str(r[0]),
+                order[r[1]],
+                str(r[2]),
+                r[3] or -1,
+                r[4] if r[4] is not None else -1,
+            ),
         )
     ]
     prompts = pl.concat([p.prompts for p in partials], how="vertical_relaxed")

@@ -165,6 +165,7 @@ def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
     from keytrace.analysis.rules import groups_from_header
 
     labels = {g.gid: g.label for g in groups_from_header(header)}
+    tier_types = {t.get("index"): t.get("type") for t in header.get("secondary_tiers") or []}
     engines = [e for e in lost.prompt_tokens if e != "all"]
     columns = (engines if len(engines) <= MAX_ENGINE_COLUMNS else []) + ["all"]
     if len(columns) == 2:  # one engine: its column is the total
@@ -177,18 +178,25 @@ def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
     from keytrace.analysis.lost import CATEGORIES
 
     keys = sorted(
-        {(r.category, r.cause, r.group) for r in lost.rows},
-        key=lambda k: (CATEGORIES.index(k[0]), str(k[1]), k[2] if k[2] is not None else -1),
+        {(r.category, r.cause, r.group, r.tier) for r in lost.rows},
+        key=lambda k: (
+            CATEGORIES.index(k[0]),
+            str(k[1]),
+            k[2] if k[2] is not None else -1,
+            k[3] if k[3] is not None else -1,
+        ),
     )
     cell: dict[tuple[Any, ...], int] = {
-        (r.engine, r.category, r.cause, r.group): r.tokens for r in lost.rows
+        (r.engine, r.category, r.cause, r.group, r.tier): r.tokens for r in lost.rows
     }
     names = {}
     for k in keys:
-        row = next(r for r in lost.rows if (r.category, r.cause, r.group) == k)
+        row = next(r for r in lost.rows if (r.category, r.cause, r.group, r.tier) == k)
         label = row.label
         if row.group is not None:
             label += f" ({labels.get(row.group, '?')})"
+        if row.tier is not None:
+            label += f" ({tier_types.get(row.tier, '?')})"
         names[k] = label
     width = max([len(n) for n in names.values()] + [10])
     head = "".join(f"{_engine_name(c):>24}" for c in columns)

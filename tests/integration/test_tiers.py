@@ -168,6 +168,33 @@ def test_a_key_on_disk_is_part_of_the_resident_prefix(tmp_path: Path) -> None:
     assert not [v for v in report.episodes if v.req_id == "r4" and v.verdict == "cold"]
 
 
+def test_a_resend_after_an_overflow_is_served_from_disk(tmp_path: Path) -> None:
+    """A second conversation overflows the 16-chunk primary; the first one's resend finds
+    its keys on disk (the fs tier answers RETRY while its lookup runs: deferred), they are
+    promoted, and all 384 tokens are served. The lost-token table says where they came
+    from: promoted from secondary tier 0 (fs), none from the CPU tier, adding up exactly."""
+    d = str(tmp_path / "t")
+    with recording(d, SETTINGS):
+        h = _harness(tmp_path, 16)
+        for chain in (0, 1):
+            h.submit(tokens(6), chain=chain)
+            h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        resend = h.submit(tokens(6), chain=0)
+        h.run_until_idle()
+    assert h.observations[resend].accepted[-1] == 384
+    report = diff(open_trace(d), all_episodes=True)
+    assert report.verdict == "agree"
+    served = [v for v in report.episodes if v.req_id == resend and v.verdict != "deferred"]
+    assert [(v.verdict, v.external_tokens) for v in served] == [("hit", 384)]
+    lost = report.lost
+    assert lost is not None
+    rows = {(r.category, r.tier): r.tokens for r in lost.rows if r.engine == "all"}
+    assert rows[("promoted", 0)] == 384 and ("offload", None) not in rows
+    assert sum(rows.values()) == lost.prompt_tokens["all"] == 3 * tokens(6)
+    assert_alarm_agrees(d, alarms(), [])
+
+
 def test_a_reset_clears_the_primary_and_the_disk_keeps_its_data(tmp_path: Path) -> None:
     """With stores still in flight at a reset, vLLM holds promotions until its workers
     report them (a late DMA could land in a freed slot): a lookup then answers MISS for keys

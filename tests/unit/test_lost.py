@@ -118,3 +118,34 @@ def test_each_row_counts_the_episodes_with_tokens_in_it(tmp_path: Path) -> None:
         }.items()
     }
     assert lost.episodes == {"engine-a": 4, "all": 4}
+
+
+def test_promoted_tokens_are_the_served_part_of_the_requests_promoted_chunks() -> None:
+    """Only accepted tokens (gpu_prefix, served] count, in chunks the episode's own request
+    promoted before the episode; a chunk promoted twice counts once, for its latest tier."""
+    import polars as pl
+
+    from keytrace.analysis.lost import promoted_tokens
+
+    episodes = pl.LazyFrame(
+        {
+            "inst": [1, 1],
+            "s": [10, 20],
+            "req_id": ["a", "b"],
+            "gpu_prefix": [16, 0],
+            "served": [56, 0],
+        }
+    )
+    promotions = pl.DataFrame(
+        {
+            "inst": [1, 1, 1, 1, 1, 2],
+            "req_id": ["a", "a", "a", "a", "b", "a"],
+            "seq": [3, 4, 5, 12, 6, 7],
+            "tier": [0, 0, 1, 0, 0, 0],
+            "lo": [0, 16, 16, 32, 0, 32],  # [0,16) is on the GPU; seq 12 is after s
+            "hi": [16, 32, 32, 48, 16, 48],
+        },
+        schema_overrides={"tier": pl.Int32},
+    )
+    got = promoted_tokens(episodes, promotions).collect().sort("tier")
+    assert got.rows() == [(1, 10, 0, 0), (1, 10, 1, 16)]
