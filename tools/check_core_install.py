@@ -50,9 +50,11 @@ def check_cli(venv: Path) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="keytrace-core-") as tmp:
         v1 = " ".join(str(p) for p in sorted((ROOT / "tests/data/v1").glob("*.parquet")))
         v2 = str(ROOT / "tests/data/v2")
+        v3 = str(ROOT / "tests/data/v3")
         expect = {  # command line -> exit code
             f"diff {v2}": 1,
             f"diff {v1}": 1,
+            f"diff {v3} --all": 1,
             f"diff {v2} --all --json": 1,
             f"summary {v2}": 0,
             f"header {v2}": 0,

@@ -4,8 +4,13 @@ Run once per schema version (the committed trace of an older version is never re
 
     python tools/regen_test_data.py
 
-It records the `small` geometry at 1,030 prompt tokens (a stock vLLM 0.33.0 miss: the
-MTP group's peek chunk is not keyable) and compacts it to one file per row kind.
+Every version's trace is the `small` geometry at 1,030 prompt tokens, whose resend is a
+stock vLLM 0.33.0 miss (the MTP group's peek chunk is not keyable), compacted to one file
+per row kind. From v3 (tiered offloading) it is recorded on vLLM's tiering manager: a CPU
+primary of 24 chunks over the in-memory ``example`` tier (deterministic), a second prompt
+overflows the primary between the first and its resend, so the resend's keys come back by
+promotion (the ``tier`` rows: write-through, tier lookups, promotions and the evictions they
+cause).
 """
 
 from __future__ import annotations
@@ -18,7 +23,23 @@ import tempfile
 from keytrace.analysis.geometry import SMALL
 from keytrace.format.compact import compact
 from keytrace.format.schema import SCHEMA_VERSION
-from keytrace.vllm.lab.sweep import run_one
+
+LENGTH = 1030
+
+
+def record_tiered(raw: str) -> None:
+    """The v3 scenario (module docstring) recorded into ``raw``."""
+    from keytrace.vllm.hook.patches import recording
+    from keytrace.vllm.lab.harness import Harness, tiered
+
+    with recording(raw):
+        h = Harness(tiered(SMALL.with_(cpu_chunks=24), ("example",)), max_prompt_tokens=LENGTH)
+        for chain in (0, 1):
+            h.submit(LENGTH, chain=chain)
+            h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        h.submit(LENGTH, chain=0)
+        h.run_until_idle()
 
 
 def main() -> int:
@@ -26,10 +47,7 @@ def main() -> int:
     out = os.path.normpath(out)
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw")
-        row = run_one(SMALL, 1030, keep_dir=raw)
-        print(
-            f"recorded: verdict {row.verdict}, E {row.E}, external {row.external}", file=sys.stderr
-        )
+        record_tiered(raw)
         shutil.rmtree(out, ignore_errors=True)
         result = compact([raw], out)
     for kind, rows in result.rows.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from keytrace.analysis.diff import diff
@@ -14,7 +15,7 @@ from tests.downgrade import downgrade
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
-# Both traces were recorded by tools/regen_test_data.py from the real scheduler: small
+# Every version's trace was recorded by tools/regen_test_data.py from the real scheduler: small
 # geometry, 1,030 tokens, the resend of one prompt. E = round_down(1,029, 64) = 1,024; the
 # MTP group's peek chunk 64 would end at 1,040 > 1,030, so lookup needs its chunks 61-63 and
 # the store kept only 62, 63 (+ the unkeyable 64): terminal = group 2 chunk 61.
@@ -56,6 +57,23 @@ def test_v2_trace_reads_and_diffs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "store wrote 62–63 near there" in capsys.readouterr().out
 
 
+def test_v3_tiered_trace_reads_and_diffs(capsys: pytest.CaptureFixture[str]) -> None:
+    # the same scenario on vLLM's tiering manager (tools/regen_test_data.py): the resend's
+    # full-attention keys were evicted from the 24-chunk primary and come back from the
+    # example tier by promotion; the MTP rule still loses the whole resend
+    trace = open_trace(str(DATA / "v3"))
+    assert trace.version == 3
+    assert sorted(trace.kinds) == ["lookup", "step", "store", "tier"]
+    assert trace.header["offload_spec"] == "TieringOffloadingSpec"
+    assert [t["type"] for t in trace.header["secondary_tiers"]] == ["example"]
+    assert trace.header["cpu_num_chunks"] == 24
+    events = set(trace.collect("tier")["event"].cast(pl.String))
+    assert {"cascade_completed", "lookup", "promotion_prepared", "promotion_evicted"} <= events
+    assert _first(DATA / "v3") == EXPECTED
+    assert main(["diff", str(DATA / "v3")]) == 1
+    assert "store wrote 62–63 near there" in capsys.readouterr().out
+
+
 def test_v2_and_its_v1_form_give_identical_verdicts(tmp_path: Path) -> None:
     # the same recording in both layouts: the format change must not move a verdict
     downgrade(str(DATA / "v2"), str(tmp_path))
@@ -68,7 +86,7 @@ def test_v2_and_its_v1_form_give_identical_verdicts(tmp_path: Path) -> None:
     assert old.lost == new.lost
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_judged_one_episode_at_a_time_the_verdicts_are_the_same(version: str) -> None:
     # batches cut a trace by episode sequence number; the second episode's chain (the
     # first request's stores) lies before its batch (tests/integration/test_diff_batches.py
