@@ -70,6 +70,16 @@ class Geometry:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return replace(self, **changes)
 
+    def untiered(self) -> Geometry:
+        """The same geometry on a plain CPU tier (no tiered spec, no secondary tier)."""
+        extra = {k: v for k, v in self.extra.items() if k not in TIER_SETTINGS}
+        return replace(self, extra=extra)
+
+    @property
+    def is_tiered(self) -> bool:
+        """Built on vLLM's tiered manager (secondary tiers under the CPU tier)."""
+        return bool(self.extra.get("secondary_tiers"))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["groups"] = [asdict(g) for g in self.groups]
@@ -254,4 +264,35 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
         cpu_chunks=int(header.get("cpu_num_chunks") or 100_000),
         max_model_len=int(header["max_model_len"]),
         num_gpu_blocks=header.get("num_gpu_blocks"),
+        extra=_tier_extra(header),
     )
+
+
+TIER_SETTINGS = ("spec_name", "secondary_tiers")
+"""The connector settings (``Geometry.extra``) that make a geometry tiered."""
+
+REPLAYABLE_TIERS = ("example", "fs")
+"""Secondary tier types a CPU harness builds (the CPU lab's ``TIER_TYPES``)."""
+
+
+def _tier_extra(header: dict[str, Any]) -> dict[str, Any]:
+    """The connector settings that rebuild a recorded tiered manager: its spec and its
+    secondary tiers' settings as given, except an ``fs`` tier's ``root_dir`` (the recorded
+    folder holds the original run's data; the harness gives the replay a fresh one). Empty
+    for a trace of a plain CPU tier."""
+    tiers = header.get("secondary_tiers") or []
+    if not tiers:
+        return {}
+    configs = []
+    for t in tiers:
+        kind = t.get("type")
+        if kind not in REPLAYABLE_TIERS:
+            raise ValueError(
+                f"secondary tier {t.get('index')} is of type {kind!r}; a CPU replay builds "
+                f"{' and '.join(REPLAYABLE_TIERS)} tiers only"
+            )
+        settings = dict(t.get("settings") or {"type": kind})
+        if kind == "fs":
+            settings.pop("root_dir", None)
+        configs.append(settings)
+    return {"spec_name": str(header.get("offload_spec")), "secondary_tiers": configs}

@@ -23,7 +23,9 @@ def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
 
 
 def _tiers(text: str) -> tuple[str, ...]:
-    from keytrace.vllm.lab.harness import TIER_TYPES
+    # the geometry's list, not the harness's: the harness imports torch, and an option's
+    # callback runs before the command can say that vLLM is missing
+    from keytrace.analysis.geometry import REPLAYABLE_TIERS as TIER_TYPES
 
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     unknown = [t for t in names if t not in TIER_TYPES]

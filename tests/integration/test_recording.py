@@ -397,3 +397,24 @@ def test_unqueried_keys_cover_every_windowed_group_vllm_did_not_scan(tmp_path: P
 def _chunks(rows: pl.LazyFrame) -> set[tuple[int, int, int, int]]:
     """(inst, s, gid, chunk) of every row."""
     return set(rows.select("inst", "s", "gid", "chunk").collect().iter_rows())
+
+
+def test_a_recorded_harness_is_collected_after_use(tmp_path: Path) -> None:
+    """Nothing keytrace keeps process-wide holds a recorded scheduler, its manager or the
+    harness once they are dropped: the patch slots live in the wrappers they set. (A
+    global registry of slots once kept every harness of a long oracle run alive: 17 GB.)"""
+    import gc
+    import weakref
+
+    from keytrace.vllm.hook import hooks
+
+    with recording(str(tmp_path / "t")):
+        h = Harness(SMALL, max_prompt_tokens=600)
+        h.submit(547, chain=0)
+        h.run_until_idle()
+        gone = [weakref.ref(x) for x in (h, h.scheduler, h.connector_scheduler, h.manager)]
+        h.close()
+        del h
+        gc.collect()
+        assert [r() for r in gone] == [None] * len(gone)
+        assert not list(hooks.RECORDERS)  # its recorder went with it

@@ -26,8 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import functools
 import json
+import logging
+import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +70,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from keytrace.analysis.geometry import Geometry, GroupGeom
+from keytrace.analysis.geometry import REPLAYABLE_TIERS, Geometry, GroupGeom
 from keytrace.vllm import require_vllm
 
 _VOCAB = 32_000
@@ -230,7 +233,14 @@ def _chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
     )
 
 
-TIER_TYPES = ("example", "fs")
+log = logging.getLogger("keytrace")
+
+TIER_TYPES = REPLAYABLE_TIERS
+
+ABORT_DEFERRALS = 64
+"""Deferred lookups in a row after which `Harness.abort_stalled` aborts a request: past
+keytrace's stalled rule (`keytrace.analysis.definitions.STALL_EPISODES`), so the trace
+holds the stalled verdict first."""
 """Secondary tiers the harness builds: vLLM's in-memory ``example`` tier (synchronous: a
 run is exactly repeatable) and its ``fs`` tier (files under a directory; asynchronous
 lookups and transfers on threads, which `Harness.settle_tiers` waits for between steps).
@@ -240,21 +250,32 @@ Both run on a CPU; ``obj``/``p2p`` need NIXL and ``kvcr`` its own package."""
 def tiered(geometry: Geometry, tiers: tuple[str, ...], root_dir: str | None = None) -> Geometry:
     """``geometry`` with vLLM's ``TieringOffloadingSpec``: its CPU tier becomes the primary
     over ``tiers`` (each of `TIER_TYPES`; an ``fs`` tier keeps its files under
-    ``root_dir``, which every engine of a run shares, as llm-d's shared file system does)."""
+    ``root_dir``, which every engine of a run shares, as llm-d's shared file system does;
+    without one, each harness gives it a temporary folder of its own)."""
     configs: list[dict[str, Any]] = []
     for t in tiers:
         if t == "example":
             configs.append({"type": "example"})
         elif t == "fs":
-            if root_dir is None:
-                raise ValueError("an fs tier needs a root_dir")
-            configs.append(
-                {"type": "fs", "root_dir": root_dir, "n_read_threads": 2, "n_write_threads": 2}
-            )
+            fs: dict[str, Any] = {"type": "fs", "n_read_threads": 2, "n_write_threads": 2}
+            if root_dir is not None:
+                fs["root_dir"] = root_dir
+            configs.append(fs)
         else:
             raise ValueError(f"unknown tier {t!r}; the harness builds {', '.join(TIER_TYPES)}")
     extra = {**geometry.extra, "spec_name": "TieringOffloadingSpec", "secondary_tiers": configs}
     return geometry.with_(extra=extra)
+
+
+def _release(region: Any) -> None:
+    """Unlink an unclosed harness's shared memory region (vLLM's ``cleanup``); from a
+    finalizer, so it never raises."""
+    if region is None:
+        return
+    try:
+        region.cleanup()
+    except Exception:
+        log.debug("keytrace harness: releasing a shared memory region failed", exc_info=True)
 
 
 # ------------------------------------------------------------------ fake worker
@@ -375,6 +396,7 @@ class Harness:
         request_prefix: str = "r",
     ) -> None:
         require_vllm()
+        geometry = self._with_tier_dirs(geometry)
         self.geometry = geometry
         self.seed = seed
         probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
@@ -404,6 +426,14 @@ class Harness:
         self.connector = connector
         self.connector_scheduler = connector.connector_scheduler
         self.manager = self.connector_scheduler.manager
+        # A tiered manager's primary maps a /dev/shm region (left behind, thousands of
+        # harnesses filled /dev/shm). `close` shuts vLLM down properly; should a harness
+        # be dropped unclosed, the region is released when it is collected. The finalizer
+        # holds the region only: holding the scheduler would keep the harness alive (the
+        # connector's harness rows are bound to it) and nothing would ever be released.
+        region = getattr(getattr(self.manager, "primary_tier", None), "_mmap_region", None)
+        self._closer = weakref.finalize(self, _release, region)
+        self._closed = False
         self._check_built()
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -416,6 +446,28 @@ class Harness:
         self._req_counter = 0
         self._observe_connector()
         self._pending_async: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def close(self) -> None:
+        """Shut the scheduler down as vLLM does (its connector, its manager, a tiered
+        manager's tiers and shared memory). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closer.detach()
+        try:
+            self.scheduler.shutdown()
+        except Exception as exc:  # a tier that will not stop: said, not raised
+            log.warning(
+                "keytrace harness: vLLM's scheduler shutdown failed (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------ construction
     def _check_built(self) -> None:
@@ -538,14 +590,36 @@ class Harness:
             kv_connector_output=kv_out,
         )
 
-    def run_until_idle(self, max_steps: int = 100_000) -> int:
-        """Step until no request is left and every store was acknowledged."""
+    def _with_tier_dirs(self, geometry: Geometry) -> Geometry:
+        """``geometry`` with a fresh temporary ``root_dir`` for each ``fs`` tier that has
+        none (a replay of a recorded trace: `keytrace.analysis.geometry.geometry_from_header`
+        drops the recorded folder, which holds the original run's data), removed when the
+        harness is collected."""
+        tiers = geometry.extra.get("secondary_tiers")
+        if not tiers or all(t.get("type") != "fs" or t.get("root_dir") for t in tiers):
+            return geometry
+        root = tempfile.mkdtemp(prefix="keytrace-tier-")
+        weakref.finalize(self, shutil.rmtree, root, True)
+        rooted = [
+            {**t, "root_dir": os.path.join(root, f"tier{i}")}
+            if t.get("type") == "fs" and not t.get("root_dir")
+            else t
+            for i, t in enumerate(tiers)
+        ]
+        return geometry.with_(extra={**geometry.extra, "secondary_tiers": rooted})
+
+    def run_until_idle(self, max_steps: int = 100_000, *, give_up: bool = False) -> int:
+        """Step until no request is left and every store was acknowledged. ``give_up``:
+        abort a request deferred `ABORT_DEFERRALS` times in a row (`abort_stalled`), as a
+        client would, where a tiered manager would otherwise keep it waiting forever."""
         steps = 0
         quiet = 0
         while quiet < 2:
             if steps >= max_steps:
                 raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
             self.step()
+            if give_up:
+                self.abort_stalled()
             steps += 1
             busy = (
                 self.scheduler.has_requests()
@@ -557,6 +631,21 @@ class Harness:
             self.scheduler.update_from_output(*self._pending_async)
             self._pending_async = None
         return steps
+
+    def abort_stalled(self) -> int:
+        """Abort every request whose last `ABORT_DEFERRALS` lookups were deferred; how many."""
+        from vllm.v1.request import RequestStatus
+
+        stuck = [
+            rid
+            for rid in list(self.scheduler.requests)
+            if (obs := self.observations.get(rid)) is not None
+            and len(obs.lookups) >= ABORT_DEFERRALS
+            and all(x is None for _, x in obs.lookups[-ABORT_DEFERRALS:])
+        ]
+        if stuck:
+            self.scheduler.finish_requests(stuck, RequestStatus.FINISHED_ABORTED)
+        return len(stuck)
 
     def reset_gpu_prefix_cache(self) -> None:
         """Drop the GPU prefix cache only; the CPU tier keeps what it stored."""

@@ -129,7 +129,12 @@ def check(
     from keytrace.vllm.lab.workload import OUTPUT_TOKEN
 
     trace = open_trace(trace_dir)
-    geo = geometry_from_header(trace.header).with_(cpu_chunks=AMPLE_CPU_CHUNKS, num_gpu_blocks=None)
+    # the first isolated lookup is on a plain CPU tier, ample: is the key there at all?
+    geo = (
+        geometry_from_header(trace.header)
+        .untiered()
+        .with_(cpu_chunks=AMPLE_CPU_CHUNKS, num_gpu_blocks=None)
+    )
     report = diff(trace, all_episodes=True)
     todo = [v for v in report.episodes if v.verdict in ("explained", "mismatch")]
     when = _episode_times(trace)
@@ -143,7 +148,7 @@ def check(
     if tier_state is not None:
         from keytrace.vllm.lab.harness import tiered
 
-        base = geometry_from_header(trace.header).with_(num_gpu_blocks=None)
+        base = geometry_from_header(trace.header).untiered().with_(num_gpu_blocks=None)
         tier_geo = tiered(base, ("example",))
     fa_groups = [g for g in (tier_geo.groups if tier_geo else ()) if g.sliding_window is None]
     cases = []

@@ -16,6 +16,7 @@ from typing import Any
 
 import polars as pl
 
+from keytrace.analysis.definitions import FINDINGS
 from keytrace.analysis.diff import CAUSE_TEXT, diff
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan, plan_from_trace
@@ -103,12 +104,13 @@ def replay(
         h = Harness(geo, max_prompt_tokens=longest)
         for n in prime_lengths:
             order.append(h.submit(n, chain=0))
-            h.run_until_idle()
+            h.run_until_idle(give_up=True)
         if prime_lengths:
             h.reset_gpu_prefix_cache()
         rid = h.submit(episode_length, chain=0)
         order.append(rid)
-        h.run_until_idle()
+        h.run_until_idle(give_up=True)
+    h.close()
     trace = open_trace(d)
     report = diff(trace, request=rid, all_episodes=True)
     v = report.episodes[-1]
@@ -130,7 +132,7 @@ def replay(
         binding_label=v.binding_label if group is not None else None,
         terminal_chunk=chunk,
         cause=cause,
-        reason=v.reason if group is not None else "",
+        reason=v.reason if group is not None or v.verdict in FINDINGS else "",
         steps=steps,
         trace_dir=d,
     )
@@ -228,42 +230,42 @@ def isolated_lookup(
 
     from keytrace.vllm.lab.harness import Harness
 
-    h = Harness(geometry, max_prompt_tokens=len(token_ids))
-    rid = h.submit_tokens(list(token_ids), max_tokens=1)
-    resident = list(resident) + _local_keys(h, rid, pinned_local)
-    if resident:
-        ctx = ReqContext(req_id="keytrace-isolation")
-        for key, end in resident:
-            if end is not None:
-                ctx.set_offload_key_position(key, end)
-        keys = [k for k, _ in resident]
-        out = h.cpu_tier.prepare_store(keys, ctx)
-        if out is None:
-            raise RuntimeError("the isolated CPU tier refused the keys: raise its capacity")
-        h.cpu_tier.complete_store(out.keys_to_store, ctx)
-        pinned = [k for k, _ in _local_keys(h, rid, pinned_local)]
-        if pinned:
-            h.cpu_tier.prepare_load(pinned, ctx)  # held as a load would hold them: pinned
-    for tier in h.secondary_tiers:
-        tier.chunks.update(dict.fromkeys(secondary, True))  # vLLM's example tier: key -> held
-    if expect is not None:
-        key, end = expect
-        hashes = h.scheduler.requests[rid].block_hashes
-        mine = make_key(hashes[end // h.hash_block_size - 1], key_gid(key))
-        if mine != bytes(key):
-            raise TraceError(
-                "the isolated request does not hash to its recorded keys: its token ids or "
-                "PYTHONHASHSEED (which seeds vLLM's hash chain) differ from the recording"
-            )
-    for _ in range(max_steps):
-        h.step()
-        if not h.scheduler.has_requests():
-            break
-    else:
-        from vllm.v1.request import RequestStatus
+    with Harness(geometry, max_prompt_tokens=len(token_ids)) as h:
+        rid = h.submit_tokens(list(token_ids), max_tokens=1)
+        resident = list(resident) + _local_keys(h, rid, pinned_local)
+        if resident:
+            ctx = ReqContext(req_id="keytrace-isolation")
+            for key, end in resident:
+                if end is not None:
+                    ctx.set_offload_key_position(key, end)
+            keys = [k for k, _ in resident]
+            out = h.cpu_tier.prepare_store(keys, ctx)
+            if out is None:
+                raise RuntimeError("the isolated CPU tier refused the keys: raise its capacity")
+            h.cpu_tier.complete_store(out.keys_to_store, ctx)
+            pinned = [k for k, _ in _local_keys(h, rid, pinned_local)]
+            if pinned:
+                h.cpu_tier.prepare_load(pinned, ctx)  # held as a load would hold them: pinned
+        for tier in h.secondary_tiers:
+            tier.chunks.update(dict.fromkeys(secondary, True))  # vLLM's example tier: key -> held
+        if expect is not None:
+            key, end = expect
+            hashes = h.scheduler.requests[rid].block_hashes
+            mine = make_key(hashes[end // h.hash_block_size - 1], key_gid(key))
+            if mine != bytes(key):
+                raise TraceError(
+                    "the isolated request does not hash to its recorded keys: its token ids or "
+                    "PYTHONHASHSEED (which seeds vLLM's hash chain) differ from the recording"
+                )
+        for _ in range(max_steps):
+            h.step()
+            if not h.scheduler.has_requests():
+                break
+        else:
+            from vllm.v1.request import RequestStatus
 
-        h.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-        return h.observations[rid].local_tokens, 0
-    h.run_until_idle()
-    obs = h.observations[rid]
-    return obs.local_tokens, obs.accepted_tokens
+            h.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            return h.observations[rid].local_tokens, 0
+        h.run_until_idle()
+        obs = h.observations[rid]
+        return obs.local_tokens, obs.accepted_tokens

@@ -17,7 +17,7 @@ all recorded into one trace) with a seeded workload:
   other one (its offloaded prefix then lives on an engine the turn cannot reach);
 - with ``tiers`` (e.g. ``("fs",)``): vLLM's tiered manager, the CPU tier as its primary
   over those secondary tiers, one disk folder shared by the engines (as llm-d's shared
-  file system); a request the tiered manager defers `ABORT_DEFERRALS` times in a row is
+  file system); a request the tiered manager defers `keytrace.vllm.lab.harness.ABORT_DEFERRALS` times in a row is
   aborted, as a client that gives up would.
 
 Lengths are drawn from ranges several full-attention chunks wide, so prompts land on every
@@ -32,7 +32,6 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from keytrace.analysis.geometry import Geometry, builtin
 from keytrace.errors import KeytraceError
@@ -42,10 +41,6 @@ from keytrace.vllm import require_vllm
 ProgressFn = Callable[[str, int, int], None]
 OUTPUT_TOKEN = 7  # what the harness's stand-in model samples, every step
 STALL_STEPS = 500
-ABORT_DEFERRALS = 64
-"""Consecutive deferred lookups after which the workload aborts a request (a client that
-gives up): a tiered manager can defer one without end, and a run must finish. Above
-`keytrace.analysis.definitions.STALL_EPISODES`, so such a request is judged stalled first."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +219,7 @@ def _run(
                 busy = h.scheduler.has_requests() or not h.worker.idle
                 if busy and h.step().num_scheduled_tokens:
                     last_progress = step
-                res.aborted += _abort_stalled(h)
+                res.aborted += h.abort_stalled()
             step += 1
             if spec.gpu_flush_steps and step % spec.gpu_flush_steps == 0:
                 res.gpu_flushes += sum(h.flush_gpu_cache() for h in engines)
@@ -243,28 +238,12 @@ def _run(
         for h in engines:
             while h.scheduler.has_requests():  # the last turns; a stalled one is aborted
                 h.step()
-                res.aborted += _abort_stalled(h)
+                res.aborted += h.abort_stalled()
             h.run_until_idle()
         res.steps = step
     res.requests = len(res.request_engines)
     res.seconds = time.monotonic() - t0
     return res
-
-
-def _abort_stalled(h: Any) -> int:
-    """Abort every request of ``h`` whose last `ABORT_DEFERRALS` lookups were deferred."""
-    from vllm.v1.request import RequestStatus
-
-    stuck = [
-        rid
-        for rid in list(h.scheduler.requests)
-        if (obs := h.observations.get(rid)) is not None
-        and len(obs.lookups) >= ABORT_DEFERRALS
-        and all(x is None for _, x in obs.lookups[-ABORT_DEFERRALS:])
-    ]
-    if stuck:
-        h.scheduler.finish_requests(stuck, RequestStatus.FINISHED_ABORTED)
-    return len(stuck)
 
 
 def _send_turn(
