@@ -121,9 +121,10 @@ def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
 # ------------------------------------------------------------- residency and causes
 
 
-def removal(evicted: Num, reset: Num) -> Num:
-    """The last time the key left the tier: its eviction or a reset, whichever is later."""
-    return greatest_known(evicted, reset)
+def removal(evicted: Num, reset: Num, now: Num = None) -> Num:
+    """The last time the key left the tier: its eviction or a reset, whichever is later
+    (``now``: the episode's own *s*, when its lookup's promotions evicted the key during it)."""
+    return greatest_known(evicted, reset, now)
 
 
 def resident(completed: Num, removed: Num) -> Truth:
@@ -177,6 +178,9 @@ class KeyFacts:
     to promote it into (vLLM then answers MISS)."""
     own_promotion_evicted: Truth = False
     """A promotion of the episode's own request evicted the key from the primary."""
+    evicted_now: Truth = False
+    """A promotion of the episode's own lookup evicted the key from the primary during the
+    episode: resident at *s*, gone when (or after) the lookup reached it."""
     fits: Truth = True
     """Every chunk the episode needs for a hit at E fits the primary tier at once (an
     uncontended tiered manager could promote them all: `fits_primary`)."""
@@ -187,10 +191,18 @@ class KeyFacts:
     """The episode never looked the key up (its key is known from elsewhere)."""
 
 
+def last_removal(f: KeyFacts) -> Num:
+    """`removal` of the key at the episode: its last eviction or reset before *s*, or *s*
+    itself when a promotion of the episode's own lookup evicted it during the episode (on a
+    tiered manager a lookup changes the primary: what was resident at *s* may be gone when
+    the lookup reaches it)."""
+    return removal(f.evicted, f.reset, cases([(f.evicted_now, f.s)], None))
+
+
 CAUSES: tuple[tuple[str, Callable[[KeyFacts], Truth]], ...] = (
-    ("resident", lambda f: resident(f.completed, removal(f.evicted, f.reset))),
+    ("resident", lambda f: resident(f.completed, last_removal(f))),
     ("on_tier", lambda f: f.durable & f.unasked),
-    ("in_flight", lambda f: in_flight(f.prepared, removal(f.evicted, f.reset), f.failed)),
+    ("in_flight", lambda f: in_flight(f.prepared, last_removal(f), f.failed)),
     ("promoting", lambda f: f.durable & f.unsettled),
     ("promotions_held", lambda f: f.durable & f.held),
     ("promotion_no_room", lambda f: f.durable & negate(f.fits)),

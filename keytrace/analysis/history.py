@@ -100,8 +100,8 @@ def durable(at: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
 
 
 def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
-    """Per probe (pid): ``durable``, ``held``, ``no_room``, ``own_promotion_evicted`` (the
-    `keytrace.analysis.definitions.KeyFacts` a tiered manager adds)."""
+    """Per probe (pid): ``durable``, ``held``, ``no_room``, ``own_promotion_evicted``,
+    ``evicted_now`` (the `keytrace.analysis.definitions.KeyFacts` a tiered manager adds)."""
     ev = pl.col("event")
     keys = probes.get_column("key").unique().implode()
     rows = collect(
@@ -122,14 +122,16 @@ def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
         .unique("pid")
     )
     if "req_id" in base.columns:
+        mine = base.join(rows.filter(ev == "promotion_evicted"), on=["inst", "key", "req_id"])
         own = (
-            base.join(rows.filter(ev == "promotion_evicted"), on=["inst", "key", "req_id"])
-            .filter((pl.col("seq") < pl.col("s")) | during)
-            .select("pid", pl.lit(True).alias("own_promotion_evicted"))
-            .unique("pid")
+            mine.filter((pl.col("seq") < pl.col("s")) | during)
+            .group_by("pid")
+            .agg(pl.lit(True).alias("own_promotion_evicted"), during.any().alias("evicted_now"))
         )
     else:
-        own = pl.DataFrame(schema={"pid": pl.Int64, "own_promotion_evicted": pl.Boolean})
+        own = pl.DataFrame(
+            schema={"pid": pl.Int64, "own_promotion_evicted": pl.Boolean, "evicted_now": pl.Boolean}
+        )
     flags = rows.filter(ev.is_in(["promotions_held", "promotions_released"])).select(
         "inst", pl.col("seq").alias("at"), "event"
     )
@@ -150,7 +152,7 @@ def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
         "pid",
         *(
             pl.col(c).fill_null(False)
-            for c in ("durable", "held", "no_room", "own_promotion_evicted")
+            for c in ("durable", "held", "no_room", "own_promotion_evicted", "evicted_now")
         ),
     )
 
@@ -261,6 +263,7 @@ def causes(
             "held": pl.col("held"),
             "no_room": pl.col("no_room"),
             "own_promotion_evicted": pl.col("own_promotion_evicted"),
+            "evicted_now": pl.col("evicted_now"),
             "fits": pl.col("fits").fill_null(True) if "fits" in probes.columns else True,
             "unsettled": unsettled(pl.col("result")) if "result" in probes.columns else False,
             "unasked": pl.col("result").is_null() if "result" in probes.columns else False,

@@ -115,6 +115,8 @@ class _Instance:
     """episode -> keys its lookups found on a tier with no primary slot to promote into"""
     promoted_out: dict[str, set[bytes]] = field(default_factory=dict)
     """req -> keys its own promotions evicted from the primary"""
+    promoted_now: dict[int, set[bytes]] = field(default_factory=dict)
+    """episode -> keys its own lookup's promotions evicted during it (until it is judged)"""
     open: int | None = None
     """The episode in progress (its sequence number), if any."""
     pending: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
@@ -335,6 +337,8 @@ class Alarm:
             return
         if event == "promotion_evicted" and req_id is not None:
             st.promoted_out.setdefault(req_id, set()).update(k for k in keys if k)
+            if episode is not None:
+                st.promoted_now.setdefault(episode, set()).update(k for k in keys if k)
             return
         for key in keys:
             if key is None:
@@ -428,6 +432,7 @@ class Alarm:
                         self.looked_up[(st.engine, g, result)] += n
             j = self._judge(st, ep, scans, unqueried, tpc, proofs)
             st.no_room.pop(ep.seq, None)
+            st.promoted_now.pop(ep.seq, None)
             st.open = None
             pending, st.pending = st.pending, []
             for kind, args in pending:
@@ -696,6 +701,7 @@ class Alarm:
             held=bool(d.resident(*st.held)),
             no_room=key in st.no_room.get(s, ()),
             own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
+            evicted_now=key in st.promoted_now.get(s, ()),
             fits=at.fits,
             unsettled=bool(d.unsettled(result)),
             unasked=result is None,

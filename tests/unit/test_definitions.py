@@ -6,6 +6,7 @@ cases, so reordering a table fails here."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ FACT_SCHEMA = {
     "held": pl.Boolean,
     "no_room": pl.Boolean,
     "own_promotion_evicted": pl.Boolean,
+    "evicted_now": pl.Boolean,
     "fits": pl.Boolean,
     "unsettled": pl.Boolean,
     "unasked": pl.Boolean,
@@ -69,6 +71,7 @@ FACTS = st.fixed_dictionaries(
         "held": FLAG,
         "no_room": FLAG,
         "own_promotion_evicted": FLAG,
+        "evicted_now": FLAG,
         "fits": FLAG,
         "unsettled": FLAG,
         "unasked": FLAG,
@@ -232,7 +235,7 @@ def facts(**kw: Any) -> d.KeyFacts:
     base: dict[str, Any] = dict.fromkeys(FACT_SCHEMA)
     base.update(s=100, rejected=False, other_engine=False, sibling_stored=False, token_end=64)
     base.update(durable=False, held=False, no_room=False, own_promotion_evicted=False, fits=True)
-    base.update(unsettled=False, unasked=False)
+    base.update(unsettled=False, unasked=False, evicted_now=False)
     base.update(kw)
     return d.KeyFacts(**base)
 
@@ -272,6 +275,12 @@ def test_each_precedence_in_the_cause_table() -> None:
     assert (
         d.cause(facts(completed=20, evicted=30, no_room=True, fits=True)) == "evicted"
     )  # not durable
+    # resident and in flight at s, but the episode's own promotions evicted it during the
+    # lookup: neither (a tiered lookup changes the primary it reads)
+    for was in (facts(completed=20), facts(prepared=30)):
+        gone = dataclasses.replace(was, evicted_now=True, durable=True, fits=False)
+        assert d.cause(was) in ("resident", "in_flight")
+        assert d.cause(gone) == "promotion_no_room"
     # this group id reached the store path before s: a sibling says nothing
     assert d.cause(facts(sibling_stored=True, own_first_prepared=50, keyable_end=64)) == (
         "never_offered"
