@@ -29,6 +29,8 @@ class Regression:
     episode_length: int
     xfail: str | None
     note: str
+    cpu_chunks: int | None = None  # the CPU tier (the primary, when tiered); None: the geometry's
+    tiers: tuple[str, ...] = ()  # secondary tiers (`keytrace.vllm.lab.harness.tiered`)
 
 
 REGRESSIONS = (
@@ -67,19 +69,57 @@ as the peek, needs 278-280 and finds 280 missing: 0 external tokens. The turn th
 280 itself, after its own lookup; that store explains nothing (keytrace diff reports
 cause not_keyable; before issue 12 it called this shortfall explained).""",
     ),
+    Regression(
+        geometry="small",
+        prime_lengths=(547,),
+        episode_length=547,
+        cpu_chunks=12,
+        tiers=("fs",),
+        xfail=(
+            "vLLM 0.33.0: a tiered manager's promotions evict the request's own prefix from "
+            "the CPU tier, and its lookup is deferred without end (keytrace findings, "
+            "docs/findings.md)"
+        ),
+        note="""\
+Evidence (keytrace diff on stock vLLM 0.33.0): a CPU tier of 12 chunks over a file-system
+tier. The 547-token prompt needs 13 chunks at once for a hit at E = 512 (8 full-attention
+chunks, 2 of the sliding-window group, 3 of the MTP group); its prime wrote them all through
+to disk, and the CPU tier kept what fit. The resend's lookup finds the rest on disk and
+promotes each key (TieringOffloadingManager._initiate_promotion: primary_tier.prepare_write),
+which evicts the least recently used idle keys: the ones this lookup found a moment before
+(prepare_store protects only the key it stores; lookups pin nothing). The lookup is deferred
+(HIT_PENDING), asks again, finds the evicted keys on disk, promotes them, evicts others:
+keytrace's stall rule fires after 50 deferrals in a row, and stock vLLM never serves or
+recomputes the request. With --fix promotion_pins_prefix the promotions cannot evict the
+request's own CPU-tier hits, prepare_write finds no room, vLLM answers its designed MISS
+(explained: promotion_no_room) and the request runs.""",
+    ),
 )
+
+
+def _geometry(reg: Regression) -> object:
+    """The entry's geometry: the built-in one, its CPU tier, its secondary tiers (an fs
+    tier gets its folder from the harness)."""
+    from keytrace.analysis.geometry import builtin
+    from keytrace.vllm.lab.harness import tiered
+
+    geo = builtin(reg.geometry)
+    if reg.cpu_chunks is not None:
+        geo = geo.with_(cpu_chunks=reg.cpu_chunks)
+    if reg.tiers:
+        geo = tiered(geo, reg.tiers, None)
+    return geo
 
 
 def render(reg: Regression) -> tuple[str, str]:
     """(file name, text) of one regression, recorded afresh on the real scheduler."""
-    from keytrace.analysis.geometry import builtin
     from keytrace.analysis.plan import plan_from_trace
     from keytrace.format.reader import open_trace
     from keytrace.report.fixture import file_name, render_fixture
     from keytrace.vllm.lab.replay import replay
 
     with tempfile.TemporaryDirectory(prefix="keytrace-regen-") as tmp:
-        replay(builtin(reg.geometry), list(reg.prime_lengths), reg.episode_length, trace_dir=tmp)
+        replay(_geometry(reg), list(reg.prime_lengths), reg.episode_length, trace_dir=tmp)
         plan = plan_from_trace(open_trace(tmp))
     text = render_fixture(plan, xfail_reason=reg.xfail, docstring_extra=reg.note)
     return file_name(plan, text), text

@@ -29,6 +29,12 @@ DEFAULT_VERSION = "0.33.0"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "keytrace"
 OFFLOADING_SUITE = "tests/v1/kv_connector/unit/offloading_connector"
 CONFCUTDIR = "tests/v1/kv_connector"
+TIERING_SUITE = "tests/v1/kv_offload/tiering/test_tiering_offloading.py"
+TIERING_CONFCUTDIR = "tests/v1/kv_offload"
+SUITES = ((OFFLOADING_SUITE, CONFCUTDIR), (TIERING_SUITE, TIERING_CONFCUTDIR))
+"""vLLM's own tests keytrace must leave unchanged: the offloading connector's unit suite
+and the tiered manager's (where a candidate fix for tiering lands), each with its conftest
+root."""
 
 # facebook/opt-125m's config.json, as published; the suite builds ModelConfigs from it.
 OPT_125M_CONFIG = {

@@ -2,8 +2,9 @@
 
     python tools/vllm_suite.py [--version 0.33.0] [--cache DIR] [--keep DIR] [--fix NAME]
 
-Runs ``tests/v1/kv_connector/unit/offloading_connector/`` from vLLM's sdist (see
-``tools/vllm_sdist.py``) twice, on a CPU, offline:
+Runs ``tests/v1/kv_connector/unit/offloading_connector/`` and the tiered manager's
+``tests/v1/kv_offload/tiering/test_tiering_offloading.py`` from vLLM's sdist (see
+``tools/vllm_sdist.py``: `SUITES`) twice, on a CPU, offline:
 
 1. plain: keytrace installed but inert (``KEYTRACE_DIR`` unset);
 2. recording: vLLM's ``load_general_plugins()`` called at session start (what every vLLM
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_sdist import CONFCUTDIR, DEFAULT_CACHE, DEFAULT_VERSION, OFFLOADING_SUITE, prepare
+from vllm_sdist import DEFAULT_CACHE, DEFAULT_VERSION, SUITES, prepare
 
 LOADER = '''\
 """pytest plugin: load vLLM's general plugins once, as every vLLM engine process does."""
@@ -60,18 +61,37 @@ def outcomes(junit: Path) -> dict[str, str]:
     return result
 
 
-def run_suite(
+def run_suites(
     tree: Path, home: Path, work: Path, record_dir: Path | None, fix: str | None = None
 ) -> tuple[dict[str, str], float]:
-    junit = work / ("recording.xml" if record_dir else "plain.xml")
+    """Every suite of `SUITES`, one pytest each (each has its own conftest root)."""
+    results: dict[str, str] = {}
+    total = 0.0
+    for suite, confcutdir in SUITES:
+        found, seconds = run_suite(tree, home, work, suite, confcutdir, record_dir, fix)
+        results.update(found)
+        total += seconds
+    return results, total
+
+
+def run_suite(
+    tree: Path,
+    home: Path,
+    work: Path,
+    suite: str,
+    confcutdir: str,
+    record_dir: Path | None,
+    fix: str | None = None,
+) -> tuple[dict[str, str], float]:
+    junit = work / f"{'recording' if record_dir else 'plain'}-{Path(suite).stem}.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", HF_HOME=str(home))
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        OFFLOADING_SUITE,
-        f"--confcutdir={CONFCUTDIR}",
+        suite,
+        f"--confcutdir={confcutdir}",
         "-q",
         "-p",
         "no:cacheprovider",
@@ -117,11 +137,11 @@ def main() -> int:
         work = Path(tmp)
         (work / "keytrace_suite_loader.py").write_text(LOADER)
         record_dir = args.keep or work / "trace"
-        plain, t_plain = run_suite(tree, home, work, None)
-        recorded, t_rec = run_suite(tree, home, work, record_dir, args.fix)
+        plain, t_plain = run_suites(tree, home, work, None)
+        recorded, t_rec = run_suites(tree, home, work, record_dir, args.fix)
         parts = sorted(record_dir.rglob("*.parquet")) if record_dir.exists() else []
 
-    print(f"vLLM {args.version} {OFFLOADING_SUITE}")
+    print(f"vLLM {args.version} {' and '.join(suite for suite, _ in SUITES)}")
     print(f"  without keytrace:        {summary(plain)}  ({t_plain:.0f} s)")
     label = f"recording, fix {args.fix}" if args.fix else "recording (KEYTRACE_DIR)"
     print(f"  {label}: {summary(recorded)}  ({t_rec:.0f} s)")

@@ -16,7 +16,7 @@ import polars as pl
 
 from keytrace._version import __version__
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import ASKED_AGAIN
+from keytrace.analysis.definitions import ASKED_AGAIN, FINDINGS
 from keytrace.analysis.diff import EpisodeVerdict, diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.errors import TraceError
@@ -49,7 +49,15 @@ class ReplayPlan:
 
 
 def _choose(report_all: Sequence[EpisodeVerdict], request: str | None) -> EpisodeVerdict:
+    """The episode to replay: ``request``'s last answered one; else the first finding (a
+    mismatch, else the first episode of a stalled request), else the first explained or
+    hit episode, else the last."""
     eps = [v for v in report_all if v.verdict not in ASKED_AGAIN]
+    if request is None:
+        for want in FINDINGS:
+            pick = [v for v in report_all if v.verdict == want]
+            if pick:
+                return pick[0]
     if request is not None:
         mine = [v for v in eps if v.req_id == request]
         if not mine:
@@ -57,7 +65,7 @@ def _choose(report_all: Sequence[EpisodeVerdict], request: str | None) -> Episod
                 f"request {request!r} has no non-deferred lookup episode in this trace"
             )
         return mine[-1]
-    for want in ("mismatch", "explained", "hit"):
+    for want in ("explained", "hit"):
         pick = [v for v in eps if v.verdict == want]
         if pick:
             return pick[0]

@@ -20,8 +20,7 @@ HEADER = '''\
 
 Recorded: request {request}, {episode_length:,} prompt tokens, local {local_tokens:,},
 external {recorded_external}, expected boundary E={expected_E}; verdict {recorded_verdict}.{evidence}
-The test replays the same lengths and geometry on the real vLLM scheduler (CPU) and asserts
-that the offload hit reaches E and that keytrace's diff finds no mismatch.{docstring_extra}
+{promise}{docstring_extra}
 """
 '''
 
@@ -52,6 +51,23 @@ TEST = """\
     assert result.external_tokens >= EXPECTED_E - result.local_tokens, result.explain()
 """
 
+STALLED_PROMISE = """\
+The test replays the same lengths and geometry on the real vLLM scheduler (CPU) and asserts
+that vLLM answers the lookup (serves it, or turns it down) instead of deferring it without
+end, and that keytrace's diff finds no mismatch."""
+
+STALLED_TEST = """\
+{marker}def {test_name}(tmp_path: Path) -> None:
+    # the replay gives up on a request after 64 deferrals in a row, past keytrace's stall rule
+    result = replay(GEOMETRY, PRIME_LENGTHS, EPISODE_LENGTH, trace_dir=tmp_path / "trace")
+    assert result.verdict not in ("mismatch", "stalled"), result.explain()
+"""
+
+
+PROMISE = """\
+The test replays the same lengths and geometry on the real vLLM scheduler (CPU) and asserts
+that the offload hit reaches E and that keytrace's diff finds no mismatch."""
+
 
 def _evidence(plan: ReplayPlan) -> str:
     if plan.binding_group is None:
@@ -75,9 +91,11 @@ def render_fixture(
         raise ValueError(
             "the chosen episode has no expected boundary (a cold lookup): nothing to assert"
         )
+    stalled = plan.recorded_verdict == "stalled"
     title = (
         f"Offload regression: {plan.episode_length:,}-token resend on the "
-        f"{plan.geometry.get('name')} geometry must hit E={plan.expected_E:,}."
+        f"{plan.geometry.get('name')} geometry must "
+        + ("not stall." if stalled else f"hit E={plan.expected_E:,}.")
     )
     marker = ""
     if xfail_reason:
@@ -95,6 +113,7 @@ def render_fixture(
             expected_E=plan.expected_E,
             recorded_verdict=plan.recorded_verdict,
             evidence=_evidence(plan),
+            promise=STALLED_PROMISE if stalled else PROMISE,
             docstring_extra=("\n\n" + docstring_extra.strip()) if docstring_extra.strip() else "",
         ),
         IMPORTS,
@@ -105,7 +124,7 @@ def render_fixture(
             expected_E=plan.expected_E,
             recorded_external=plan.recorded_external,
         ),
-        TEST.format(marker=marker, test_name=function_name(plan)),
+        (STALLED_TEST if stalled else TEST).format(marker=marker, test_name=function_name(plan)),
     ]
     head = "\n\n".join(p.rstrip("\n") for p in parts[:-1])
     return head + "\n\n\n" + parts[-1].rstrip("\n") + "\n"  # two blank lines before the test

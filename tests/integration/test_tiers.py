@@ -253,3 +253,50 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+@pytest.mark.parametrize("fix", [None, "promotion_pins_prefix"])
+def test_the_livelock_under_the_candidate_fix(tmp_path: Path, fix: str | None) -> None:
+    """promotion_pins_prefix (keytrace.vllm.mods.fixes): the 13-chunk resend against a
+    12-chunk primary, which stock vLLM defers without end, is answered: the promotions
+    cannot evict the request's own hits, vLLM answers MISS (no room) and the request runs
+    with what it has: capacity, explained. The fix is scoped: vLLM's tiering class is left
+    exactly as it was."""
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    from keytrace.vllm.hook.patches import fixed
+
+    before = dict(vars(TieringOffloadingManager))
+    d = str(tmp_path / "t")
+    with fixed(fix), recording(d):
+        h = _harness(tmp_path, 12, tier="example")
+        h.submit(tokens(8), chain=0)
+        h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        resend = h.submit(tokens(8), chain=0)
+        h.run_until_idle(give_up=True)
+    assert dict(vars(TieringOffloadingManager)) == before
+    trace = open_trace(d)
+    assert trace.header["vllm_modified"] == ([f"fix:{fix}"] if fix else [])
+    served = [v for v in diff(trace, all_episodes=True).episodes if v.req_id == resend]
+    if fix is None:
+        assert served[-1].verdict == "stalled"
+        assert h.observations[resend].lookups[-1] == (0, None)  # aborted, never answered
+    else:
+        assert [v.verdict for v in served][-1] == "explained"
+        assert served[-1].terminal is not None
+        assert served[-1].terminal.cause == "promotion_no_room"
+        assert h.observations[resend].accepted[-1] == 0
+
+
+def test_a_closed_harness_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
+    """A tiered manager maps its primary into /dev/shm (vllm_offload_<engine id>.mmap):
+    the harness shuts vLLM's scheduler down when closed (or collected), which removes it.
+    Left behind, the test suite once filled a 24 GiB /dev/shm."""
+    h = _harness(tmp_path, 12, tier="example")
+    engine = h.vllm_config.kv_transfer_config.engine_id
+    region = Path("/dev/shm") / f"vllm_offload_{engine}.mmap"
+    assert region.exists()
+    h.close()
+    assert not region.exists()
+    h.close()  # idempotent

@@ -188,8 +188,17 @@ def test_the_hot_path_wrapper_keeps_observes_contract(factory: Any) -> None:
 def test_table_is_well_formed() -> None:
     rows = [(p.feature, p.target, p.attr) for p in TABLE]
     assert len(rows) == len(set(rows))
-    # the manager is wrapped per instance only (tiering aliases prepare_write to it)
-    assert {p.target for p in TABLE if p.attr in ("lookup", "prepare_store")} == {"manager", "tier"}
+    # the manager is wrapped per instance only (tiering aliases prepare_write to it); the
+    # one class-level row on a manager's lookup is a candidate fix's, on the tiering
+    # manager's own class, which no tier aliases
+    assert {p.target for p in TABLE if p.attr in ("lookup", "prepare_store")} == {
+        "manager",
+        "tier",
+        "tiering_class",
+    }
+    assert {p.feature for p in TABLE if p.target == "tiering_class"} == {
+        "fix:promotion_pins_prefix"
+    }
     # and so are a tiered manager's primary tier (its prepare_write is its prepare_store)
     assert {p.target for p in TABLE if p.attr in ("prepare_write", "complete_write")} == {"primary"}
     assert {f for f in patches.FEATURES if f.startswith("inject:")} == {

@@ -14,12 +14,23 @@ SCHEDULER_CLASS = "OffloadingConnectorScheduler"
 BASE_MODULE = "vllm.v1.kv_offload.base"
 CONFIG_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config"
 """Where the offloading config is built (module functions; a candidate fix patches one)."""
+TIERING_MODULE = "vllm.v1.kv_offload.tiering.manager"
+TIERING_CLASS = "TieringOffloadingManager"
+"""vLLM's tiered manager (a candidate fix patches its class; recording wraps instances)."""
 
 
 def config_module() -> Any:
     """The offloading config module, or None when this vLLM has none."""
     try:
         return importlib.import_module(CONFIG_MODULE)
+    except Exception:
+        return None
+
+
+def tiering_class() -> Any:
+    """``TieringOffloadingManager``, or None when this vLLM has no tiered offloading."""
+    try:
+        return getattr(importlib.import_module(TIERING_MODULE), TIERING_CLASS, None)
     except Exception:
         return None
 

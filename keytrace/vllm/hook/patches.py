@@ -7,7 +7,9 @@ A row (`Patch`) names
   ``harness`` (the CPU harness's own observers);
 - its *target*: ``scheduler`` is a class attribute of ``OffloadingConnectorScheduler``,
   applied when the feature is enabled; ``config`` a function of vLLM's offloading config
-  module (read when a connector is built), applied the same way; ``manager`` and
+  module (read when a connector is built), and ``tiering_class`` an attribute of the class
+  ``TieringOffloadingManager`` (a candidate fix: managers built afterwards have it), applied
+  the same way; ``manager`` and
   ``connector`` are attributes of one
   *instance*, applied as each instance appears (the manager when a recorded scheduler is
   built, the connector when a harness is built). The manager is never patched at class
@@ -51,7 +53,9 @@ from keytrace.vllm.mods import catalog, fixes, inject
 
 log = logging.getLogger("keytrace")
 
-Target = Literal["scheduler", "config", "manager", "tiering", "primary", "tier", "connector"]
+Target = Literal[
+    "scheduler", "config", "tiering_class", "manager", "tiering", "primary", "tier", "connector"
+]
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 Binding = Any  # None for class rows; what the instance rows need, e.g. (recorder, scheduler)
 Observer = Callable[..., Any]
@@ -488,6 +492,25 @@ TABLE: tuple[Patch, ...] = (
         "get_sliding_window_size_in_chunks",
         _replace(fixes.window_minus_one),
     ),
+    # a tiered manager's promotions pin the keys their own request found in the primary
+    Patch(
+        "fix:promotion_pins_prefix",
+        "tiering_class",
+        "lookup",
+        _replace(fixes.note_primary_hits),
+    ),
+    Patch(
+        "fix:promotion_pins_prefix",
+        "tiering_class",
+        "_initiate_promotion",
+        _replace(fixes.promote_pinning_prefix),
+    ),
+    Patch(
+        "fix:promotion_pins_prefix",
+        "tiering_class",
+        "on_schedule_end",
+        _replace(fixes.forget_primary_hits),
+    ),
     # the CPU harness's own observers on the connector instance it builds
     Patch("harness", "connector", "get_num_new_matched_tokens", _notify("on_lookup")),
     Patch("harness", "connector", "update_state_after_alloc", _notify("on_alloc")),
@@ -576,6 +599,10 @@ class _Slot:
         fn = self.original
         for layer in sorted(self.layers, key=lambda x: (_rank(x.feature), x.order)):
             fn = wrapt.FunctionWrapper(fn, layer.row.make(layer.binding))
+        # the wrapper holds its slot (`_State.slots` only weakly): what an instance's
+        # slot holds (the bound original, bindings naming the scheduler or the harness)
+        # then lives exactly as long as the instance, not as long as the process
+        fn._self_keytrace_slot = self
         self._set(owner, fn)
         self.proxy = fn
 
@@ -608,7 +635,6 @@ def _ref(obj: Any) -> Callable[[], Any]:
 def _apply(feature: str, owner: Any, row: Patch, binding: Binding) -> None:
     """Add ``row`` of ``feature`` as a layer on ``owner.<attr>`` (nothing if absent)."""
     with _STATE.lock:
-        _STATE.slots = {k: v for k, v in _STATE.slots.items() if v.owner() is not None}
         key = (id(owner), row.attr)
         slot = _STATE.slots.get(key)
         if slot is not None and slot.stale(owner):
@@ -640,8 +666,13 @@ class _State:
         self.lock = threading.RLock()
         self.enabled: set[str] = set()
         """Features whose class-level rows are applied (`enable`)."""
-        self.slots: dict[tuple[int, str], _Slot] = {}
-        """(id of the owner, attribute) -> what keytrace wraps there."""
+        self.slots: weakref.WeakValueDictionary[tuple[int, str], _Slot] = (
+            weakref.WeakValueDictionary()
+        )
+        """(id of the owner, attribute) -> what keytrace wraps there. Weak: a slot lives
+        as long as the wrapper keytrace set, which holds it (`_Slot.install`), so the slots
+        of a collected instance go with it (thousands of harnesses and recorded schedulers
+        in a process were otherwise kept alive for good)."""
         self.order = 0
         self.directory: str | None = None
         self.alarm: AlarmSettings | None = None
@@ -679,9 +710,9 @@ def missing_hooks(feature: str) -> list[str]:
         release = vllm_version().split("+")[0]
         if release not in RECORDING_VLLM:
             return [f"release {release} is not one keytrace records"]
-    from keytrace.vllm.hook.compat import CONFIG_MODULE, config_module
+    from keytrace.vllm.hook.compat import CONFIG_MODULE, TIERING_CLASS, config_module, tiering_class
 
-    config = config_module()
+    config, tiering = config_module(), tiering_class()
     return (
         problems
         + [
@@ -693,6 +724,11 @@ def missing_hooks(feature: str) -> list[str]:
             f"hook point {CONFIG_MODULE}.{p.attr} is missing"
             for p in _rows(feature, "config")
             if config is None or _resolve(config, p.attr) is None
+        ]
+        + [
+            f"hook point {TIERING_CLASS}.{p.attr} is missing"
+            for p in _rows(feature, "tiering_class")
+            if tiering is None or _resolve(tiering, p.attr) is None
         ]
     )
 
@@ -728,6 +764,11 @@ def enable(feature: str) -> bool:
 
             for row in _rows(feature, "config"):
                 _apply(feature, config_module(), row, None)
+        if _rows(feature, "tiering_class"):
+            from keytrace.vllm.hook.compat import tiering_class
+
+            for row in _rows(feature, "tiering_class"):
+                _apply(feature, tiering_class(), row, None)
         if feature == "record":
             _STATE.exact_scans = all(
                 _resolve(cls, p.attr) is not None for p in _rows(feature, "scheduler")

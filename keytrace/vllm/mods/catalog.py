@@ -38,6 +38,11 @@ FIXES: dict[str, str] = {
         "context cover, cdiv(w - 1 + extra, tpc), as the store side (and vLLM's GPU prefix "
         "cache) keep, not cdiv(w, tpc): one chunk fewer when w - 1 is a multiple of a chunk"
     ),
+    "promotion_pins_prefix": (
+        "tiered managers: while a lookup promotes a key from a secondary tier, the keys the "
+        "same request found in the CPU tier this step are pinned, so the promotion cannot "
+        "evict them (no room left: vLLM's own MISS)"
+    ),
 }
 """Fix name -> what it changes in vLLM's offload path (shown in warnings and ``--help``)."""
 

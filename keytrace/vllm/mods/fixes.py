@@ -32,12 +32,24 @@ the prompt ends before ``b + tpc`` the peek chunk is never keyed, so never store
 ``k * tpc + 1`` tokens: the lookup asks for ``cdiv(w, tpc)`` chunks where the store keeps the
 ``w - 1`` tokens of context a query attends to; with it the lookup asks for those.
 
+``promotion_pins_prefix`` targets the tiered livelock (docs/findings.md): vLLM 0.33.0's
+``TieringOffloadingManager`` promotes each on-disk key a lookup finds into a CPU-tier slot
+(``prepare_write``), which evicts the least recently used idle keys, and those can be keys
+the same lookup found a moment before (``prepare_store`` protects only the key it
+stores; lookups pin nothing). A request whose needed chunks barely fit, or do not fit, the
+CPU tier then promotes its own prefix out, is deferred, looks up again, and never runs. The
+fix pins, around each promotion, the keys the same request found ready in the CPU tier in
+this scheduler step (vLLM's own ``prepare_read``/``complete_read`` reference counts), so
+the promotion takes other room or fails: vLLM then answers MISS, its designed answer when
+the CPU tier is full, and the request runs with what it has.
+
 Fixes combine (``--fix eagle_proof_key,window_minus_one``). Testing tool: a fix is written
 into every trace header, and logs a WARNING naming itself.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -358,3 +370,56 @@ def window_minus_one(
         return out
     context = spec.sliding_window - 1 + spec.extra_retained_tokens
     return max(1, -(-context // tpc))
+
+
+# ------------------------------------------------------------------ promotion_pins_prefix
+_PRIMARY_HITS: weakref.WeakKeyDictionary[Any, dict[str, list[Any]]] = weakref.WeakKeyDictionary()
+"""Tiered manager -> request id -> the keys its lookups found ready in the CPU tier during
+the current scheduler step (cleared at ``on_schedule_end``)."""
+
+
+def note_primary_hits(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``TieringOffloadingManager.lookup(key, req_context, *, exclude_tier_idx)``: vLLM's
+    answer; a HIT (ready in the CPU tier) is remembered for the request."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    result = wrapped(*args, **kwargs)
+    if result is LookupResult.HIT:
+        key = args[0] if args else kwargs["key"]
+        ctx = args[1] if len(args) > 1 else kwargs["req_context"]
+        _PRIMARY_HITS.setdefault(instance, {}).setdefault(ctx.req_id, []).append(key)
+    return result
+
+
+def promote_pinning_prefix(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``TieringOffloadingManager._initiate_promotion(tier_idx, key, req_context)`` with
+    the request's CPU-tier hits of this step pinned (those still there and ready), so
+    ``prepare_write`` evicts other keys or returns None."""
+    ctx = args[2] if len(args) > 2 else kwargs["req_context"]
+    primary = instance.primary_tier
+    policy = primary._policy
+    mine = _PRIMARY_HITS.get(instance, {}).get(ctx.req_id, [])
+    pinned = []
+    for key in dict.fromkeys(mine):
+        chunk = policy.get(key)
+        if chunk is not None and chunk.is_ready:
+            pinned.append(key)
+    if not pinned:
+        return wrapped(*args, **kwargs)
+    primary.prepare_read(pinned, ctx)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        primary.complete_read(pinned, ctx)
+
+
+def forget_primary_hits(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``TieringOffloadingManager.on_schedule_end``: a new step's lookups start afresh."""
+    _PRIMARY_HITS.pop(instance, None)
+    return wrapped(*args, **kwargs)
