@@ -44,6 +44,11 @@ def command(
     imports only vLLM, for vLLM's own test tree, and `keytrace fixture`'s) and the chunk
     map page (OUT/chunkmap.html).
 
+    A stalled request on a tiered manager (deferred without end) gets the same tests (the
+    vLLM-only one for tests/v1/kv_offload/tiering/) and, instead of the length sweep and
+    the minimal case, a replay at each CPU tier size around the recorded one
+    (OUT/capacity.csv; with --fix, each also with the fix).
+
     \b
     Exit status: 1 (a mismatch was reported), 2 trouble (no mismatch, no vLLM, ...).
     """
@@ -64,7 +69,11 @@ def command(
         progress=progress_printer() if show else None,
     )
     click.echo(f"report      {files.markdown}")
-    click.echo(f"  rule      {files.rule.text()}")
+    if files.rule is not None:
+        click.echo(f"  rule      {files.rule.text()}")
+    for r in files.capacity:
+        fixed = f"; with the fix {r.fixed_verdict}" if r.fixed_verdict else ""
+        click.echo(f"  cpu {r.cpu_chunks:>5} {r.verdict}, {r.external:,} external{fixed}")
     if files.fix is not None:
         click.echo(f"  fix       {files.fix.text()}")
     click.echo(f"  test      {files.standalone}   (vLLM only: drop into vLLM's tests)")

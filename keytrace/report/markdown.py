@@ -81,3 +81,65 @@ def traffic(primes: Sequence[int], episode: int) -> str:
     same = len(primes) == 1 and primes[0] == episode
     how = "an identical resend" if same else f"a {episode:,}-token request"
     return f"requests of {before} tokens (stores acknowledged), a GPU-only prefix-cache reset, then {how}"
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    """One replay of a stalled case with the CPU tier at ``cpu_chunks`` (and, with a
+    candidate fix, the same replay with it)."""
+
+    cpu_chunks: int
+    verdict: str
+    external: int
+    fixed_verdict: str | None = None
+    fixed_external: int | None = None
+
+
+@dataclass(frozen=True)
+class StalledPage:
+    """What ``report.md`` says about a stalled request ``v`` on a tiered manager."""
+
+    v: EpisodeVerdict
+    header: dict[str, Any]
+    keytrace_version: str
+    prime_lengths: Sequence[int]
+    episode_length: int
+    evidence: str
+    rows: Sequence[CapacityRow]
+    give_up: int
+    fixture: str
+    standalone: str
+    trace: str
+    html: str | None = None
+    fix: str | None = None
+    fix_text: str = ""
+
+
+def render_stalled_report(page: StalledPage) -> str:
+    """``report.md``'s text for a stalled request (``templates/report_stalled.md.j2``)."""
+    from keytrace.analysis.definitions import STALL_EPISODES
+
+    header = page.header
+    tiers = header.get("secondary_tiers") or []
+    return render(
+        "report_stalled.md.j2",
+        v=page.v,
+        keytrace_version=page.keytrace_version,
+        vllm_version=header.get("vllm_version", "?"),
+        modified=header.get("vllm_modified") or [],
+        spec=header.get("offload_spec") or "?",
+        cpu_chunks=header.get("cpu_num_chunks"),
+        tiers=" and ".join(f"a `{t.get('type')}` tier" for t in tiers) or "no tier",
+        stall_episodes=STALL_EPISODES,
+        groups=[g for g in header.get("groups", []) if g.get("offloaded", True)],
+        traffic=traffic(page.prime_lengths, page.episode_length),
+        evidence=page.evidence.rstrip(),
+        html=page.html,
+        rows=page.rows,
+        give_up=page.give_up,
+        fix=page.fix,
+        fix_text=page.fix_text,
+        fixture=page.fixture,
+        standalone=page.standalone,
+        trace=page.trace,
+    )

@@ -5,7 +5,12 @@ template ``templates/vllm_regression.py.j2`` with the geometry and lengths as li
 
 It drives vLLM's store decision (``_reachable_store_block_mask``, the whole prompt at once)
 into a real ``CPUOffloadingManager`` and vLLM's lookup (``get_num_new_matched_tokens``),
-and asserts the expected boundary E. Deterministic: equal plans give byte-equal files.
+and asserts the expected boundary E. A *stalled* request on a tiered manager (a lookup
+deferred without end) gets instead the manager-level test of
+``templates/vllm_tiered_regression.py.j2``, for ``tests/v1/kv_offload/tiering/``: vLLM's
+``TieringOffloadingManager`` with the recorded CPU tier size over the ``example`` tier, one
+key more than it holds, the connector's lookup walk each step, which must be answered.
+Deterministic: equal plans give byte-equal files.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from keytrace.analysis.definitions import STALL_EPISODES
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan
 from keytrace.report.templates import render
@@ -23,6 +29,19 @@ def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
     if plan.expected_E is None:
         raise ValueError("the episode has no expected boundary: nothing to assert")
     geo: dict[str, Any] = plan.geometry
+    if is_tiered_stall(plan):
+        return render(
+            "vllm_tiered_regression.py.j2",
+            title=f"{int(geo['cpu_chunks']) + 1} chunks on a {geo['cpu_chunks']}-chunk CPU tier.",
+            keytrace_version=plan.keytrace_version,
+            vllm_version=plan.vllm_version,
+            episode=plan.episode_length,
+            expected=plan.expected_E,
+            cpu_chunks=int(geo["cpu_chunks"]),
+            stall_episodes=STALL_EPISODES,
+            evidence=evidence.strip(),
+            test_name="test_request_needing_one_chunk_more_than_the_cpu_tier_is_answered",
+        )
     groups = [
         {
             "block_size": int(g["block_size"]),
@@ -50,6 +69,13 @@ def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
         tokens_per_hash=Geometry.from_dict(geo).tokens_per_hash,
         retention_interval=geo.get("retention_interval"),
         test_name=f"test_offload_store_lookup_agree_{plan.episode_length}",
+    )
+
+
+def is_tiered_stall(plan: ReplayPlan) -> bool:
+    """The plan is of a stalled request on a tiered manager (the livelock's test form)."""
+    return plan.recorded_verdict == "stalled" and bool(
+        plan.geometry.get("extra", {}).get("secondary_tiers")
     )
 
 

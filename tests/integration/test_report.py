@@ -65,3 +65,31 @@ def test_report_with_a_candidate_fix(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "**4 of 4 failing lengths hit** (4 reach E), no new mismatch." in md
     assert "is green with it: `KEYTRACE_FIX=eagle_proof_key python -m pytest test_keytrace_" in md
     assert (out / "sweep-fix.csv").stat().st_size > 0
+
+
+def test_report_of_a_stalled_request_on_a_tiered_manager(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiered livelock (547 tokens, 13 chunks at once, a 12-chunk CPU tier over an fs
+    tier): the report replays it at CPU tier sizes 11-14, with and without the candidate
+    fix, and writes the manager-level test for vLLM's tiering suite."""
+    from keytrace.vllm.lab.harness import tiered
+
+    d = tmp_path / "t"
+    geo = tiered(builtin("small").with_(cpu_chunks=12), ("fs",))
+    replay(geo, [547], 547, trace_dir=d)
+    out = tmp_path / "r"
+    assert main(["report", str(d), "-o", str(out), "--fix", "promotion_pins_prefix"]) == 1
+    printed = capsys.readouterr().out
+    md = (out / "report.md").read_text()
+    assert md.startswith("# KV offload livelock: a request on a tiered manager")
+    assert "a 12-chunk CPU tier over a `fs` tier" in md
+    rows = (out / "capacity.csv").read_text().splitlines()
+    assert rows[0] == "cpu_chunks,verdict,external,fixed_verdict,fixed_external"
+    got = {int(r.split(",")[0]): r.split(",")[1:] for r in rows[1:]}
+    assert sorted(got) == [11, 12, 13, 14]
+    assert got[12][:2] == ["stalled", "0"] and got[12][2] == "explained"
+    assert got[13] == ["hit", "512", "hit", "512"] and got[14][0] == "hit"
+    standalone = [p for p in out.iterdir() if p.name.startswith("test_offload_regression_547_")]
+    assert len(standalone) == 1 and "NUM_PRIMARY_CHUNKS = 12" in standalone[0].read_text()
+    assert "cpu    12 stalled, 0 external; with the fix explained" in printed

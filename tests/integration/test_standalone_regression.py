@@ -31,7 +31,13 @@ from keytrace.vllm.mods.catalog import INJECTIONS  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 sys.path.insert(0, str(TOOLS))
-from vllm_sdist import CONFCUTDIR, OFFLOADING_SUITE, prepare  # noqa: E402
+from vllm_sdist import (  # noqa: E402
+    CONFCUTDIR,
+    OFFLOADING_SUITE,
+    TIERING_CONFCUTDIR,
+    TIERING_SUITE,
+    prepare,
+)
 
 LOADER = "def pytest_configure(config):\n    from vllm.plugins import load_general_plugins\n\n    load_general_plugins()\n"
 
@@ -49,8 +55,14 @@ def _run_in_vllm(
     tmp: Path,
     inject: str | None = None,
     fix: str | None = None,
+    tiered: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    target = tree / OFFLOADING_SUITE / name
+    folder, confcutdir = (
+        (Path(TIERING_SUITE).parent, TIERING_CONFCUTDIR)
+        if tiered
+        else (OFFLOADING_SUITE, CONFCUTDIR)
+    )
+    target = tree / folder / name
     target.write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", HF_HOME=str(home))
@@ -59,7 +71,7 @@ def _run_in_vllm(
         "-m",
         "pytest",
         str(target.relative_to(tree)),
-        f"--confcutdir={CONFCUTDIR}",
+        f"--confcutdir={confcutdir}",
         "-q",
         "-p",
         "no:cacheprovider",
@@ -116,3 +128,34 @@ def test_each_injected_bug_is_red(
     bad = _run_in_vllm(*vllm_tree, text, name, tmp_path, inject=inject)
     assert bad.returncode == 1 and "1 failed" in bad.stdout, bad.stdout[-2000:]
     assert "== 18688" in bad.stdout
+
+
+def _tiered_stall(tmp: Path) -> tuple[str, str]:
+    """The standalone form of the tiered livelock, from a stalled replay (12 CPU chunks over
+    an fs tier, 547 tokens: tools/regen_regressions.py's third entry)."""
+    from keytrace.vllm.lab.harness import tiered
+
+    d = tmp / "trace-tiered"
+    geo = tiered(builtin("small").with_(cpu_chunks=12), ("fs",))
+    assert replay(geo, [547], 547, trace_dir=d).verdict == "stalled"
+    plan = plan_from_trace(open_trace(str(d)))
+    text = render_vllm_regression(plan)
+    assert "TieringOffloadingManager" in text and "NUM_PRIMARY_CHUNKS = 12" in text
+    return text, regression_name(plan, text)
+
+
+def test_the_tiered_livelock_is_red_on_stock_vllm(
+    vllm_tree: tuple[Path, Path], tmp_path: Path
+) -> None:
+    text, name = _tiered_stall(tmp_path)
+    r = _run_in_vllm(*vllm_tree, text, name, tmp_path, tiered=True)
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-2000:]
+    assert "still deferred after 64 steps" in r.stdout and "with a MISS: 0" in r.stdout
+
+
+def test_the_tiered_livelock_is_green_with_the_candidate_fix(
+    vllm_tree: tuple[Path, Path], tmp_path: Path
+) -> None:
+    text, name = _tiered_stall(tmp_path)
+    r = _run_in_vllm(*vllm_tree, text, name, tmp_path, fix="promotion_pins_prefix", tiered=True)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:]

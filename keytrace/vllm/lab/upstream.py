@@ -8,6 +8,7 @@ import io
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from keytrace.analysis.lengthrule import LengthRule, length_rule
 from keytrace.analysis.sweep import FixComparison, SweepRow, compare_fix
@@ -23,10 +24,14 @@ class ReportFiles:
     standalone: str
     html: str
     sweep_csv: str
-    rule: LengthRule
+    rule: LengthRule | None
+    """The failing-length rule; None for a stalled request (its sweep is over CPU tier
+    sizes, `capacity`)."""
     plots: list[str] = field(default_factory=list)
     minimal_trace: str | None = None
     fix: FixComparison | None = None
+    capacity: list[Any] = field(default_factory=list)
+    """For a stalled request: `keytrace.report.markdown.CapacityRow` per CPU tier size."""
 
 
 def write_report(
@@ -70,6 +75,8 @@ def write_report(
     os.makedirs(out_dir, exist_ok=True)
     header = trace.header
     plan = plan_for(trace, v)
+    if v.verdict == "stalled":
+        return _write_stalled_report(report, plan, list(paths), out_dir, fix=fix, log=log)
 
     text = render_fixture(plan)
     fixture = os.path.join(out_dir, file_name(plan, text))
@@ -166,3 +173,110 @@ def _with_fix(rows: list[SweepRow] | None, fix: str | None) -> str:
     if rows is None or fix is None:
         return ""
     return f"; with fix {fix}: {sum(r.verdict == 'mismatch' for r in rows)}"
+
+
+CAPACITY_BELOW, CAPACITY_ABOVE = 1, 2
+"""CPU tier sizes a stalled case is replayed at: the recorded one, these many below and
+above (one chunk more than the request needs at once is where vLLM serves it)."""
+
+
+def _write_stalled_report(
+    report: Any,
+    plan: Any,
+    paths: list[str],
+    out_dir: str,
+    *,
+    fix: str | None,
+    log: Callable[[str], None],
+) -> ReportFiles:
+    """`write_report` for a stalled request on a tiered manager: the two regression tests
+    (the vLLM-only one at manager level), the chunk map, and a replay at each CPU tier size
+    around the recorded one (with ``fix``, each again with the fix) instead of a length
+    sweep and a minimal case, which are about store/lookup rules."""
+    import csv
+    import tempfile
+
+    from keytrace import __version__
+    from keytrace.analysis.geometry import Geometry
+    from keytrace.report.fixture import file_name, render_fixture
+    from keytrace.report.html import write_page
+    from keytrace.report.markdown import CapacityRow, StalledPage, render_stalled_report
+    from keytrace.report.standalone import regression_name, render_vllm_regression
+    from keytrace.report.text import render_episode
+    from keytrace.vllm.lab.harness import ABORT_DEFERRALS
+    from keytrace.vllm.lab.replay import replay
+    from keytrace.vllm.mods.catalog import FIXES, fix_names
+
+    v = report.first_mismatch
+    written = {}
+    evidence = io.StringIO()
+    render_episode(v, evidence, header=report.header)
+    for text, name in (
+        (t := render_fixture(plan), file_name(plan, t)),
+        (u := render_vllm_regression(plan, evidence=evidence.getvalue()), regression_name(plan, u)),
+    ):
+        written[name] = os.path.join(out_dir, name)
+        with open(written[name], "w") as fh:
+            fh.write(text)
+    fixture, standalone = list(written.values())
+    html = os.path.join(out_dir, "chunkmap.html")
+    write_page(html, report)
+    geo = Geometry.from_dict(plan.geometry)
+    sizes = range(max(1, geo.cpu_chunks - CAPACITY_BELOW), geo.cpu_chunks + CAPACITY_ABOVE + 1)
+    rows: list[CapacityRow] = []
+
+    def run(at: Geometry, fix: str | None) -> Any:
+        with tempfile.TemporaryDirectory(prefix="keytrace-capacity-") as d:
+            return replay(at, plan.prime_lengths, plan.episode_length, trace_dir=d, fix=fix)
+
+    for n in sizes:
+        log(f"replaying with a {n}-chunk CPU tier ...")
+        at = geo.with_(cpu_chunks=n)
+        stock = run(at, None)
+        fixed = run(at, fix) if fix else None
+        rows.append(
+            CapacityRow(
+                n,
+                stock.verdict,
+                stock.external_tokens or 0,
+                fixed.verdict if fixed else None,
+                (fixed.external_tokens or 0) if fixed else None,
+            )
+        )
+    capacity_csv = os.path.join(out_dir, "capacity.csv")
+    with open(capacity_csv, "w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(["cpu_chunks", "verdict", "external", "fixed_verdict", "fixed_external"])
+        for r in rows:
+            out.writerow([r.cpu_chunks, r.verdict, r.external, r.fixed_verdict, r.fixed_external])
+    md = render_stalled_report(
+        StalledPage(
+            v=v,
+            header=report.header,
+            keytrace_version=__version__,
+            prime_lengths=plan.prime_lengths,
+            episode_length=plan.episode_length,
+            evidence=evidence.getvalue(),
+            rows=rows,
+            give_up=ABORT_DEFERRALS,
+            fixture=os.path.basename(fixture),
+            standalone=os.path.basename(standalone),
+            trace=" ".join(paths),
+            html=os.path.basename(html),
+            fix=fix,
+            fix_text="; ".join(FIXES[n] for n in fix_names(fix)),
+        )
+    )
+    markdown = os.path.join(out_dir, "report.md")
+    with open(markdown, "w") as fh:
+        fh.write(md)
+    return ReportFiles(
+        out_dir=out_dir,
+        markdown=markdown,
+        fixture=fixture,
+        standalone=standalone,
+        html=html,
+        sweep_csv=capacity_csv,
+        rule=None,
+        capacity=rows,
+    )
