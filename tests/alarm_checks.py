@@ -137,4 +137,12 @@ def assert_alarm_agrees(trace_dir: str, alarms: list[Alarm], warnings: list[str]
         )
     assert len(warnings) == len(first)
     assert all(f"request {v.req_id} " in w for v, w in zip(first.values(), warnings, strict=False))
+    # and one per engine for its first stalled request, at the differ's first stalled episode
+    stalled: dict[str, Any] = {}
+    for v in report.episodes:
+        if v.verdict == "stalled":
+            stalled.setdefault(v.engine_id or v.instance, v)
+    assert {(j.instance, j.episode) for a in alarms for j in a.stalled_first} == {
+        (v.instance, v.episode) for v in stalled.values()
+    }
     return report

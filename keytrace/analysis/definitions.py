@@ -181,6 +181,10 @@ class KeyFacts:
     evicted_now: Truth = False
     """A promotion of the episode's own lookup evicted the key from the primary during the
     episode: resident at *s*, gone when (or after) the lookup reached it."""
+    crowded: Truth = False
+    """When the primary had no slot for the episode's promotions, other work in flight held
+    so many of its slots that the chunks the episode needs no longer fit in the rest
+    (`crowded`): the primary was busy, not wrong."""
     fits: Truth = True
     """Every chunk the episode needs for a hit at E fits the primary tier at once (an
     uncontended tiered manager could promote them all: `fits_primary`)."""
@@ -207,6 +211,7 @@ CAUSES: tuple[tuple[str, Callable[[KeyFacts], Truth]], ...] = (
     ("promotions_held", lambda f: f.durable & f.held),
     ("promotion_no_room", lambda f: f.durable & negate(f.fits)),
     ("promotion_evicted", lambda f: f.durable & f.own_promotion_evicted),
+    ("primary_busy", lambda f: f.durable & f.no_room & f.crowded),
     ("promotion_starved", lambda f: f.durable & f.no_room),
     ("secondary_resident", lambda f: f.durable),
     ("evicted", lambda f: known(f.completed)),
@@ -235,10 +240,11 @@ BLOCKING_CAUSES = ("in_flight", "promotion_no_room", "evicted", "other_engine", 
 """Timing, capacity or routing that no tiered manager could have overcome: the key was not
 there to serve (being written, evicted and on no tier, elsewhere, never written) or the
 request does not fit the primary."""
-TIER_TIMING_CAUSES = ("promoting", "promotions_held")
-"""A key on a tier, on its way: a promotion or a tier's lookup under way, or promotions
-held after a reset."""
-EXPLAINED_CAUSES = (*BLOCKING_CAUSES[:1], *TIER_TIMING_CAUSES, *BLOCKING_CAUSES[1:])
+TIER_TIMING_CAUSES = ("promoting", "promotions_held", "primary_busy")
+"""A key on a tier, on its way: a promotion or a tier's lookup under way, promotions held
+after a reset, or a primary whose slots other transfers held (vLLM answers MISS rather than
+wait when the primary is full: a choice upstream made on purpose, vllm #40020)."""
+EXPLAINED_CAUSES = tuple(c for c in CAUSE_ORDER if c in (*BLOCKING_CAUSES, *TIER_TIMING_CAUSES))
 """Causes of an absent key that are timing, capacity or routing: a shortfall with only
 these is not a rule bug (in `CAUSE_ORDER`'s order)."""
 STORE_RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
@@ -254,6 +260,7 @@ TIER_CAUSES = (
     "promotions_held",
     "promotion_evicted",
     "promotion_no_room",
+    "primary_busy",
     "promotion_starved",
     "secondary_resident",
 )
@@ -264,6 +271,32 @@ def fits_primary(needed_chunks: Num, primary_chunks: Num) -> Truth:
     """The chunks an episode needs for a hit at E (every group's) fit the primary tier at
     once; an unknown capacity fits."""
     return cases([(unknown(primary_chunks), True)], lambda: le(needed_chunks, primary_chunks))
+
+
+def crowded(needed_chunks: Num, primary_chunks: Num, held_by_others: Num) -> Truth:
+    """The chunks an episode needs do not fit beside the primary slots that other work in
+    flight held when its promotion found no room (`held_by_others`): the primary was busy.
+    An unknown capacity is never crowded."""
+    return gt(needed_chunks + held_by_others, primary_chunks)
+
+
+IN_FLIGHT_TIER_WORK = {
+    "cascade_submitted": 1,
+    "cascade_completed": -1,
+    "cascade_failed": -1,
+    "promotion_prepared": 1,
+    "promotion_completed": -1,
+    "promotion_failed": -1,
+}
+"""Tier events that take (+1) or give back (-1) a primary slot per key while a transfer is
+under way: a write-through job reads its chunk from the primary, a promotion fills one."""
+
+
+def held_by_others(cascades: Num, promotions: Num, own_promotions: Num) -> Num:
+    """Primary slots other work held at a promotion that found no room: every write-through
+    job in flight, and the promotions in flight of other requests (each a running sum of
+    `IN_FLIGHT_TIER_WORK` over the rows before it)."""
+    return cascades + promotions - own_promotions
 
 
 UNSEEN = "not_looked_up"

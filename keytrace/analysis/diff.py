@@ -25,7 +25,7 @@ from keytrace.analysis import definitions as d
 from keytrace.analysis import frames, lost, scans, unknown
 from keytrace.analysis.boundaries import anchor, boundary_offers, chain
 from keytrace.analysis.chunkmap import chunk_maps
-from keytrace.analysis.history import causes, durable
+from keytrace.analysis.history import causes, crowding, durable
 from keytrace.analysis.ops import lit
 from keytrace.analysis.results import (
     DiffReport,
@@ -657,7 +657,9 @@ def _with_causes(
     )
     if tiers is not None:
         per_episode = sf.select(*KEY, "req_id").join(
-            _fits(needed, sf, groups, header.get("cpu_num_chunks")), on=KEY, how="left"
+            _fits(needed, sf, groups, header.get("cpu_num_chunks"), crowding(tiers)),
+            on=KEY,
+            how="left",
         )
         probes = probes.join(per_episode, on=KEY, how="left")
     group_ids = [g["group_id"] for g in header["groups"]]
@@ -701,11 +703,16 @@ def _with_causes(
 
 
 def _fits(
-    needed: pl.DataFrame, sf: pl.DataFrame, groups: list[Group], capacity: int | None
+    needed: pl.DataFrame,
+    sf: pl.DataFrame,
+    groups: list[Group],
+    capacity: int | None,
+    crowd: pl.DataFrame,
 ) -> pl.DataFrame:
-    """(inst, s, fits): `keytrace.analysis.definitions.fits_primary` of each shortfall
-    episode's needed chunks: every windowed group's (``needed``) and every full-attention
-    group's ``[S, E)``."""
+    """(inst, s, fits, crowded): `keytrace.analysis.definitions.fits_primary` of each
+    shortfall episode's needed chunks (every windowed group's, ``needed``, and every
+    full-attention group's ``[S, E)``) and `~.crowded` beside the slots other work held
+    (``crowd``: `keytrace.analysis.history.crowding`)."""
     listed = needed.get_column("gid").unique().to_list()
     counted = needed.group_by(KEY).agg(pl.len().cast(pl.Int64).alias("w"))
     fa = [
@@ -717,7 +724,12 @@ def _fits(
     return (
         sf.select(*KEY, "S", "E")
         .join(counted, on=KEY, how="left")
-        .select(*KEY, lit(d.fits_primary(total, capacity)).alias("fits"))
+        .join(crowd, on=KEY, how="left")
+        .select(
+            *KEY,
+            lit(d.fits_primary(total, capacity)).alias("fits"),
+            lit(d.crowded(total, capacity, pl.col("held").fill_null(0))).alias("crowded"),
+        )
     )
 
 

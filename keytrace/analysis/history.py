@@ -33,9 +33,11 @@ import polars as pl
 
 from keytrace.analysis.definitions import (
     DURABLE_EVENTS,
+    IN_FLIGHT_TIER_WORK,
     PROMOTION_AS_STORE,
     KeyFacts,
     cause,
+    held_by_others,
     resident,
     unsettled,
 )
@@ -157,6 +159,53 @@ def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
     )
 
 
+def crowding(tiers: pl.LazyFrame) -> pl.DataFrame:
+    """(inst, s, held) for each episode whose promotions found no room in the primary: the
+    most primary slots other work in flight held at such a moment
+    (`keytrace.analysis.definitions.held_by_others`, over the tier rows before it)."""
+    c = pl.col
+    ev = c("event").cast(pl.String)
+    work = collect(
+        tiers.filter(ev.is_in(list(IN_FLIGHT_TIER_WORK)) & c("key").is_not_null()).select(
+            "inst",
+            "seq",
+            "req_id",
+            ev.str.starts_with("cascade").alias("cascade"),
+            ev.replace_strict(IN_FLIGHT_TIER_WORK, default=0, return_dtype=pl.Int64).alias("d"),
+        )
+    ).sort("seq")
+    running = work.select(
+        "inst",
+        "seq",
+        pl.when(c("cascade")).then(c("d")).otherwise(0).cum_sum().over("inst").alias("cas"),
+        pl.when(c("cascade")).then(0).otherwise(c("d")).cum_sum().over("inst").alias("prom"),
+    )
+    own = (
+        work.filter(~c("cascade"))
+        .select("inst", "req_id", "seq", c("d").cum_sum().over("inst", "req_id").alias("own"))
+        .filter(c("req_id").is_not_null())
+    )
+    full = collect(
+        tiers.filter((ev == "promotion_no_room") & c("ep").is_not_null()).select(
+            "inst", "seq", "ep", "req_id"
+        )
+    ).sort("seq")
+    # every frame is in seq order, so within each instance (and request) too
+    asof = {
+        "on": "seq",
+        "strategy": "backward",
+        "allow_exact_matches": False,
+        "check_sortedness": False,
+    }
+    at = full.join_asof(running, by="inst", **asof).join_asof(  # type: ignore[arg-type]
+        own,
+        by=["inst", "req_id"],
+        **asof,  # type: ignore[arg-type]
+    )
+    held = held_by_others(c("cas").fill_null(0), c("prom").fill_null(0), c("own").fill_null(0))
+    return at.group_by("inst", c("ep").alias("s")).agg(held.max().alias("held"))
+
+
 def causes(
     probes: pl.DataFrame,
     stores: pl.LazyFrame,
@@ -265,6 +314,9 @@ def causes(
             "own_promotion_evicted": pl.col("own_promotion_evicted"),
             "evicted_now": pl.col("evicted_now"),
             "fits": pl.col("fits").fill_null(True) if "fits" in probes.columns else True,
+            "crowded": (
+                pl.col("crowded").fill_null(False) if "crowded" in probes.columns else False
+            ),
             "unsettled": unsettled(pl.col("result")) if "result" in probes.columns else False,
             "unasked": pl.col("result").is_null() if "result" in probes.columns else False,
         }

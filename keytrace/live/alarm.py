@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keytrace.analysis import definitions as d
-from keytrace.analysis.definitions import RULE_CAUSES, UNSEEN
+from keytrace.analysis.definitions import FINDINGS, RULE_CAUSES, UNSEEN
 from keytrace.analysis.rules import (
     OFFER_EVENTS,
     STORE_OFFERS,
@@ -117,6 +117,13 @@ class _Instance:
     """req -> keys its own promotions evicted from the primary"""
     promoted_now: dict[int, set[bytes]] = field(default_factory=dict)
     """episode -> keys its own lookup's promotions evicted during it (until it is judged)"""
+    cascading: int = 0
+    """Write-through jobs' keys in flight (`keytrace.analysis.definitions.IN_FLIGHT_TIER_WORK`)"""
+    promoting: dict[str, int] = field(default_factory=dict)
+    """req -> its promotions in flight (requests with none are dropped)"""
+    crowd: dict[int, int] = field(default_factory=dict)
+    """episode -> the most primary slots other work held when its promotions found no room
+    (`keytrace.analysis.definitions.held_by_others`; until it is judged)"""
     open: int | None = None
     """The episode in progress (its sequence number), if any."""
     pending: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
@@ -128,8 +135,8 @@ class _Instance:
 @dataclass(frozen=True)
 class _Moment:
     """An episode the causes of its keys are read at: its instance, sequence number and wall
-    clock, how far its chain keyed (``keyable_end``), its request, and whether its needed
-    chunks fit the primary tier."""
+    clock, how far its chain keyed (``keyable_end``), its request, whether its needed
+    chunks fit the primary tier, and whether other work in flight crowded them out."""
 
     st: _Instance
     s: int
@@ -137,6 +144,7 @@ class _Moment:
     keyable_end: int | None
     req_id: str
     fits: bool
+    crowded: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,10 @@ class Alarm:
         """With ``keep_judged``: (instance, episode) -> its tokens short of E (`account`)."""
         self.first: list[Judged] = []
         """The episodes that raised a warning, in order (the tests read them)."""
+        self.stalled_first: list[Judged] = []
+        """The stalled requests' first stalled episodes that raised a warning, in order."""
+        self._stalled: set[tuple[int, str]] = set()
+        """(instance, request) judged stalled: one warning per request, not per step."""
 
     # ------------------------------------------------------------ instances
     def add_instance(
@@ -312,11 +324,41 @@ class Alarm:
         (the facts `keytrace.analysis.history` reads from a trace)."""
         st = self._inst[inst]
         with self._lock:
+            self._in_flight(st, event, req_id, keys, episode)
             deferred = event in d.PROMOTION_AS_STORE or event.startswith("promotions_")
             if deferred and st.open is not None and seq > st.open:
                 st.pending.append(("tier", (seq, ts, event, req_id, tier, keys, episode, result)))
                 return
             self._tier(st, seq, event, req_id, tier, keys, episode, result)
+
+    @staticmethod
+    def _in_flight(
+        st: _Instance,
+        event: str,
+        req_id: str | None,
+        keys: Sequence[bytes | None],
+        episode: int | None,
+    ) -> None:
+        """Keep the primary slots tier work holds as the rows arrive (before any episode's
+        deferral: `keytrace.analysis.history.crowding` reads the rows before each one)."""
+        if event == "promotion_no_room" and episode is not None:
+            held = d.held_by_others(
+                st.cascading, sum(st.promoting.values()), st.promoting.get(req_id or "", 0)
+            )
+            st.crowd[episode] = max(st.crowd.get(episode, held), held)
+            return
+        step = d.IN_FLIGHT_TIER_WORK.get(event)
+        if step is None:
+            return
+        n = step * sum(1 for k in keys if k is not None)
+        if event.startswith("cascade"):
+            st.cascading += n
+        elif req_id is not None:
+            left = st.promoting.get(req_id, 0) + n
+            if left:
+                st.promoting[req_id] = left
+            else:
+                st.promoting.pop(req_id, None)
 
     def _tier(
         self,
@@ -433,6 +475,7 @@ class Alarm:
             j = self._judge(st, ep, scans, unqueried, tpc, proofs)
             st.no_room.pop(ep.seq, None)
             st.promoted_now.pop(ep.seq, None)
+            st.crowd.pop(ep.seq, None)
             st.open = None
             pending, st.pending = st.pending, []
             for kind, args in pending:
@@ -620,7 +663,16 @@ class Alarm:
             size = self.by_gid[bind_gid].tpc if bind_gid in self.by_gid else tpc.get(bind_gid)
             term_chunk = chunk_ending_at(term[1], size) if size else None
         unknown = False
-        at = _Moment(st, s, t, chain_P, ep.req_id, self._fits(S, E, len(needed)))
+        total = self._needed_chunks(S, E, len(needed))
+        at = _Moment(
+            st,
+            s,
+            t,
+            chain_P,
+            ep.req_id,
+            bool(d.fits_primary(total, self.primary_chunks)),
+            bool(d.crowded(total, self.primary_chunks, st.crowd.get(s, 0))),
+        )
         causes: list[tuple[int, str]] = []  # (gid, cause) in (gid, chunk) order
         for gid, chunk, key, result, _seq in needed:
             end = (chunk + 1) * self.by_gid[gid].tpc
@@ -668,15 +720,16 @@ class Alarm:
             **base,
         )
 
-    def _fits(self, S: int, E: int, listed: int) -> bool:
-        """`keytrace.analysis.definitions.fits_primary` of an episode's needed chunks
-        (``listed`` of them in its needed list: full attention's too on a tiered manager)."""
+    def _needed_chunks(self, S: int, E: int, listed: int) -> int:
+        """The chunks an episode needs for a hit at E, every group's (``listed`` of them in
+        its needed list: full attention's too on a tiered manager), as
+        `keytrace.analysis.definitions.fits_primary` and `~.crowded` count them."""
         fa = (
             0
             if self.tiered
             else sum(E // g.tpc - S // g.tpc for g in self.groups if g.full_attention)
         )
-        return bool(d.fits_primary(listed + fa, self.primary_chunks))
+        return listed + fa
 
     def _cause(self, at: _Moment, key: bytes, gid: int, token_end: int, result: str | None) -> str:
         """`keytrace.analysis.definitions.cause` for one key at an episode, from its record
@@ -703,6 +756,7 @@ class Alarm:
             own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
             evicted_now=key in st.promoted_now.get(s, ()),
             fits=at.fits,
+            crowded=at.crowded,
             unsettled=bool(d.unsettled(result)),
             unasked=result is None,
         )
@@ -742,11 +796,18 @@ class Alarm:
                 self.short_tokens[(self.engine(inst), judged.cause or "", group)] += short
 
     def report(self, inst: int, j: Judged) -> None:
-        """One WARNING per new (engine, group, cause) mismatch; repeats summarised."""
-        if j.verdict != "mismatch" or not self.warn:
+        """One WARNING per new (engine, group, cause) mismatch, and per engine for its first
+        stalled request; repeats summarised (a stalled request counts once, not at every
+        step it is deferred again)."""
+        if j.verdict not in FINDINGS or not self.warn:
             return
         st = self._inst[inst]
-        what = (st.engine, j.binding_group, j.cause)
+        if j.verdict == "stalled":
+            with self._lock:
+                if (inst, j.req_id) in self._stalled:
+                    return
+                self._stalled.add((inst, j.req_id))
+        what = (st.engine, j.binding_group, j.cause if j.verdict == "mismatch" else "stalled")
         with self._lock:
             if what in self.warned:
                 self._repeats[what] += 1
@@ -759,7 +820,7 @@ class Alarm:
             else:
                 self.warned.add(what)
                 self._last_summary[what] = time.monotonic()
-                self.first.append(j)
+                (self.first if j.verdict == "mismatch" else self.stalled_first).append(j)
                 repeat = False
         if repeat:
             _log_repeats(n, what)
@@ -779,6 +840,8 @@ class Alarm:
     def describe(self, inst: int, j: Judged) -> str:
         """The warning's text: everything a developer needs to look, and the command."""
         st = self._inst[inst]
+        if j.verdict == "stalled":
+            return self._describe_stalled(st, j)
         g = self.by_gid.get(j.binding_group) if j.binding_group is not None else None
         where = f"group {j.binding_group} ({g.label})" if g else f"group {j.binding_group}"
         if g is not None and j.term_chunk is not None:
@@ -803,6 +866,22 @@ class Alarm:
             f"(keytrace_episodes_total). Details: {cmd}"
         )
 
+    def _describe_stalled(self, st: _Instance, j: Judged) -> str:
+        rank = "" if st.dp_rank is None else f", DP rank {st.dp_rank}"
+        expected = "" if j.E is None else f" (expected E={j.E:,} from S={j.S:,})"
+        cmd = (
+            f"keytrace diff {shlex.quote(st.directory)} --request {shlex.quote(j.req_id)}"
+            if st.directory
+            else "record a trace (KEYTRACE_DIR) and run keytrace diff on it"
+        )
+        return (
+            f"keytrace: stalled lookup: request {j.req_id} on engine {st.engine}{rank} was "
+            f"deferred {d.STALL_EPISODES} times in a row, or for {d.STALL_NS / 1e9:.0f} s, "
+            f"and served nothing{expected}; a tiered manager's promotions can evict the "
+            f"request's own prefix (keytrace docs/findings.md). Further stalled requests are "
+            f"counted (keytrace_episodes_total). Details: {cmd}"
+        )
+
     def counts(self, engine: str | None = None) -> dict[str, int]:
         """Episodes by verdict, for one engine or all (the offline differ's ``counts``)."""
         out: Counter[str] = Counter()
@@ -820,6 +899,11 @@ class Alarm:
 
 def _log_repeats(n: int, what: tuple[str, int | None, str | None]) -> None:
     engine, group, cause = what
+    if cause == "stalled":
+        log.warning(
+            "keytrace: %d more stalled request(s) on engine %s since the last report", n, engine
+        )
+        return
     log.warning(
         "keytrace: %d more write-only mismatch(es) on engine %s, group %s (%s) since the "
         "last report",

@@ -29,7 +29,9 @@ from tests.conftest import require_vllm
 require_vllm()
 
 from keytrace.analysis.diff import diff  # noqa: E402
+from keytrace.analysis.frames import tiers as trace_tiers  # noqa: E402
 from keytrace.analysis.geometry import builtin  # noqa: E402
+from keytrace.analysis.history import crowding  # noqa: E402
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.live.alarm import alarms  # noqa: E402
@@ -98,11 +100,18 @@ def test_a_prefix_on_disk_against_a_small_primary_is_stalled(
     assert set(promoted_out["key"].to_list()) <= set(evicted["key"].to_list())
     assert main(["diff", d]) == 1
     assert_alarm_agrees(d, alarms(), warnings)
+    # the operator is told once, at the 50th deferral, not at every step after it
+    (said,) = [r.getMessage() for r in caplog.records if "stalled lookup" in r.getMessage()]
+    assert f"request {resend} " in said and "expected E=512 from S=0" in said
+    assert not [r for r in caplog.records if "more stalled" in r.getMessage()]  # one request
 
 
-def test_a_short_resend_behind_promotions_is_starved(
+def test_a_short_resend_behind_anothers_promotions_is_a_busy_primary(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # the long resend's promotions hold the primary's slots when the short one looks up:
+    # vLLM answers MISS rather than wait (on purpose, vllm #40020), so the short one is
+    # recomputed. Timing, not a rule bug: explained, and the alarm stays quiet.
     caplog.set_level(logging.WARNING, logger="keytrace")
     d = str(tmp_path / "t")
     with recording(d, SETTINGS):
@@ -116,12 +125,18 @@ def test_a_short_resend_behind_promotions_is_starved(
         warnings = _warnings(caplog)
     assert h.observations[long].accepted_tokens == 768  # served from disk after promotion
     assert h.observations[short].lookups[-1] == (0, 0)
-    report = diff(open_trace(d), all_episodes=True)
-    (v,) = [e for e in report.episodes if e.verdict == "mismatch"]
-    assert (v.req_id, v.E, v.external_tokens) == (short, 192, 0)
-    assert v.terminal is not None and v.terminal.cause == "promotion_starved"
-    assert {n.cause for n in v.needed} == {"promotion_starved", "promoting"}
-    assert "did not serve chunks a tier held" in v.reason
+    trace = open_trace(d)
+    report = diff(trace, all_episodes=True)
+    (v,) = [e for e in report.episodes if e.req_id == short and e.verdict == "explained"]
+    assert (v.E, v.external_tokens) == (192, 0)
+    assert v.terminal is not None and v.terminal.cause == "primary_busy"
+    assert {n.cause for n in v.needed} == {"primary_busy", "promoting"}
+    assert "the CPU tier was busy" in v.reason
+    # what crowded it out: the long request's promotions in flight, more slots than the
+    # short one's needed chunks leave in a 20-chunk primary
+    (held,) = crowding(trace_tiers(trace)).filter(pl.col("s") == v.episode)["held"].to_list()
+    assert (held, len(v.needed)) == (17, 8) and held + len(v.needed) > 20
+    assert report.verdict == "agree" and warnings == []
     assert_alarm_agrees(d, alarms(), warnings)
 
 

@@ -49,6 +49,7 @@ FACT_SCHEMA = {
     "no_room": pl.Boolean,
     "own_promotion_evicted": pl.Boolean,
     "evicted_now": pl.Boolean,
+    "crowded": pl.Boolean,
     "fits": pl.Boolean,
     "unsettled": pl.Boolean,
     "unasked": pl.Boolean,
@@ -72,6 +73,7 @@ FACTS = st.fixed_dictionaries(
         "no_room": FLAG,
         "own_promotion_evicted": FLAG,
         "evicted_now": FLAG,
+        "crowded": FLAG,
         "fits": FLAG,
         "unsettled": FLAG,
         "unasked": FLAG,
@@ -235,7 +237,7 @@ def facts(**kw: Any) -> d.KeyFacts:
     base: dict[str, Any] = dict.fromkeys(FACT_SCHEMA)
     base.update(s=100, rejected=False, other_engine=False, sibling_stored=False, token_end=64)
     base.update(durable=False, held=False, no_room=False, own_promotion_evicted=False, fits=True)
-    base.update(unsettled=False, unasked=False, evicted_now=False)
+    base.update(unsettled=False, unasked=False, evicted_now=False, crowded=False)
     base.update(kw)
     return d.KeyFacts(**base)
 
@@ -256,9 +258,10 @@ def test_each_precedence_in_the_cause_table() -> None:
         ),
         (
             "promotion_evicted",
-            "promotion_starved",
-            facts(own_promotion_evicted=True, no_room=True, **tier),
+            "primary_busy",
+            facts(own_promotion_evicted=True, no_room=True, crowded=True, **tier),
         ),
+        ("primary_busy", "promotion_starved", facts(no_room=True, crowded=True, **tier)),
         ("promotion_starved", "secondary_resident", facts(no_room=True, **tier)),
         ("secondary_resident", "evicted", facts(completed=20, evicted=30, **tier)),
         ("evicted", "other_engine", facts(completed=20, evicted=30, other_engine=True)),
@@ -281,10 +284,25 @@ def test_each_precedence_in_the_cause_table() -> None:
         gone = dataclasses.replace(was, evicted_now=True, durable=True, fits=False)
         assert d.cause(was) in ("resident", "in_flight")
         assert d.cause(gone) == "promotion_no_room"
+    # crowded alone (no promotion found no room) says nothing; a busy primary is timing
+    assert d.cause(facts(crowded=True, **tier)) == "secondary_resident"
+    assert "primary_busy" in d.EXPLAINED_CAUSES and "promotion_starved" in d.RULE_CAUSES
     # this group id reached the store path before s: a sibling says nothing
     assert d.cause(facts(sibling_stored=True, own_first_prepared=50, keyable_end=64)) == (
         "never_offered"
     )
+
+
+def test_a_busy_primary_is_counted_beside_the_work_in_flight() -> None:
+    # 8 chunks needed, a 20-chunk primary: 12 slots held by others leave exactly room
+    assert d.held_by_others(10, 7, 5) == 12
+    assert not d.crowded(8, 20, 12) and d.crowded(8, 20, 13)
+    assert not d.crowded(8, None, 10_000)  # an unknown capacity is never crowded
+    frame = pl.DataFrame({"n": [8, 8], "held": [12, 13]})
+    assert frame.select(d.crowded(pl.col("n"), 20, pl.col("held")))["n"].to_list() == [
+        False,
+        True,
+    ]
 
 
 def test_the_evaluator_is_lazy_for_plain_values() -> None:

@@ -31,7 +31,7 @@ and its secondary what was durable on a tier: an uncontended manager, the same c
 A shortfall on a tiered trace is then a ``mismatch`` exactly when the first isolated lookup
 is still short (the store path), or the second one reaches E (the tiered manager could
 have served it alone) and the shortfall is not only timing (``in_flight``, ``promoting``,
-``promotions_held``: isolation removes that too); otherwise ``explained``. The second
+``promotions_held``, ``primary_busy``: isolation removes that too); otherwise ``explained``. The second
 lookup's engine has no GPU prefix cache: the request's full-attention chunks below the
 episode's S are pinned in extra primary slots instead (`isolated_lookup`'s
 ``pinned_local``), so the slots promotions compete for are the recorded ones.
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from keytrace.analysis import frames
+from keytrace.analysis.definitions import TIER_TIMING_CAUSES
 from keytrace.analysis.diff import diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.analysis.results import EpisodeVerdict
@@ -99,9 +100,9 @@ class OracleCase:
         )
 
 
-TIMING = ("in_flight", "promoting", "promotions_held")
+TIMING = ("in_flight", *TIER_TIMING_CAUSES)
 """Causes isolation takes away on a tiered manager as well: the store or promotion would
-have finished."""
+have finished, the other work in flight that held the primary's slots is not there."""
 
 
 def agrees(
