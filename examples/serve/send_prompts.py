@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,6 +44,43 @@ def send(base: str, model: str) -> list[int | None]:
     with ThreadPoolExecutor(3) as pool:
         cached += list(pool.map(complete, [prompt(s, 1_500) for s in (3, 4, 5)]))
     return cached
+
+
+def send_tiered(base: str, model: str, settle: float = 0.0) -> list[int | None]:
+    """For a server whose small CPU tier sits over a disk tier (vLLM's tiered manager): a
+    prompt, two others that push it out of the CPU tier (every store is also written to
+    disk), ``settle`` seconds for the disk writes, a GPU-only prefix-cache reset, then the
+    first prompt again: served from disk (promoted into the CPU tier, then loaded)."""
+    cached = [_complete(base, model, prompt(s, 2_000)) for s in (1, 2, 3)]
+    time.sleep(settle)
+    post(base, "/reset_prefix_cache", {})
+    cached.append(_complete(base, model, prompt(1, 2_000)))
+    return cached
+
+
+def send_starving(base: str, model: str, wait: float = 20.0) -> list[int | None]:
+    """A prompt larger than the CPU tier (over a disk tier), a GPU-only reset, the same
+    prompt again: on vLLM 0.32.0-0.33.0 its lookup is deferred without end (docs/findings.md);
+    the client gives up after ``wait`` seconds (None: no answer) and the server aborts it."""
+    cached = [_complete(base, model, prompt(7, 2_000))]
+    post(base, "/reset_prefix_cache", {})
+    cached.append(_complete(base, model, prompt(7, 2_000), timeout=wait))
+    return cached
+
+
+def _complete(base: str, model: str, ids: list[int], timeout: float = 120) -> int | None:
+    """One completion's cached prompt tokens; None when the server did not answer in time."""
+    body = {"model": model, "prompt": ids, "max_tokens": 1}
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read().decode())
+    except TimeoutError:
+        return None
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
 
 
 def main() -> None:

@@ -64,6 +64,36 @@ def graceful(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
 
 
+TIER_CPU = 4 << 20
+"""A CPU tier of 128 chunks (32 KiB each on this model) over an fs tier: one 2,000-token
+prompt is 78 chunks (62 full-attention, 16 windowed), three of them are not."""
+
+
+@pytest.fixture(scope="module")
+def tiered(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # 3 s between the last prompt and the resend: the write-throughs to disk are done
+    tier = tool.Tier(TIER_CPU, options=(("settle", 3.0),))
+    return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("tiered"), tier=tier)
+
+
+@pytest.fixture(scope="module")
+def tiered_at_once(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # the resend right behind the third prompt, while its write-throughs still run
+    return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("at-once"), tier=tool.Tier(TIER_CPU))
+
+
+@pytest.fixture(scope="module")
+def starving(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # a 64-chunk CPU tier and a prompt of 78 chunks, prefilled (and stored) 512 tokens at a
+    # time: every chunk reaches disk, the CPU tier keeps the last 64
+    return tool.run(
+        tool.DEFAULT_VENV,
+        tmp_path_factory.mktemp("starving"),
+        tier=tool.Tier(2 << 20, "send_starving", (("wait", 60.0),)),
+        extra_args=("--max-num-batched-tokens", "512"),
+    )
+
+
 @pytest.fixture(scope="module")
 def unrecorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("plain"), record=False)
@@ -168,3 +198,75 @@ def test_the_live_alarm_names_the_injected_bug_in_the_server_log(injected: Any) 
     assert _by_verdict(injected) == {k: float(v) for k, v in injected.diff["counts"].items()}
     short = _scraped(injected)["keytrace_short_of_expected_tokens"]
     assert {dict(k)["group"]: v for k, v in short.items()} == {"0": 1_984.0}
+
+
+def _resend(run: Any) -> dict[str, Any]:
+    (resend,) = [e for e in run.diff["episodes"] if e["E"] and e["verdict"] != "deferred"]
+    return dict(resend)
+
+
+def test_a_resend_after_an_overflow_is_served_from_disk(tiered: Any) -> None:
+    assert tiered.server_exit == 0, tiered.log_tail
+    h = tiered.header
+    assert (h["manager_class"], h["cpu_num_chunks"]) == ("TieringOffloadingManager", 128)
+    (tier,) = h["secondary_tiers"]
+    assert (tier["type"], tier["class"]) == ("fs", "FileSystemTierManager")
+    assert sum(1 for p in Path(tier["settings"]["root_dir"]).rglob("*") if p.is_file()) > 3 * 62
+    # three cold prompts, then the first again: out of the CPU tier, promoted from disk
+    assert tiered.cached_tokens == [0, 0, 0, 1_984]
+    assert tiered.prometheus_external_hits == 1_984
+    assert tiered.diff_exit == 0 and tiered.diff["verdict"] == "agree"
+    resend = _resend(tiered)
+    assert (resend["external_tokens"], resend["E"], resend["verdict"]) == (1_984, 1_984, "hit")
+    promoted = [r for r in tiered.diff["lost"]["rows"] if r["category"] == "promoted"]
+    assert [(r["tier"], r["tokens"]) for r in promoted if r["engine"] != "all"] == [(0, 1_984)]
+    assert not tiered.log_warnings, tiered.log_warnings
+    assert _by_verdict(tiered) == {k: float(v) for k, v in tiered.diff["counts"].items()}
+
+
+def test_a_resend_behind_the_disk_writes_is_never_a_mismatch(tiered_at_once: Any) -> None:
+    # vLLM answers MISS while write-throughs hold the CPU tier's slots (3 of 4 runs here):
+    # the primary was busy, timing; or the writes were done and the resend hits
+    run = tiered_at_once
+    assert run.server_exit == 0 and run.diff_exit == 0, run.diff.get("first_mismatch")
+    resend = _resend(run)
+    assert run.cached_tokens[3] == resend["external_tokens"]
+    if resend["external_tokens"] == 0:
+        assert resend["verdict"] == "explained" and resend["terminal"]["cause"] == "primary_busy"
+        assert "the CPU tier was busy" in resend["reason"]
+    else:
+        assert (resend["external_tokens"], resend["verdict"]) == (1_984, "hit")
+    assert not run.log_warnings, run.log_warnings
+    assert _by_verdict(run) == {k: float(v) for k, v in run.diff["counts"].items()}
+
+
+def test_a_prompt_its_cpu_tier_cannot_hold_is_deferred_then_judged_and_the_log_agrees(
+    starving: Any,
+) -> None:
+    # vLLM defers the resend while its promotions evict its own prefix (docs/findings.md),
+    # here 44 to 874 times in a row, then answers MISS and recomputes it. From the 50th
+    # deferral keytrace calls it stalled (exit 1) and the log says so once; the answer is
+    # capacity: 78 chunks against a 64-chunk CPU tier.
+    assert starving.server_exit == 0, starving.log_tail
+    assert starving.cached_tokens == [0, 0]
+    req = starving.diff["episodes"][-1]["req_id"]
+    mine = [e for e in starving.diff["episodes"] if e["req_id"] == req]
+    *asked_again, answered = mine
+    assert (answered["verdict"], answered["external_tokens"], answered["E"]) == (
+        "explained",
+        0,
+        1_984,
+    )
+    assert answered["terminal"]["cause"] == "promotion_no_room"
+    assert len(asked_again) >= 10 and {e["external_tokens"] for e in asked_again} == {None}
+    stalled = [e for e in asked_again if e["verdict"] == "stalled"]
+    assert bool(stalled) == (len(asked_again) >= 50)
+    assert [e["verdict"] for e in asked_again[:49]] == ["deferred"] * min(49, len(asked_again))
+    assert starving.diff_exit == (1 if stalled else 0)
+    said = [w for w in starving.log_warnings if "keytrace: " in w]
+    if stalled:  # one warning for the request, not one per step it was deferred again
+        (warning,) = said
+        assert "stalled lookup" in warning and f"request {req} on engine" in warning
+    else:
+        assert said == []
+    assert _by_verdict(starving) == {k: float(v) for k, v in starving.diff["counts"].items()}

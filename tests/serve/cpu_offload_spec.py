@@ -17,6 +17,10 @@ Copies are synchronous and follow the layout vLLM's descriptors describe
 (``gpu_worker.SingleDirectionOffloadingHandler``, direct layout): a chunk holds
 ``blocks_per_chunk`` device blocks; the first chunk of each group may start part-way, at
 ``block_index % blocks_per_chunk``; each layer reference copies its un-padded page.
+
+`TieringCPUCopyOffloadingSpec` does the same for vLLM's tiered manager (``spec_name``
+``TieringCPUCopyOffloadingSpec`` with ``secondary_tiers``), copying into the shared-memory
+region the tiers read and write.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -36,15 +41,23 @@ def _cdiv(a: int, b: int) -> int:
 class CPUCopyWorker(OffloadingWorker):
     """Store: device blocks -> CPU chunks; load: the reverse. Done when submitted."""
 
-    def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int) -> None:
+    def __init__(
+        self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int, region: Any = None
+    ) -> None:
         self.blocks_per_chunk = blocks_per_chunk
         self.refs = kv_caches.group_data_refs
         self.device: list[torch.Tensor] = []
         self.tier: list[torch.Tensor] = []
+        self.region = region
         for t in kv_caches.tensors:
             page = t.page_size_bytes
             self.device.append(t.tensor.view(torch.int8).view(-1, page))
-            self.tier.append(torch.zeros(num_chunks, blocks_per_chunk, page, dtype=torch.int8))
+            if region is None:
+                tier = torch.zeros(num_chunks, blocks_per_chunk, page, dtype=torch.int8)
+            else:  # this worker's slot of each chunk row of vLLM's shared region
+                view = region.create_next_worker_view(blocks_per_chunk * page)
+                tier = view.view(num_chunks, blocks_per_chunk, page)
+            self.tier.append(tier)
         self.finished: list[TransferResult] = []
 
     def _slots(self, gpu_spec: Any, chunk_ids: Any) -> Iterator[tuple[int, int, int, int]]:
@@ -100,4 +113,28 @@ class CPUCopyOffloadingSpec(CPUOffloadingSpec):
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         if not self._worker:
             self._worker = CPUCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._worker
+
+
+class TieringCPUCopyOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's `TieringOffloadingSpec` (its real tiered manager: a CPU primary tier in a
+    shared-memory region over the configured secondary tiers, e.g. ``fs``), with the copy
+    worker above writing into that region as vLLM's GPU worker does (``create_worker``: a
+    `SharedOffloadRegion` joined by rank), so what the fs tier writes to disk and promotes
+    back are the very bytes the worker stored and loads."""
+
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        if not self._worker:
+            from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=0,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            self._worker = CPUCopyWorker(
+                kv_caches, self.blocks_per_chunk, self.num_chunks, region=region
+            )
         return self._worker
