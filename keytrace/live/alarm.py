@@ -216,8 +216,9 @@ class Alarm:
         """The episodes that raised a warning, in order (the tests read them)."""
         self.stalled_first: list[Judged] = []
         """The stalled requests' first stalled episodes that raised a warning, in order."""
-        self._stalled: set[tuple[int, str]] = set()
-        """(instance, request) judged stalled: one warning per request, not per step."""
+        self._stalled: set[tuple[str, str]] = set()
+        """(instance, request) judged stalled and not answered since: one warning per
+        request, not per step (an answer forgets it)."""
 
     # ------------------------------------------------------------ instances
     def add_instance(
@@ -519,6 +520,7 @@ class Alarm:
             numbers = d.EpisodeNumbers(S=S, X=X, E=E, deferrals=count + 1, waited=ep.ts - first)
         else:
             st.deferred.pop(ep.req_id, None)
+            self._stalled.discard((st.name, ep.req_id))
             numbers = d.EpisodeNumbers(S=S, X=X, E=E)
         verdict = d.base_verdict(numbers)
         if verdict != "shortfall":
@@ -804,9 +806,9 @@ class Alarm:
         st = self._inst[inst]
         if j.verdict == "stalled":
             with self._lock:
-                if (inst, j.req_id) in self._stalled:
+                if (st.name, j.req_id) in self._stalled:
                     return
-                self._stalled.add((inst, j.req_id))
+                self._stalled.add((st.name, j.req_id))
         what = (st.engine, j.binding_group, j.cause if j.verdict == "mismatch" else "stalled")
         with self._lock:
             if what in self.warned:
