@@ -289,13 +289,16 @@ IN_FLIGHT_TIER_WORK = {
     "promotion_failed": -1,
 }
 """Tier events that take (+1) or give back (-1) a primary slot per key while a transfer is
-under way: a write-through job reads its chunk from the primary, a promotion fills one."""
+under way: a write-through job reads its chunk from the primary (a key written through to
+several tiers at once holds one slot: counted while any of its jobs is in flight), a
+promotion fills one."""
 
 
 def held_by_others(cascades: Num, promotions: Num, own_promotions: Num) -> Num:
-    """Primary slots other work held at a promotion that found no room: every write-through
-    job in flight, and the promotions in flight of other requests (each a running sum of
-    `IN_FLIGHT_TIER_WORK` over the rows before it)."""
+    """Primary slots other work held at a promotion that found no room: the keys with a
+    write-through job in flight, and the promotions in flight of other requests (each a
+    running count of `IN_FLIGHT_TIER_WORK` over the rows before it). A needed key of the
+    episode that is being written through counts in both (an over-count: see docs/diff.md)."""
     return cascades + promotions - own_promotions
 
 

@@ -115,6 +115,9 @@ def _diff(
     routing = lost.routing(frames.stores(trace), offers, groups)
     runs = _deferral_runs(trace)
     promotions = lost.promotions(frames.tiers(trace), groups) if frames.is_tiered(trace) else None
+    # the primary slots other work held at each promotion that found no room: once, for
+    # every batch (a batch's causes read it for its own episodes)
+    crowd = crowding(frames.tiers(trace)) if frames.is_tiered(trace) else None
     sel = _selection(request, engine, rank)
     ranges = _episode_ranges(trace, batch_episodes)
     batches: list[_Batch] = []
@@ -127,7 +130,15 @@ def _diff(
     del offers  # what the batches need of it is in `routing` and `chains`
     for (lo, hi, n), chained in zip(ranges, chains, strict=True):
         batches.append(
-            _judge(trace, lo, hi, groups, (routing, chained, runs, promotions), sel, all_episodes)
+            _judge(
+                trace,
+                lo,
+                hi,
+                groups,
+                (routing, chained, runs, promotions, crowd),
+                sel,
+                all_episodes,
+            )
         )
         done += n
         tick("episodes", done, total)
@@ -160,7 +171,9 @@ def _judge(
     lo: int | None,
     hi: int | None,
     groups: list[Group],
-    known: tuple[lost.Routing, pl.DataFrame, pl.DataFrame, pl.DataFrame | None],
+    known: tuple[
+        lost.Routing, pl.DataFrame, pl.DataFrame, pl.DataFrame | None, pl.DataFrame | None
+    ],
     sel: pl.Expr,
     all_episodes: bool,
 ) -> _Batch:
@@ -169,7 +182,7 @@ def _judge(
     end), what needs other episodes' lookups (a request's earlier ones) from ``trace``.
     ``known``: the trace's `lost.Routing`, the batch's `_chains`, the trace's
     `_deferral_runs` and its `lost.promotions` (None: not tiered)."""
-    routing, chains, runs, promotions = known
+    routing, chains, runs, promotions, crowd = known
     view = trace.episode_range(lo, hi)
     eps = _episodes(view, groups, chains, runs, sel)
     if eps.height == 0:
@@ -178,7 +191,7 @@ def _judge(
     before = _before(hi, t_max if isinstance(t_max, int) else None)
     past = _stores(trace, before)
     sf = eps.filter(pl.col("verdict") == "shortfall")
-    explained = _explain_shortfalls(trace, view, past, groups, sf)
+    explained = _explain_shortfalls(trace, view, past, groups, sf, crowd)
     judged = _with_explanations(eps, explained)
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().iter_rows())
@@ -399,11 +412,17 @@ def _expected_boundary(
 
 # ---------------------------------------------------------------- shortfalls
 def _explain_shortfalls(
-    trace: Trace, view: Trace, past: pl.LazyFrame, groups: list[Group], sf: pl.DataFrame
+    trace: Trace,
+    view: Trace,
+    past: pl.LazyFrame,
+    groups: list[Group],
+    sf: pl.DataFrame,
+    crowd: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Per shortfall episode: the binding scan, needed chunks with causes, the verdict.
     The episodes' own lookup rows are read from ``view``, the store history from ``past``
-    (`_judge`), a request's other lookups from ``trace``."""
+    (`_judge`), a request's other lookups from ``trace``; ``crowd``: the trace's
+    `keytrace.analysis.history.crowding` (a tiered trace; computed here when None)."""
     empty = pl.DataFrame(
         schema={
             "inst": pl.Int64,
@@ -444,7 +463,7 @@ def _explain_shortfalls(
     needed = unknown.settle_offers(trace, needed, sf)
     needed = needed.join(proofs, on=[*KEY, "gid", "chunk"], how="left")
     tiers = frames.tiers(trace) if frames.is_tiered(trace) else None
-    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups, tiers)
+    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups, tiers, crowd)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     # decisive causes in (group, chunk) order: the first one names an episode's shortfall
     # tokens in the account, so it must not depend on the order joins left the rows in
@@ -611,6 +630,7 @@ def _with_causes(
     sf: pl.DataFrame,
     groups: list[Group],
     tiers: pl.LazyFrame | None = None,
+    crowd: pl.DataFrame | None = None,
 ) -> dict[str, pl.DataFrame]:
     """Causes for the needed chunks (HIT: resident; never looked up: not_looked_up) and for
     each episode's terminal key, from one pass over ``stores`` for just those keys' rows.
@@ -657,7 +677,13 @@ def _with_causes(
     )
     if tiers is not None:
         per_episode = sf.select(*KEY, "req_id").join(
-            _fits(needed, sf, groups, header.get("cpu_num_chunks"), crowding(tiers)),
+            _fits(
+                needed,
+                sf,
+                groups,
+                header.get("cpu_num_chunks"),
+                crowding(tiers) if crowd is None else crowd,
+            ),
             on=KEY,
             how="left",
         )

@@ -10,8 +10,11 @@ episode's chain reached (a chunk ending beyond that was never keyable by them).
 (`keytrace.analysis.definitions.cause`, the table ``CAUSES``) turns them into a cause, with
 this precedence (docs/diff.md):
 
-``resident``      completed on the instance before s, not evicted or reset since
+``resident``      completed on the instance before s, not evicted or reset since (nor
+                  evicted during the episode by its own lookup's promotions)
 ``in_flight``     prepared before s and not yet settled (completed or failed) at s
+(on a tiered trace, the tier causes of docs/diff.md come here: ``on_tier`` after
+``resident``, then ``promoting`` ... ``secondary_resident`` after ``in_flight``)
 ``evicted``       completed before s, then evicted (or the tier reset) before s
 ``other_engine``  offered on another recorder instance before that moment (wall clock):
                   a routing miss, whether it is still resident there or not
@@ -170,14 +173,19 @@ def crowding(tiers: pl.LazyFrame) -> pl.DataFrame:
             "inst",
             "seq",
             "req_id",
+            "key",
             ev.str.starts_with("cascade").alias("cascade"),
             ev.replace_strict(IN_FLIGHT_TIER_WORK, default=0, return_dtype=pl.Int64).alias("d"),
         )
     ).sort("seq")
+    # a key written through to several tiers at once pins one primary slot: a write-through
+    # row moves the count of slots only when its key's jobs in flight go from 0 or to 0
+    jobs = pl.when(c("cascade")).then(c("d")).otherwise(0).cum_sum().over("inst", "key")
+    slot = (jobs > 0).cast(pl.Int64) - (jobs - c("d") > 0).cast(pl.Int64)
     running = work.select(
         "inst",
         "seq",
-        pl.when(c("cascade")).then(c("d")).otherwise(0).cum_sum().over("inst").alias("cas"),
+        pl.when(c("cascade")).then(slot).otherwise(0).cum_sum().over("inst").alias("cas"),
         pl.when(c("cascade")).then(0).otherwise(c("d")).cum_sum().over("inst").alias("prom"),
     )
     own = (

@@ -66,6 +66,10 @@ log = logging.getLogger("keytrace")
 
 DEFAULT_MAX_BYTES = 64 << 20
 """Default cap on the alarm's state (``KEYTRACE_ALARM_MAX_BYTES``)."""
+STALLED_KEPT = 4096
+"""Stalled requests remembered (so each warns once): a request aborted while stalled is
+never answered, so the set is cleared when it reaches this size (at worst a request then
+counts once more in the log's summary)."""
 BYTES_PER_RECORD = 280
 """What one key record costs in CPython (its tagged key, the record, the dict slot):
 204 bytes measured with tracemalloc at 50k records (tests/unit/test_alarm.py checks it);
@@ -117,8 +121,9 @@ class _Instance:
     """req -> keys its own promotions evicted from the primary"""
     promoted_now: dict[int, set[bytes]] = field(default_factory=dict)
     """episode -> keys its own lookup's promotions evicted during it (until it is judged)"""
-    cascading: int = 0
-    """Write-through jobs' keys in flight (`keytrace.analysis.definitions.IN_FLIGHT_TIER_WORK`)"""
+    cascading: dict[bytes, int] = field(default_factory=dict)
+    """key -> its write-through jobs in flight, to any tier (zero counts are dropped; each
+    key above zero holds one primary slot, `keytrace.analysis.definitions.IN_FLIGHT_TIER_WORK`)"""
     promoting: dict[str, int] = field(default_factory=dict)
     """req -> its promotions in flight (requests with none are dropped)"""
     crowd: dict[int, int] = field(default_factory=dict)
@@ -343,23 +348,34 @@ class Alarm:
         """Keep the primary slots tier work holds as the rows arrive (before any episode's
         deferral: `keytrace.analysis.history.crowding` reads the rows before each one)."""
         if event == "promotion_no_room" and episode is not None:
-            held = d.held_by_others(
-                st.cascading, sum(st.promoting.values()), st.promoting.get(req_id or "", 0)
-            )
+            own = st.promoting.get(req_id, 0) if req_id is not None else 0
+            writing = sum(1 for jobs in st.cascading.values() if jobs > 0)
+            held = d.held_by_others(writing, sum(st.promoting.values()), own)
             st.crowd[episode] = max(st.crowd.get(episode, held), held)
             return
         step = d.IN_FLIGHT_TIER_WORK.get(event)
         if step is None:
             return
-        n = step * sum(1 for k in keys if k is not None)
         if event.startswith("cascade"):
-            st.cascading += n
-        elif req_id is not None:
-            left = st.promoting.get(req_id, 0) + n
-            if left:
-                st.promoting[req_id] = left
-            else:
-                st.promoting.pop(req_id, None)
+            for key in keys:
+                if key is None:
+                    continue
+                # a running count, as the differ's: a settle seen before its submission
+                # (a trace begun mid-flight) leaves it below zero, not clamped
+                jobs = st.cascading.get(key, 0) + step
+                if jobs:
+                    st.cascading[key] = jobs
+                else:
+                    st.cascading.pop(key, None)
+            return
+        # a promotion row without a request counts for no request's own (as the differ
+        # joins it): under "" here, which no episode's request is
+        who = req_id if req_id is not None else ""
+        left = st.promoting.get(who, 0) + step * sum(1 for k in keys if k is not None)
+        if left:
+            st.promoting[who] = left
+        else:
+            st.promoting.pop(who, None)
 
     def _tier(
         self,
@@ -808,6 +824,8 @@ class Alarm:
             with self._lock:
                 if (st.name, j.req_id) in self._stalled:
                     return
+                if len(self._stalled) >= STALLED_KEPT:  # aborted ones are never answered
+                    self._stalled.clear()
                 self._stalled.add((st.name, j.req_id))
         what = (st.engine, j.binding_group, j.cause if j.verdict == "mismatch" else "stalled")
         with self._lock:
@@ -876,12 +894,17 @@ class Alarm:
             if st.directory
             else "record a trace (KEYTRACE_DIR) and run keytrace diff on it"
         )
+        why = (
+            "a tiered manager's promotions can evict the request's own prefix (keytrace "
+            "docs/findings.md)"
+            if self.tiered
+            else "a store or load that never settles keeps it waiting"
+        )
         return (
             f"keytrace: stalled lookup: request {j.req_id} on engine {st.engine}{rank} was "
             f"deferred {d.STALL_EPISODES} times in a row, or for {d.STALL_NS / 1e9:.0f} s, "
-            f"and served nothing{expected}; a tiered manager's promotions can evict the "
-            f"request's own prefix (keytrace docs/findings.md). Further stalled requests are "
-            f"counted (keytrace_episodes_total). Details: {cmd}"
+            f"and served nothing{expected}; {why}. Further stalled requests on this engine "
+            f"are summarised in the log. Details: {cmd}"
         )
 
     def counts(self, engine: str | None = None) -> dict[str, int]:

@@ -19,7 +19,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keytrace.analysis.diff import diff
 from keytrace.format.reader import open_trace
@@ -293,3 +296,82 @@ def test_settings_from_the_environment() -> None:
         recording=False,
     )
     assert s is not None and (s.metrics_port, s.interval) == (9400, 5.0)
+
+
+# ------------------------------------------- a busy primary: the differ's count, the alarm's
+TIER_WORK = (
+    "cascade_submitted",
+    "cascade_completed",
+    "cascade_failed",
+    "promotion_prepared",
+    "promotion_completed",
+    "promotion_failed",
+    "promotion_no_room",
+    "lookup",
+)
+TIER_CALLS = st.lists(
+    st.tuples(
+        st.sampled_from(TIER_WORK),
+        st.sampled_from(["a", "b", None]),
+        st.lists(
+            st.one_of(st.none(), st.sampled_from([b"k0", b"k1", b"k2", b"k3"])),
+            min_size=1,
+            max_size=3,
+        ),
+        st.sampled_from([None, 1, 2]),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(TIER_CALLS)
+def test_the_slots_other_work_held_are_counted_alike_offline_and_live(calls: list) -> None:  # type: ignore[type-arg]
+    """`history.crowding` (over a trace's tier rows, one per key) and the alarm (as each
+    call arrives) give every episode the same slots held by others: keyless rows, several
+    keys a call, several tiers writing one key, rows without a request."""
+    from keytrace.analysis.history import crowding
+    from keytrace.live.alarm import Alarm, _Instance
+
+    rows = [
+        {"inst": 1, "seq": seq, "event": ev, "req_id": req, "key": key, "ep": ep}
+        for seq, (ev, req, keys, ep) in enumerate(calls)
+        for key in keys
+    ]
+    schema = {
+        "inst": pl.Int64,
+        "seq": pl.Int64,
+        "event": pl.Categorical,
+        "req_id": pl.String,
+        "key": pl.Binary,
+        "ep": pl.Int64,
+    }
+    offline = {r["s"]: r["held"] for r in crowding(pl.LazyFrame(rows, schema=schema)).to_dicts()}
+    st_ = _Instance(name="i", engine="e", dp_rank=None, directory=None)
+    for ev, req, keys, ep in calls:
+        Alarm._in_flight(st_, ev, req, keys, ep)
+    assert st_.crowd == offline
+
+
+def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
+    from keytrace.analysis.history import crowding
+    from keytrace.live.alarm import Alarm, _Instance
+
+    calls = [
+        ("cascade_submitted", "a", [b"k0", b"k1"], None),  # tier 0
+        ("cascade_submitted", "a", [b"k0", b"k1"], None),  # tier 1: the same two slots
+        ("cascade_completed", "a", [b"k0"], None),  # tier 0 done with k0; tier 1 is not
+        ("promotion_prepared", "b", [b"k5"], 7),
+        ("promotion_no_room", "c", [b"k6"], 9),
+    ]
+    st_ = _Instance(name="i", engine="e", dp_rank=None, directory=None)
+    for ev, req, keys, ep in calls:
+        Alarm._in_flight(st_, ev, req, keys, ep)
+    rows = [
+        {"inst": 1, "seq": n, "event": ev, "req_id": req, "key": k, "ep": ep}
+        for n, (ev, req, keys, ep) in enumerate(calls)
+        for k in keys
+    ]
+    frame = pl.LazyFrame(rows, schema_overrides={"event": pl.Categorical, "key": pl.Binary})
+    assert st_.crowd == {9: 3}  # k0 and k1 still being written, b's promotion of k5
+    assert crowding(frame).to_dicts() == [{"inst": 1, "s": 9, "held": 3}]
