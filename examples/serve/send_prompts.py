@@ -60,8 +60,10 @@ def send_tiered(base: str, model: str, settle: float = 0.0) -> list[int | None]:
 
 def send_starving(base: str, model: str, wait: float = 20.0) -> list[int | None]:
     """A prompt larger than the CPU tier (over a disk tier), a GPU-only reset, the same
-    prompt again: on vLLM 0.32.0-0.33.0 its lookup is deferred without end (docs/findings.md);
-    the client gives up after ``wait`` seconds (None: no answer) and the server aborts it."""
+    prompt again: on vLLM 0.32.0-0.33.0 its lookup is deferred again and again while its
+    promotions evict its own prefix (docs/findings.md). On a served fs tier the loop has
+    ended by itself after 44 to 874 deferrals (vLLM then recomputes the prompt); the client
+    gives up after ``wait`` seconds (None: no answer) and the server aborts it."""
     cached = [_complete(base, model, prompt(7, 2_000))]
     post(base, "/reset_prefix_cache", {})
     cached.append(_complete(base, model, prompt(7, 2_000), timeout=wait))

@@ -71,8 +71,9 @@ prompt is 78 chunks (62 full-attention, 16 windowed), three of them are not."""
 
 @pytest.fixture(scope="module")
 def tiered(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    # 3 s between the last prompt and the resend: the write-throughs to disk are done
-    tier = tool.Tier(TIER_CPU, options=(("settle", 3.0),))
+    # 5 s between the last prompt and the resend: the write-throughs to disk are done
+    # (3 s was enough in 3 of 3 runs on an idle machine)
+    tier = tool.Tier(TIER_CPU, options=(("settle", 5.0),))
     return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("tiered"), tier=tier)
 
 
@@ -231,9 +232,9 @@ def test_a_resend_behind_the_disk_writes_is_never_a_mismatch(tiered_at_once: Any
     assert run.server_exit == 0 and run.diff_exit == 0, run.diff.get("first_mismatch")
     resend = _resend(run)
     assert run.cached_tokens[3] == resend["external_tokens"]
-    if resend["external_tokens"] == 0:
-        assert resend["verdict"] == "explained" and resend["terminal"]["cause"] == "primary_busy"
-        assert "the CPU tier was busy" in resend["reason"]
+    if resend["external_tokens"] < 1_984:  # short: the primary was busy, or a promotion ran
+        assert resend["verdict"] == "explained"
+        assert resend["terminal"]["cause"] in ("primary_busy", "promoting")
     else:
         assert (resend["external_tokens"], resend["verdict"]) == (1_984, "hit")
     assert not run.log_warnings, run.log_warnings
@@ -244,24 +245,31 @@ def test_a_prompt_its_cpu_tier_cannot_hold_is_deferred_then_judged_and_the_log_a
     starving: Any,
 ) -> None:
     # vLLM defers the resend while its promotions evict its own prefix (docs/findings.md),
-    # here 44 to 874 times in a row, then answers MISS and recomputes it. From the 50th
-    # deferral keytrace calls it stalled (exit 1) and the log says so once; the answer is
-    # capacity: 78 chunks against a 64-chunk CPU tier.
+    # 44 to 874 times in a row in five measured runs, then answers MISS and recomputes it.
+    # From the 50th deferral (or 30 s after the first) keytrace calls it stalled (exit 1)
+    # and the log says so once; the answer is capacity: 78 chunks against a 64-chunk tier.
     assert starving.server_exit == 0, starving.log_tail
-    assert starving.cached_tokens == [0, 0]
+    assert starving.cached_tokens[0] == 0
     req = starving.diff["episodes"][-1]["req_id"]
     mine = [e for e in starving.diff["episodes"] if e["req_id"] == req]
-    *asked_again, answered = mine
-    assert (answered["verdict"], answered["external_tokens"], answered["E"]) == (
-        "explained",
-        0,
-        1_984,
-    )
-    assert answered["terminal"]["cause"] == "promotion_no_room"
+    if starving.cached_tokens[1] is None:  # still deferred when the client gave up (60 s)
+        asked_again = mine
+    else:  # answered: recomputed, a capacity shortfall
+        assert starving.cached_tokens[1] == 0
+        *asked_again, answered = mine
+        assert (answered["verdict"], answered["external_tokens"], answered["E"]) == (
+            "explained",
+            0,
+            1_984,
+        )
+        assert answered["terminal"]["cause"] == "promotion_no_room"
     assert len(asked_again) >= 10 and {e["external_tokens"] for e in asked_again} == {None}
-    stalled = [e for e in asked_again if e["verdict"] == "stalled"]
-    assert bool(stalled) == (len(asked_again) >= 50)
-    assert [e["verdict"] for e in asked_again[:49]] == ["deferred"] * min(49, len(asked_again))
+    # deferred, then stalled on: a run of deferrals, then a run of stalled episodes
+    verdicts = [e["verdict"] for e in asked_again]
+    first = verdicts.index("stalled") if "stalled" in verdicts else len(verdicts)
+    stalled = verdicts[first:]
+    assert set(verdicts[:first]) == {"deferred"} and set(stalled) <= {"stalled"}
+    assert first <= 49  # the 50th deferral is stalled at the latest
     assert starving.diff_exit == (1 if stalled else 0)
     said = [w for w in starving.log_warnings if "keytrace: " in w]
     if stalled:  # one warning for the request, not one per step it was deferred again
