@@ -43,33 +43,42 @@ class ReportPage:
     fix_text: str = ""
 
 
+def _case(page: ReportPage | StalledPage) -> dict[str, Any]:
+    """What both report templates say of the case alike: versions, the offloaded groups, the
+    traffic, the differ's text, the files written beside the report."""
+    header = page.header
+    return {
+        "v": page.v,
+        "keytrace_version": page.keytrace_version,
+        "vllm_version": header.get("vllm_version", "?"),
+        "modified": header.get("vllm_modified") or [],
+        "groups": [g for g in header.get("groups", []) if g.get("offloaded", True)],
+        "traffic": traffic(page.prime_lengths, page.episode_length),
+        "evidence": page.evidence.rstrip(),
+        "html": page.html,
+        "fix": page.fix,
+        "fix_text": page.fix_text,
+        "fixture": page.fixture,
+        "standalone": page.standalone,
+        "trace": page.trace,
+    }
+
+
 def render_report(page: ReportPage) -> str:
     """``report.md``'s text for ``page``."""
     v, header = page.v, page.header
     t = v.terminal
     return render(
         "report.md.j2",
-        v=v,
+        **_case(page),
         binding_label=v.binding_label or "?",
         cause=t.cause if t else "?",
-        keytrace_version=page.keytrace_version,
-        vllm_version=header.get("vllm_version", "?"),
-        modified=header.get("vllm_modified") or [],
-        groups=[g for g in header.get("groups", []) if g.get("offloaded", True)],
         header=header,
-        traffic=traffic(page.prime_lengths, page.episode_length),
-        evidence=page.evidence.rstrip(),
-        html=page.html,
         rule=page.rule,
         step=page.step,
         plot=page.plot,
         minimal=page.minimal,
         minimal_trace=page.minimal_trace,
-        fixture=page.fixture,
-        standalone=page.standalone,
-        trace=page.trace,
-        fix=page.fix,
-        fix_text=page.fix_text,
     )
 
 
@@ -123,23 +132,11 @@ def render_stalled_report(page: StalledPage) -> str:
     tiers = header.get("secondary_tiers") or []
     return render(
         "report_stalled.md.j2",
-        v=page.v,
-        keytrace_version=page.keytrace_version,
-        vllm_version=header.get("vllm_version", "?"),
-        modified=header.get("vllm_modified") or [],
+        **_case(page),
         spec=header.get("offload_spec") or "?",
         cpu_chunks=header.get("cpu_num_chunks"),
         tiers=" and ".join(f"a `{t.get('type')}` tier" for t in tiers) or "no tier",
         stall_episodes=STALL_EPISODES,
-        groups=[g for g in header.get("groups", []) if g.get("offloaded", True)],
-        traffic=traffic(page.prime_lengths, page.episode_length),
-        evidence=page.evidence.rstrip(),
-        html=page.html,
         rows=page.rows,
         give_up=page.give_up,
-        fix=page.fix,
-        fix_text=page.fix_text,
-        fixture=page.fixture,
-        standalone=page.standalone,
-        trace=page.trace,
     )

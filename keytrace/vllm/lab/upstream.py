@@ -55,12 +55,8 @@ def write_report(
     from keytrace.analysis.plan import plan_for
     from keytrace.errors import UsageError
     from keytrace.format.reader import open_trace
-    from keytrace.report.fixture import file_name, render_fixture
-    from keytrace.report.html import write_page
     from keytrace.report.markdown import ReportPage, render_report
-    from keytrace.report.standalone import regression_name, render_vllm_regression
     from keytrace.report.table import write_rows
-    from keytrace.report.text import render_episode
     from keytrace.vllm import require_vllm
     from keytrace.vllm.lab.minimize import minimize
     from keytrace.vllm.lab.sweep import run_sweep
@@ -78,18 +74,7 @@ def write_report(
     if v.verdict == "stalled":
         return _write_stalled_report(report, plan, list(paths), out_dir, fix=fix, log=log)
 
-    text = render_fixture(plan)
-    fixture = os.path.join(out_dir, file_name(plan, text))
-    with open(fixture, "w") as fh:
-        fh.write(text)
-    evidence = io.StringIO()
-    render_episode(v, evidence, header=header)
-    standalone_text = render_vllm_regression(plan, evidence=evidence.getvalue())
-    standalone = os.path.join(out_dir, regression_name(plan, standalone_text))
-    with open(standalone, "w") as fh:
-        fh.write(standalone_text)
-    html = os.path.join(out_dir, "chunkmap.html")
-    write_page(html, report)
+    fixture, standalone, html, evidence = _write_tests_and_map(report, plan, out_dir)
 
     geo = geometry_from_header(header)
     A = int(header.get("alignment_tokens") or geo.groups[0].block_size * geo.blocks_per_chunk)
@@ -138,7 +123,7 @@ def write_report(
             keytrace_version=__version__,
             prime_lengths=plan.prime_lengths,
             episode_length=plan.episode_length,
-            evidence=evidence.getvalue(),
+            evidence=evidence,
             rule=rule,
             step=step,
             fixture=os.path.basename(fixture),
@@ -152,12 +137,9 @@ def write_report(
             fix_text="; ".join(FIXES[n] for n in fix_names(fix)),
         )
     )
-    markdown = os.path.join(out_dir, "report.md")
-    with open(markdown, "w") as fh:
-        fh.write(md)
     return ReportFiles(
         out_dir=out_dir,
-        markdown=markdown,
+        markdown=_write_markdown(out_dir, md),
         fixture=fixture,
         standalone=standalone,
         html=html,
@@ -167,6 +149,40 @@ def write_report(
         minimal_trace=minimal_trace,
         fix=fixed,
     )
+
+
+def _write_tests_and_map(report: Any, plan: Any, out_dir: str) -> tuple[str, str, str, str]:
+    """The two regression tests for the report's first finding (keytrace's fixture, the
+    standalone one for vLLM's tree) and its chunk map, written into ``out_dir``; their
+    paths and the differ's text for the episode (the standalone test quotes it)."""
+    from keytrace.report.fixture import file_name, render_fixture
+    from keytrace.report.html import write_page
+    from keytrace.report.standalone import regression_name, render_vllm_regression
+    from keytrace.report.text import render_episode
+
+    evidence = io.StringIO()
+    render_episode(report.first_mismatch, evidence, header=report.header)
+    fixture_text = render_fixture(plan)
+    standalone_text = render_vllm_regression(plan, evidence=evidence.getvalue())
+    paths = []
+    for text, name in (
+        (fixture_text, file_name(plan, fixture_text)),
+        (standalone_text, regression_name(plan, standalone_text)),
+    ):
+        paths.append(os.path.join(out_dir, name))
+        with open(paths[-1], "w") as fh:
+            fh.write(text)
+    html = os.path.join(out_dir, "chunkmap.html")
+    write_page(html, report)
+    return paths[0], paths[1], html, evidence.getvalue()
+
+
+def _write_markdown(out_dir: str, text: str) -> str:
+    """``report.md`` in ``out_dir``; its path."""
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as fh:
+        fh.write(text)
+    return path
 
 
 def _with_fix(rows: list[SweepRow] | None, fix: str | None) -> str:
@@ -198,29 +214,13 @@ def _write_stalled_report(
 
     from keytrace import __version__
     from keytrace.analysis.geometry import Geometry
-    from keytrace.report.fixture import file_name, render_fixture
-    from keytrace.report.html import write_page
     from keytrace.report.markdown import CapacityRow, StalledPage, render_stalled_report
-    from keytrace.report.standalone import regression_name, render_vllm_regression
-    from keytrace.report.text import render_episode
     from keytrace.vllm.lab.harness import ABORT_DEFERRALS
     from keytrace.vllm.lab.replay import replay
     from keytrace.vllm.mods.catalog import FIXES, fix_names
 
     v = report.first_mismatch
-    written = {}
-    evidence = io.StringIO()
-    render_episode(v, evidence, header=report.header)
-    for text, name in (
-        (t := render_fixture(plan), file_name(plan, t)),
-        (u := render_vllm_regression(plan, evidence=evidence.getvalue()), regression_name(plan, u)),
-    ):
-        written[name] = os.path.join(out_dir, name)
-        with open(written[name], "w") as fh:
-            fh.write(text)
-    fixture, standalone = list(written.values())
-    html = os.path.join(out_dir, "chunkmap.html")
-    write_page(html, report)
+    fixture, standalone, html, evidence = _write_tests_and_map(report, plan, out_dir)
     geo = Geometry.from_dict(plan.geometry)
     sizes = range(max(1, geo.cpu_chunks - CAPACITY_BELOW), geo.cpu_chunks + CAPACITY_ABOVE + 1)
     rows: list[CapacityRow] = []
@@ -256,7 +256,7 @@ def _write_stalled_report(
             keytrace_version=__version__,
             prime_lengths=plan.prime_lengths,
             episode_length=plan.episode_length,
-            evidence=evidence.getvalue(),
+            evidence=evidence,
             rows=rows,
             give_up=ABORT_DEFERRALS,
             fixture=os.path.basename(fixture),
@@ -267,12 +267,9 @@ def _write_stalled_report(
             fix_text="; ".join(FIXES[n] for n in fix_names(fix)),
         )
     )
-    markdown = os.path.join(out_dir, "report.md")
-    with open(markdown, "w") as fh:
-        fh.write(md)
     return ReportFiles(
         out_dir=out_dir,
-        markdown=markdown,
+        markdown=_write_markdown(out_dir, md),
         fixture=fixture,
         standalone=standalone,
         html=html,
