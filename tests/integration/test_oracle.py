@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -65,6 +66,21 @@ SEEN: dict[str, Counter[str]] = {
 }
 
 
+def _recorded_and_checked(
+    spec: WorkloadSpec, d: str, caplog: pytest.LogCaptureFixture
+) -> tuple[list[Any], list[str]]:
+    """Run ``spec`` into ``d`` with the live alarm on, look every shortfall up again in
+    isolation, and require the differ to agree with each; the cases and the alarm's
+    write-only warnings."""
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    res = run_workload(spec, d, alarm=SETTINGS)
+    warnings = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
+    cases = check(d, res.prompts)
+    bad = [c.describe() for c in cases if not c.agree]
+    assert bad == [], "\n".join(bad)
+    return cases, warnings
+
+
 @pytest.mark.parametrize(("geometry", "inject", "seed", "cpu"), CONFIGS)
 def test_differ_agrees_with_isolated_lookups(
     geometry: str,
@@ -80,12 +96,7 @@ def test_differ_agrees_with_isolated_lookups(
         spec = dataclasses.replace(
             spec, cpu_chunks=cpu * len(GEO_GROUPS[geometry]) // 3, reroute_rate=0.4
         )
-    caplog.set_level(logging.WARNING, logger="keytrace")
-    res = run_workload(spec, d, alarm=SETTINGS)
-    warnings = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
-    cases = check(d, res.prompts)
-    bad = [c.describe() for c in cases if not c.agree]
-    assert bad == [], "\n".join(bad)
+    cases, warnings = _recorded_and_checked(spec, d, caplog)
     SEEN["verdicts"].update(c.verdict for c in cases)
     SEEN["causes"].update(f"{c.verdict}:{c.cause}" for c in cases)
     # the traffic had what the verdicts must survive
@@ -132,12 +143,7 @@ def test_differ_agrees_with_isolated_lookups_on_tiers(
     spec = WorkloadSpec(
         geometry=geometry, seed=seed, tiers=(tier,), cpu_chunks=cpu, conversations=12
     )
-    caplog.set_level(logging.WARNING, logger="keytrace")
-    res = run_workload(spec, d, alarm=SETTINGS)
-    warnings = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
-    cases = check(d, res.prompts)
-    bad = [c.describe() for c in cases if not c.agree]
-    assert bad == [], "\n".join(bad)
+    cases, warnings = _recorded_and_checked(spec, d, caplog)
     report = diff(open_trace(d))
     assert report.lost is not None
     per_engine = Counter[str]()
