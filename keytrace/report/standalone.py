@@ -74,9 +74,9 @@ def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
 
 def is_tiered_stall(plan: ReplayPlan) -> bool:
     """The plan is of a stalled request on a tiered manager (the livelock's test form)."""
-    return plan.recorded_verdict == "stalled" and bool(
-        plan.geometry.get("extra", {}).get("secondary_tiers")
-    )
+    from keytrace.analysis.geometry import Geometry
+
+    return plan.recorded_verdict == "stalled" and Geometry.from_dict(plan.geometry).is_tiered
 
 
 def regression_name(plan: ReplayPlan, text: str) -> str:
