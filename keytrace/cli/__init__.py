@@ -38,6 +38,7 @@ def cli() -> None:
     Inspect:  keytrace summary /tmp/kt
     Diff:     keytrace diff /tmp/kt                  (exit 0 agree, 1 mismatch, 2 trouble)
     Try it:   keytrace demo                          (real vLLM scheduler on a CPU)
+    Check:    keytrace doctor                        (what works with this vLLM, and why)
     """
 
 
@@ -46,6 +47,7 @@ def _register() -> None:
         compact,
         demo,
         diff,
+        doctor,
         fixture,
         fuzz,
         header,
@@ -58,6 +60,7 @@ def _register() -> None:
     )
 
     for mod in (
+        doctor,
         demo,
         diff,
         summary,

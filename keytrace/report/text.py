@@ -212,3 +212,38 @@ def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
 
 def _engine_name(engine: str) -> str:
     return "all engines" if engine == "all" else f"engine {engine[:8]}"
+
+
+def render_doctor(d: dict[str, Any], file: IO[str], *, checks: bool = False) -> None:
+    """``keytrace doctor``: the environment, the installed vLLM, then one line per
+    capability (what works, and for what does not, why); every check with ``checks``."""
+    vllm = d["vllm"]
+    libs = d["libraries"]
+    file.write(f"keytrace {d['keytrace']} on Python {d['python']} ({d['platform']})\n")
+    file.write(
+        "libraries: "
+        + ", ".join(f"{k} {v}" for k, v in libs.items() if k not in ("keytrace", "vllm") and v)
+        + "\n"
+    )
+    missing = [k for k, v in libs.items() if v is None and k != "vllm"]
+    if missing:
+        file.write(f"not installed: {', '.join(missing)}\n")
+    if vllm["version"] is None:
+        file.write(f"vLLM: not importable ({vllm['error']})\n")
+    else:
+        file.write(f"vLLM: {vllm['version']} ({vllm['kind']}) at {vllm['path']}\n")
+    file.write(f"verified releases: {', '.join(d['verified_releases'])}\n\n")
+    width = max(len(c["name"]) for c in d["capabilities"])
+    for c in d["capabilities"]:
+        mark = "yes" if c["ok"] else "NO "
+        what = c["what"] if len(c["what"]) <= 64 else c["what"][:61] + "..."
+        line = f"  {mark}  {c['name']:<{width}}  {what}"
+        file.write(line + ("" if c["ok"] else f"\n{'':<{width + 9}}why: {c['reason']}") + "\n")
+        if checks:
+            for k in c["checks"]:
+                file.write(f"{'':<{width + 9}}{'ok' if k['ok'] else 'FAILED'}: {k['check']}\n")
+    for note in d["notes"]:
+        file.write(f"\nnote: {note}\n")
+    file.write(
+        "\nrecording works here\n" if d["can_record"] else "\nrecording does NOT work here\n"
+    )

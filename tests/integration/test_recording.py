@@ -257,34 +257,61 @@ def test_missing_hook_point_records_nothing(
         assert patches.install(tmp_path / "t") is False
     [line] = [r.getMessage() for r in caplog.records if "cannot hook" in r.getMessage()]
     assert (
-        "(hook point OffloadingConnectorScheduler.update_state_after_alloc is missing); "
-        "keytrace supports vllm 0.32.0 and 0.33.0" in line
+        "(hook point OffloadingConnectorScheduler.update_state_after_alloc is missing). "
+        "Nothing is patched for record and vLLM is left untouched; `keytrace doctor` lists "
+        "every check." in line
     )
     assert cls.__init__ is init_before and not patches.installed()
     assert not (tmp_path / "t").exists()
 
 
-def test_an_unsupported_release_records_nothing(
+def test_a_moved_parameter_records_nothing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import vllm
-
+    """A hook point whose parameters moved (a later commit on main) is refused by its
+    signature, before anything is patched: the hooks read them by position and name."""
     from keytrace.vllm.hook import patches
     from keytrace.vllm.hook.compat import load_targets
 
     cls, _, _ = load_targets()
     init_before = cls.__init__
-    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+
+    def moved(self, num_computed_tokens, request):  # type: ignore[no-untyped-def]
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(cls, "get_num_new_matched_tokens", moved)
     with caplog.at_level("WARNING", logger="keytrace"):
         assert patches.install(tmp_path / "t") is False
     [line] = [r.getMessage() for r in caplog.records if "cannot hook" in r.getMessage()]
-    assert line == (
-        "keytrace: cannot hook installed vLLM 0.31.0 (release 0.31.0 is not one keytrace "
-        "records); keytrace supports vllm 0.32.0 and 0.33.0. Nothing is patched for record "
-        "and vLLM is left untouched."
+    assert (
+        "OffloadingConnectorScheduler.get_num_new_matched_tokens takes (num_computed_tokens, "
+        "request), keytrace reads (request, num_computed_tokens)" in line
     )
     assert cls.__init__ is init_before and not patches.installed()
-    assert not (tmp_path / "t").exists()
+
+
+def test_a_source_build_version_records_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A version string no allowlist knows records when the code passes every check: one
+    INFO line, and the header says vllm_verified: false (the subprocess test in
+    test_source_build.py does this without touching vllm's module)."""
+    import vllm
+
+    from keytrace.vllm.hook import patches
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.1.dev3+g96039d055")
+    monkeypatch.setattr(patches._STATE, "_warned", set())
+    with caplog.at_level("INFO", logger="keytrace"):
+        _run(SMALL, 1000, tmp_path / "t")
+    [line] = [r.getMessage() for r in caplog.records if "source build" in r.getMessage()]
+    assert line == (
+        "keytrace: vLLM 0.33.1.dev3+g96039d055 is a source build; its offloading code passes "
+        "every hook check, so keytrace records it (verified releases: 0.31.0, 0.32.0, "
+        "0.33.0; traces say vllm_verified: false)"
+    )
+    header = open_trace(str(tmp_path / "t")).header
+    assert (header["vllm_version"], header["vllm_verified"]) == ("0.33.1.dev3+g96039d055", False)
 
 
 def test_recorder_failure_is_contained(

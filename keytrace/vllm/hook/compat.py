@@ -7,6 +7,7 @@ caller gets a list of what is missing and installs no patch at all.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
@@ -56,7 +57,8 @@ def load_targets() -> tuple[Any, Any, list[str]]:
             problems.append(f"{BASE_MODULE}.{name}")
     rc = getattr(base, "ReqContext", None)
     if rc is not None and not hasattr(rc, "get_offload_key_position"):
-        problems.append("ReqContext.get_offload_key_position")
+        # added in 0.31.0; keytrace reads each looked-up key's end token from it
+        problems.append("ReqContext.get_offload_key_position (vLLM 0.31.0+)")
     return cls, base, problems
 
 
@@ -67,3 +69,15 @@ def vllm_version() -> str:
         return str(vllm.__version__)
     except Exception:
         return "?"
+
+
+def resolve(owner: Any, attr: str) -> Any:
+    """What ``owner.attr`` is, for the presence check and the wrap alike (None: absent).
+
+    A class attribute is looked up statically along the MRO (an inherited method counts and
+    descriptors are not triggered); an instance attribute dynamically, as vLLM will call it
+    (a bound method, or a ``MagicMock`` child).
+    """
+    if isinstance(owner, type):
+        return inspect.getattr_static(owner, attr, None)
+    return getattr(owner, attr, None)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from keytrace.vllm.hook.compat import vllm_version
+from keytrace.vllm.hook.support import vllm_info
 
 
 def _kind(spec: Any) -> str:
@@ -80,13 +81,17 @@ def build_header(
     extra = dict(getattr(spec, "extra_config", {}) or {})
     return {
         "vllm_version": vllm_version(),
+        # a release keytrace's CI ran (False: a source build or another release whose
+        # code passed every hook check; `keytrace.vllm.hook.support`)
+        "vllm_verified": vllm_info().verified,
         "vllm_modified": list(modified),
         "groups": groups,
         "lookup_order": [cfg.kv_group_configs[i].group_idx for i in sched._lookup_groups],
         "blocks_per_chunk": int(cfg.blocks_per_chunk),
         "tokens_per_hash": int(cfg.tokens_per_hash),
         "alignment_tokens": cfg.alignment_tokens,
-        "cache_hit_alignment_tokens": kv_cache_config.cache_hit_alignment_tokens,
+        # new in 0.32.0: None on an older release (absent) as when unset
+        "cache_hit_alignment_tokens": getattr(kv_cache_config, "cache_hit_alignment_tokens", None),
         "retention_interval": cfg.retention_interval,
         "offload_prompt_only": bool(cfg.offload_prompt_only),
         "supports_partial_tail": bool(cfg.supports_partial_tail),

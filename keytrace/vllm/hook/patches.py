@@ -35,7 +35,6 @@ was there, and only while the attribute still holds keytrace's wrapper.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import threading
@@ -48,7 +47,8 @@ import wrapt
 
 from keytrace.live.alarm import AlarmSettings
 from keytrace.record.recorder import Recorder
-from keytrace.vllm.hook import hooks
+from keytrace.vllm.hook import hooks, support
+from keytrace.vllm.hook.compat import resolve
 from keytrace.vllm.mods import catalog, fixes, inject
 
 log = logging.getLogger("keytrace")
@@ -73,6 +73,11 @@ class Patch:
     attr: str
     make: Callable[[Binding], Wrapper]
     essential: bool = True
+    params: tuple[str | None, ...] = ()
+    """The parameters of vLLM's function (after ``self``) this row relies on, by position:
+    those its observer reads (None: a position it does not read), or, for a row that
+    replaces the function, all of them. `keytrace.vllm.hook.support` checks them against
+    the installed vLLM before anything is patched."""
 
 
 # ----------------------------------------------------------------- observers
@@ -307,7 +312,13 @@ def _store_mask_rows(
     """Rows that replace the store path's mask (``kind`` "inject" or "fix"), one a name."""
     assert set(fns) == set(known)
     return tuple(
-        Patch(f"{kind}:{name}", "scheduler", "_reachable_store_block_mask", _replace(fn))
+        Patch(
+            f"{kind}:{name}",
+            "scheduler",
+            "_reachable_store_block_mask",
+            _replace(fn),
+            params=inject.MASK_ARGS,
+        )
         for name, fn in fns.items()
     )
 
@@ -321,30 +332,40 @@ _CHANGES: dict[str, tuple[str, Mapping[str, str]]] = {
 
 TABLE: tuple[Patch, ...] = (
     # recording: scheduler class (episode, allocation, step, finish, reset context)
-    Patch("record", "scheduler", "__init__", _record_init),
+    Patch(
+        "record",
+        "scheduler",
+        "__init__",
+        _record_init,
+        params=("spec", "vllm_config", "kv_cache_config"),
+    ),
     Patch(
         "record",
         "scheduler",
         "get_num_new_matched_tokens",
         observe("get_num_new_matched_tokens", before=hooks.episode_begin, after=hooks.episode_end),
+        params=("request", "num_computed_tokens"),
     ),
     Patch(
         "record",
         "scheduler",
         "update_state_after_alloc",
         observe("update_state_after_alloc", after=hooks.accepted),
+        params=("request", None, "num_external_tokens"),
     ),
     Patch(
         "record",
         "scheduler",
         "build_connector_meta",
         observe("build_connector_meta", before=hooks.step_begin, after=hooks.step_end, always=True),
+        params=("scheduler_output",),
     ),
     Patch(
         "record",
         "scheduler",
         "request_finished",
         observe("request_finished", after=hooks.request_finished),
+        params=("request",),
     ),
     Patch("record", "scheduler", "reset_cache", observe("reset_cache", after=hooks.flush)),
     # optional private helpers: exact scan boundaries (inferred from group changes without)
@@ -363,30 +384,40 @@ TABLE: tuple[Patch, ...] = (
         essential=False,
     ),
     # recording: the manager instance each recorded scheduler creates
-    Patch("record", "manager", "lookup", observe_hot("manager.lookup", hooks.lookup)),
+    Patch(
+        "record",
+        "manager",
+        "lookup",
+        observe_hot("manager.lookup", hooks.lookup),
+        params=("key", "req_context"),
+    ),
     Patch(
         "record",
         "manager",
         "prepare_store",
         observe("manager.prepare_store", after=hooks.prepare_store),
+        params=("keys", "req_context"),
     ),
     Patch(
         "record",
         "manager",
         "complete_store",
         observe("manager.complete_store", after=hooks.complete_store),
+        params=("keys", "req_context"),
     ),
     Patch(
         "record",
         "manager",
         "prepare_load",
         observe("manager.prepare_load", after=hooks.prepare_load),
+        params=("keys", "req_context"),
     ),
     Patch(
         "record",
         "manager",
         "complete_load",
         observe("manager.complete_load", after=hooks.complete_load),
+        params=("keys", "req_context"),
     ),
     Patch("record", "manager", "reset_cache", observe("manager.reset_cache", after=hooks.reset)),
     # recording: below a tiered manager's public methods (vLLM 0.33.0's tiering manager)
@@ -401,6 +432,7 @@ TABLE: tuple[Patch, ...] = (
             always=True,
         ),
         essential=False,
+        params=("tier_idx",),
     ),
     Patch(
         "record",
@@ -409,6 +441,7 @@ TABLE: tuple[Patch, ...] = (
         observe(
             "tiering.complete_store", before=hooks.store_begin, after=hooks.store_end, always=True
         ),
+        params=("keys", "req_context"),
     ),
     Patch(
         "record",
@@ -416,6 +449,7 @@ TABLE: tuple[Patch, ...] = (
         "_should_store_to_tier",
         observe("tiering.backpressure", after=hooks.backpressure),
         essential=False,
+        params=("tier",),
     ),
     Patch("record", "tiering", "reset_cache", observe("tiering.reset", after=hooks.reset_tiers)),
     Patch(
@@ -475,15 +509,21 @@ TABLE: tuple[Patch, ...] = (
         "scheduler",
         "_lookup_complete_chunks",
         _replace(fixes.lookup_with_unkeyable_peek),
+        params=("req_status", "max_num_new_tokens"),
     ),
     Patch(
         "fix:eagle_proof_key",
         "scheduler",
         "_sliding_window_lookup",
         _replace(fixes.scan_with_proof),
+        params=("keys", "sliding_window_size", "req_context", "initial_window_size"),
     ),
     Patch(
-        "fix:eagle_proof_key", "scheduler", "_build_store_jobs", _replace(fixes.store_peek_proofs)
+        "fix:eagle_proof_key",
+        "scheduler",
+        "_build_store_jobs",
+        _replace(fixes.store_peek_proofs),
+        params=("scheduler_output",),
     ),
     # a lookup-side fix of the window in chunks, where vLLM computes it for every group
     Patch(
@@ -491,6 +531,7 @@ TABLE: tuple[Patch, ...] = (
         "config",
         "get_sliding_window_size_in_chunks",
         _replace(fixes.window_minus_one),
+        params=("kv_cache_spec", "tokens_per_chunk"),
     ),
     # a tiered manager's promotions pin the keys their own request found in the primary
     Patch(
@@ -498,18 +539,21 @@ TABLE: tuple[Patch, ...] = (
         "tiering_class",
         "lookup",
         _replace(fixes.note_primary_hits),
+        params=("key", "req_context", "exclude_tier_idx"),
     ),
     Patch(
         "fix:promotion_pins_prefix",
         "tiering_class",
         "_initiate_promotion",
         _replace(fixes.promote_pinning_prefix),
+        params=("tier_idx", "key", "req_context"),
     ),
     Patch(
         "fix:promotion_pins_prefix",
         "tiering_class",
         "on_schedule_end",
         _replace(fixes.forget_primary_hits),
+        params=("context",),
     ),
     # the CPU harness's own observers on the connector instance it builds
     Patch("harness", "connector", "get_num_new_matched_tokens", _notify("on_lookup")),
@@ -526,16 +570,7 @@ def _rows(feature: str, target: Target | None = None) -> list[Patch]:
 
 
 # ------------------------------------------------------------------ mechanism
-def _resolve(owner: Any, attr: str) -> Any:
-    """What ``owner.attr`` is, for the presence check and the wrap alike (None: absent).
-
-    A class attribute is looked up statically along the MRO (an inherited method counts and
-    descriptors are not triggered); an instance attribute dynamically, as vLLM will call it
-    (a bound method, or a ``MagicMock`` child).
-    """
-    if isinstance(owner, type):
-        return inspect.getattr_static(owner, attr, None)
-    return getattr(owner, attr, None)
+_resolve = resolve  # one lookup rule for the checks and the wrap (`compat.resolve`)
 
 
 LAYER_RANK = {"fix": 0, "inject": 1, "record": 3}
@@ -680,6 +715,11 @@ class _State:
         self.recorders: list[Recorder] = []
         self._warned: set[str] = set()
 
+    def info_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.info(message)
+
     def warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
@@ -697,40 +737,20 @@ def scheduler_class() -> tuple[Any, list[str]]:
     return cls, problems
 
 
+def capability(name: str) -> support.Capability:
+    """Capability ``name`` (`keytrace.vllm.hook.support`) over this table."""
+    return support.capability(name, TABLE)
+
+
+def capabilities() -> list[support.Capability]:
+    """Every in-server capability over this table (what ``keytrace doctor`` lists)."""
+    return support.capabilities(TABLE)
+
+
 def missing_hooks(feature: str) -> list[str]:
-    """Essential class-level hook points of ``feature`` this vLLM lacks (`_resolve`); for
-    recording, a release outside `RECORDING_VLLM` counts as missing them all."""
-    cls, problems = scheduler_class()
-    if cls is None:
-        return problems
-    if feature == "record":
-        from keytrace.vllm import RECORDING_VLLM
-        from keytrace.vllm.hook.compat import vllm_version
-
-        release = vllm_version().split("+")[0]
-        if release not in RECORDING_VLLM:
-            return [f"release {release} is not one keytrace records"]
-    from keytrace.vllm.hook.compat import CONFIG_MODULE, TIERING_CLASS, config_module, tiering_class
-
-    config, tiering = config_module(), tiering_class()
-    return (
-        problems
-        + [
-            f"hook point {cls.__name__}.{p.attr} is missing"
-            for p in _rows(feature, "scheduler")
-            if p.essential and _resolve(cls, p.attr) is None
-        ]
-        + [
-            f"hook point {CONFIG_MODULE}.{p.attr} is missing"
-            for p in _rows(feature, "config")
-            if config is None or _resolve(config, p.attr) is None
-        ]
-        + [
-            f"hook point {TIERING_CLASS}.{p.attr} is missing"
-            for p in _rows(feature, "tiering_class")
-            if tiering is None or _resolve(tiering, p.attr) is None
-        ]
-    )
+    """Why ``feature`` cannot be patched on the installed vLLM: its capability's failed
+    checks, empty when every check passes."""
+    return [c.problem for c in capability(support.capability_of(feature)).failed]
 
 
 def enable(feature: str) -> bool:
@@ -743,16 +763,12 @@ def enable(feature: str) -> bool:
             return True
         problems = missing_hooks(feature)
         if problems:
-            from keytrace.vllm import RECORDING_VLLM, SUPPORTED_VLLM
             from keytrace.vllm.hook.compat import vllm_version
 
-            supported = (
-                " and ".join(RECORDING_VLLM) if feature == "record" else "==" + SUPPORTED_VLLM
-            )
             _STATE.warn_once(
                 f"keytrace: cannot hook installed vLLM {vllm_version()} "
-                f"({'; '.join(problems)}); keytrace supports vllm {supported}. "
-                f"Nothing is patched for {feature} and vLLM is left untouched."
+                f"({'; '.join(problems)}). Nothing is patched for {feature} and vLLM is "
+                "left untouched; `keytrace doctor` lists every check."
             )
             return False
         cls, _ = scheduler_class()
@@ -829,10 +845,24 @@ def install(directory: str | os.PathLike[str] | None, alarm: AlarmSettings | Non
             return False
         forget_alarms()
         if enable("record"):
+            _say_unverified()
             return True
         _STATE.directory = None
         _STATE.alarm = None
         return False
+
+
+def _say_unverified() -> None:
+    """One INFO line when recording on code keytrace's CI never ran (it passed every check)."""
+    from keytrace.vllm.hook.support import VERIFIED_RELEASES, vllm_info
+
+    info = vllm_info()
+    if not info.verified:
+        _STATE.info_once(
+            f"keytrace: vLLM {info.version} is a {info.kind}; its offloading code passes "
+            f"every hook check, so keytrace records it (verified releases: "
+            f"{', '.join(VERIFIED_RELEASES)}; traces say vllm_verified: false)"
+        )
 
 
 def uninstall() -> None:

@@ -24,6 +24,7 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import dataclasses
 import functools
 import json
 import logging
@@ -48,10 +49,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
-    resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -113,16 +114,19 @@ def _spec(g: GroupGeom) -> KVCacheSpec:
     common: dict[str, Any] = dict(
         block_size=g.block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
     )
+    # ``is_draft`` (0.32.0+) only steers KV planning, which the harness does itself; a
+    # release without the field plans draft layers by other means
+    if "is_draft" in {f.name for f in dataclasses.fields(FullAttentionSpec)}:
+        common["is_draft"] = g.eagle
     if g.kind == "mla":
-        return MLAAttentionSpec(**{**common, "head_size": 32}, is_draft=g.eagle)
+        return MLAAttentionSpec(**{**common, "head_size": 32})
     if g.kind == "full_attention":
-        return FullAttentionSpec(**common, is_draft=g.eagle)
+        return FullAttentionSpec(**common)
     assert g.sliding_window is not None
     return SlidingWindowSpec(
         **common,
         sliding_window=g.sliding_window,
         extra_retained_tokens=g.extra_retained_tokens,
-        is_draft=g.eagle,
     )
 
 
@@ -214,9 +218,11 @@ def build_kv_cache_config(
     config.cache_config.num_gpu_blocks = kv.num_blocks
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv, config)
     kv.hash_block_size = hash_bs
-    kv.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv, config, sched_bs, hash_bs
-    )
+    # 0.32.0 added the cache-hit alignment (EngineCore resolves it after planning); on
+    # older releases neither the function nor the field exists, and EngineCore sets neither
+    resolve_alignment = getattr(kv_cache_utils, "resolve_cache_hit_alignment_tokens", None)
+    if resolve_alignment is not None:
+        kv.cache_hit_alignment_tokens = resolve_alignment(kv, config, sched_bs, hash_bs)
     return kv
 
 

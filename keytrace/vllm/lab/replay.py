@@ -23,7 +23,7 @@ from keytrace.analysis.plan import ReplayPlan, plan_from_trace
 from keytrace.errors import TraceError
 from keytrace.format.keys import key_gid, make_key
 from keytrace.format.reader import Trace, open_trace
-from keytrace.vllm import SUPPORTED_VLLM, require_vllm
+from keytrace.vllm import require_vllm
 
 
 @dataclass(frozen=True)
@@ -157,12 +157,15 @@ def replay_trace(
     Refuses a trace recorded on another vLLM version: the scheduler rules may differ, so a
     comparison would mean nothing.
     """
+    from keytrace.vllm.hook.support import code_identity, vllm_info
+
     plan = plan_from_trace(trace, request=request)
     require_vllm()
-    if plan.vllm_version != SUPPORTED_VLLM:
+    installed = vllm_info().version or "?"
+    if code_identity(plan.vllm_version) != code_identity(installed):
         raise TraceError(
-            f"trace was recorded on vLLM {plan.vllm_version}; replay runs vllm=={SUPPORTED_VLLM}: "
-            "the scheduler rules may differ, refusing to compare"
+            f"trace was recorded on vLLM {plan.vllm_version}; replay would run vLLM "
+            f"{installed}: the scheduler rules may differ, refusing to compare"
         )
     notes = []
     if plan.local_tokens:

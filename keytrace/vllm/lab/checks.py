@@ -1,0 +1,89 @@
+"""The CPU lab's own capability (``harness``): the recording checks, and every vLLM
+constructor the harness calls with keywords (`HARNESS_CALLS`). Imports vLLM only to
+inspect it; importing this module imports neither vLLM nor torch."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Iterator
+
+from keytrace.vllm.hook.patches import TABLE
+from keytrace.vllm.hook.support import Capability, Check, importable, record_checks
+
+HARNESS_CALLS: dict[str, tuple[str, ...]] = {
+    "vllm.config.CacheConfig": ("block_size", "enable_prefix_caching"),
+    "vllm.config.SchedulerConfig": (
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "enable_chunked_prefill",
+        "long_prefill_token_threshold",
+        "async_scheduling",
+        "is_encoder_decoder",
+    ),
+    "vllm.config.VllmConfig": (
+        "model_config",
+        "cache_config",
+        "scheduler_config",
+        "kv_transfer_config",
+    ),
+    "vllm.config.KVTransferConfig": ("kv_connector", "kv_role", "kv_connector_extra_config"),
+    "vllm.v1.kv_cache_interface.KVCacheConfig": (
+        "num_blocks",
+        "kv_cache_tensors",
+        "kv_cache_groups",
+    ),
+    "vllm.v1.kv_cache_interface.KVCacheGroupSpec": ("is_eagle_group",),
+    "vllm.v1.request.Request": (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "pooling_params",
+        "block_hasher",
+    ),
+    "vllm.v1.outputs.ModelRunnerOutput": (
+        "req_ids",
+        "req_id_to_index",
+        "sampled_token_ids",
+        "kv_connector_output",
+    ),
+}
+"""Every vLLM constructor the CPU harness calls with keywords, and the keywords."""
+
+
+def _accepts(dotted: str, keywords: tuple[str, ...]) -> Check:
+    module, _, name = dotted.rpartition(".")
+    what = f"{name}({', '.join(keywords)})"
+    try:
+        target = getattr(importlib.import_module(module), name)
+        params = inspect.signature(target).parameters
+    except Exception as exc:
+        return Check(what, f"{dotted} cannot be inspected ({type(exc).__name__}: {exc})")
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return Check(what)
+    missing = [k for k in keywords if k not in params]
+    return Check(what, f"{dotted} takes no {', '.join(missing)}" if missing else "")
+
+
+def harness_checks() -> Iterator[Check]:
+    """The checks behind ``harness``: recording's, then the harness's own."""
+    yield from record_checks(TABLE)
+    for dotted, keywords in HARNESS_CALLS.items():
+        yield _accepts(dotted, keywords)
+    yield importable(
+        "the harness's vLLM imports resolve",
+        "vllm.v1.core.kv_cache_utils",
+        ("get_request_block_hasher", "init_none_hash", "resolve_kv_cache_block_sizes"),
+    )
+    try:
+        importlib.import_module("keytrace.vllm.lab.harness")
+    except Exception as exc:
+        yield Check("keytrace's harness imports", f"{type(exc).__name__}: {exc}")
+    else:
+        yield Check("keytrace's harness imports")
+
+
+def harness_capability() -> Capability:
+    """Evaluate ``harness`` on the installed vLLM."""
+    return Capability("harness", tuple(harness_checks()))

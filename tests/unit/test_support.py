@@ -1,0 +1,129 @@
+"""Deciding by the installed code (keytrace.vllm.hook.support), without vLLM: version
+strings as vLLM developers and operators have them, and the signature/source checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from keytrace.vllm.hook.support import (
+    REPLACED_SOURCES,
+    Capability,
+    Check,
+    VllmInfo,
+    check_params,
+    check_source,
+    code_identity,
+    source_digest,
+)
+
+
+@pytest.mark.parametrize(
+    ("version", "kind", "verified", "release"),
+    [
+        ("0.33.0", "verified release", True, "0.33.0"),
+        ("0.33.0+cpu", "verified release", True, "0.33.0"),
+        ("0.31.0", "verified release", True, "0.31.0"),
+        ("0.32.0+cu129", "verified release", True, "0.32.0"),
+        # setuptools_scm on a checkout: three commits after the v0.33.0 tag, dirty, rc
+        ("0.33.1.dev3+g96039d055", "source build", False, "0.33.1.dev3"),
+        ("0.33.1.dev3+g96039d055.cpu", "source build", False, "0.33.1.dev3"),
+        ("0.33.1.dev3+g96039d055.d20261201", "source build", False, "0.33.1.dev3"),
+        ("0.34.0rc1.dev1+g1234567", "source build", False, "0.34.0rc1.dev1"),
+        ("0.33.0+g96039d055", "source build", False, "0.33.0"),
+        ("0.33.0+precompiled", "verified release", True, "0.33.0"),
+        ("0.29.0", "release keytrace has not run", False, "0.29.0"),
+        ("0.34.0rc1", "release keytrace has not run", False, "0.34.0rc1"),
+        ("not-a-version", "unparsed version", False, None),
+    ],
+)
+def test_version_strings(version: str, kind: str, verified: bool, release: str | None) -> None:
+    info = VllmInfo(version, "/x")
+    assert (info.kind, info.verified, info.release) == (kind, verified, release)
+
+
+def test_not_importable() -> None:
+    info = VllmInfo(None, None, "ModuleNotFoundError: vllm")
+    assert (info.kind, info.verified, info.release) == ("not importable", False, None)
+
+
+def test_code_identity_ignores_platform_labels_only() -> None:
+    assert code_identity("0.33.0+cpu") == code_identity("0.33.0") == "0.33.0"
+    assert code_identity("0.33.1.dev3+g96039d055.cpu") == "0.33.1.dev3+g96039d055"
+    assert code_identity("0.33.1.dev3+g96039d055") != code_identity("0.33.1.dev3+g5d1c3e2aa")
+    assert code_identity("0.33.0") != code_identity("0.32.0")
+    assert code_identity("?") == "?"
+
+
+class _Sched:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, max_num_new_tokens):  # type: ignore[no-untyped-def]
+        pass
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # type: ignore[no-untyped-def]
+        pass
+
+    def renamed(self, req, num_computed_tokens):  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_params_read_by_position_and_name() -> None:
+    ok = check_params(
+        "S.f", _Sched.get_num_new_matched_tokens, ("request", "num_computed_tokens"), False
+    )
+    assert ok.ok and ok.what == "S.f(request, num_computed_tokens)"
+    skip = check_params(
+        "S.g", _Sched.update_state_after_alloc, ("request", None, "num_external_tokens"), False
+    )
+    assert skip.ok
+    bad = check_params("S.h", _Sched.renamed, ("request", "num_computed_tokens"), False)
+    assert (
+        bad.problem
+        == "S.h takes (req, num_computed_tokens), keytrace reads (request, num_computed_tokens)"
+    )
+    short = check_params(
+        "S.g", _Sched.update_state_after_alloc, ("request", None, None, "x"), False
+    )
+    assert not short.ok
+
+
+def test_a_replacement_needs_the_exact_signature() -> None:
+    # an observer may ignore trailing parameters; a replacement takes exactly vLLM's
+    assert check_params(
+        "S.f", _Sched.get_num_new_matched_tokens, ("request", "num_computed_tokens"), False
+    ).ok
+    assert not check_params(
+        "S.f", _Sched.get_num_new_matched_tokens, ("request", "num_computed_tokens"), True
+    ).ok
+    assert check_params(
+        "S.f",
+        _Sched.get_num_new_matched_tokens,
+        ("request", "num_computed_tokens", "max_num_new_tokens"),
+        True,
+    ).ok
+
+
+def _mask_v1(self, group_config, start_chunk_idx):  # type: ignore[no-untyped-def]
+    return [True]
+
+
+def _mask_v2(self, group_config, start_chunk_idx):  # type: ignore[no-untyped-def]
+    return [False]  # a later commit changed the body
+
+
+def test_a_replacement_needs_the_code_it_was_written_against(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    where = "OffloadingConnectorScheduler._reachable_store_block_mask"
+    digest = source_digest(_mask_v1)
+    assert digest is not None and digest != source_digest(_mask_v2)
+    monkeypatch.setitem(REPLACED_SOURCES, where, {digest: "0.33.0"})
+    assert check_source(where, _mask_v1).ok
+    changed = check_source(where, _mask_v2)
+    assert changed.problem == f"{where} differs from the code keytrace replaces it with (0.33.0)"
+    assert not check_source("Nowhere.fn", _mask_v1).ok  # unknown: never assumed the same
+
+
+def test_a_capability_names_every_failed_check() -> None:
+    cap = Capability("record", (Check("a"), Check("b", "b is missing"), Check("c", "c moved")))
+    assert not cap.ok and cap.reason == "b is missing; c moved"
+    assert [c.what for c in cap.failed] == ["b", "c"]
+    assert Capability("record", (Check("a"),)).ok
