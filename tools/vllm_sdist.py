@@ -1,6 +1,14 @@
 """vLLM's own test tree from its source distribution, ready to run offline on a CPU.
 
-    python tools/vllm_sdist.py [--version 0.33.0] [--cache DIR]     # prints the tree's path
+    python tools/vllm_sdist.py [--version 0.33.0] [--cache DIR] [--sources]
+
+Prints the tree's path and the ``HF_HOME`` to use. With ``--sources`` (and always for a
+release other than the installed one) the tree also holds the sdist's ``vllm/`` package:
+put the tree first on ``PYTHONPATH`` and ``import vllm`` is that release's Python code,
+running over the installed vLLM's dependencies (torch, transformers, ...). No compiled
+extension comes with it: a CPU scheduler never needs one (vLLM logs "Failed to import
+from vllm._C" and carries on). That is how one machine runs 0.31.0's and 0.33.0's suites
+on their own code without an environment per release (`release_tree`).
 
 The sdist is found through the package index's JSON simple API (PEP 691: the index pip
 itself reads; ``PIP_INDEX_URL`` is honoured), checked against the index's sha256 and
@@ -107,18 +115,52 @@ def fetch(version: str, cache: Path) -> Path:
 
 def unpack_tests(sdist: Path, version: str, cache: Path) -> Path:
     """``<cache>/vllm-<version>/`` holding the sdist's ``tests/`` (unpacked once)."""
-    root = cache / f"vllm-{version}"
-    if (root / OFFLOADING_SUITE).is_dir():
+    return _unpack(sdist, version, cache / f"vllm-{version}", ("tests/",), OFFLOADING_SUITE)
+
+
+def unpack_sources(sdist: Path, version: str, cache: Path) -> Path:
+    """``<cache>/vllm-<version>-src/`` holding the sdist's ``tests/`` and ``vllm/``
+    (unpacked once): a tree whose ``vllm`` package is that release's Python code."""
+    return _unpack(
+        sdist, version, cache / f"vllm-{version}-src", ("tests/", "vllm/"), "vllm/version.py"
+    )
+
+
+def _unpack(sdist: Path, version: str, root: Path, folders: tuple[str, ...], done: str) -> Path:
+    """Unpack ``folders`` of the sdist into ``root`` via a staging folder and one rename,
+    so an interrupted unpack is never taken for a finished one (``done`` marks it)."""
+    if (root / done).exists():
         return root
-    staging = Path(tempfile.mkdtemp(dir=cache))
-    prefix = f"vllm-{version}/tests/"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root.parent))
+    prefixes = tuple(f"vllm-{version}/{f}" for f in folders)
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        members = [m for m in tar.getmembers() if m.name.startswith(prefixes)]
         tar.extractall(staging, members=members, filter="data")
     shutil.rmtree(root, ignore_errors=True)
     os.replace(staging / f"vllm-{version}", root)
     shutil.rmtree(staging, ignore_errors=True)
     return root
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version, from its metadata (vLLM is not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def release_tree(version: str, cache: Path = DEFAULT_CACHE) -> tuple[Path, bool]:
+    """(tree, overlay): the tree to run ``version``'s suite in, and whether it carries its
+    own ``vllm/`` (True unless ``version`` is the installed release, which runs as
+    installed)."""
+    sdist = fetch(version, cache)
+    if installed_version() == version:
+        return unpack_tests(sdist, version, cache), False
+    return unpack_sources(sdist, version, cache), True
 
 
 def hf_home(cache: Path) -> Path:
@@ -144,8 +186,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", default=DEFAULT_VERSION)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--sources", action="store_true", help="Also unpack the sdist's vllm/.")
     args = ap.parse_args()
-    tree, home = prepare(args.version, args.cache)
+    if args.sources:
+        tree = unpack_sources(fetch(args.version, args.cache), args.version, args.cache)
+        home = hf_home(args.cache)
+    else:
+        tree, home = prepare(args.version, args.cache)
     print(tree)
     print(home)
     return 0

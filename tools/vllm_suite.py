@@ -2,6 +2,11 @@
 
     python tools/vllm_suite.py [--version 0.33.0] [--cache DIR] [--keep DIR] [--fix NAME]
 
+``--version`` other than the installed vLLM runs that release's suite on that release's
+own Python code: its sdist's ``vllm/`` first on ``PYTHONPATH``, over the installed
+dependencies (`vllm_sdist.release_tree`); each run checks that ``import vllm`` is that
+code before any test runs.
+
 Runs ``tests/v1/kv_connector/unit/offloading_connector/`` and the tiered manager's
 ``tests/v1/kv_offload/tiering/test_tiering_offloading.py`` from vLLM's sdist (see
 ``tools/vllm_sdist.py``: `SUITES`) twice, on a CPU, offline:
@@ -33,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_sdist import DEFAULT_CACHE, DEFAULT_VERSION, SUITES, prepare
+from vllm_sdist import DEFAULT_CACHE, DEFAULT_VERSION, SUITES, hf_home, release_tree
 
 LOADER = '''\
 """pytest plugin: load vLLM's general plugins once, as every vLLM engine process does."""
@@ -43,6 +48,20 @@ def pytest_configure(config):
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+'''
+
+CHECKER = '''\
+"""pytest plugin: refuse to run unless ``import vllm`` is the code under test."""
+import os
+
+
+def pytest_configure(config):
+    import vllm
+
+    want_version, want_root = os.environ["KEYTRACE_SUITE_VLLM"].split("@", 1)
+    where = os.path.dirname(vllm.__file__)
+    if vllm.__version__ != want_version or (want_root and not where.startswith(want_root)):
+        raise SystemExit(f"vllm_suite: imported vLLM {vllm.__version__} from {where}")
 '''
 
 
@@ -62,13 +81,20 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 
 def run_suites(
-    tree: Path, home: Path, work: Path, record_dir: Path | None, fix: str | None = None
+    tree: Path,
+    home: Path,
+    work: Path,
+    record_dir: Path | None,
+    fix: str | None = None,
+    expect: tuple[str, Path | None] = ("", None),
 ) -> tuple[dict[str, str], float]:
-    """Every suite of `SUITES`, one pytest each (each has its own conftest root)."""
+    """Every suite of `SUITES`, one pytest each (each has its own conftest root).
+    ``expect``: the vLLM version each run must import, and the folder it must come from
+    (None: as installed)."""
     results: dict[str, str] = {}
     total = 0.0
     for suite, confcutdir in SUITES:
-        found, seconds = run_suite(tree, home, work, suite, confcutdir, record_dir, fix)
+        found, seconds = run_suite(tree, home, work, suite, confcutdir, record_dir, fix, expect)
         results.update(found)
         total += seconds
     return results, total
@@ -82,10 +108,15 @@ def run_suite(
     confcutdir: str,
     record_dir: Path | None,
     fix: str | None = None,
+    expect: tuple[str, Path | None] = ("", None),
 ) -> tuple[dict[str, str], float]:
     junit = work / f"{'recording' if record_dir else 'plain'}-{Path(suite).stem}.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", HF_HOME=str(home))
+    version, overlay = expect
+    paths = [str(work)] + ([str(overlay)] if overlay else [])
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["KEYTRACE_SUITE_VLLM"] = f"{version}@{overlay / 'vllm' if overlay else ''}"
     cmd = [
         sys.executable,
         "-m",
@@ -99,14 +130,13 @@ def run_suite(
         "-W",
         "error::RuntimeWarning",
         f"--junitxml={junit}",
+        "-p",
+        "keytrace_suite_checker",
     ]
     if record_dir is not None:
         env["KEYTRACE_DIR"] = str(record_dir)
         if fix:
             env["KEYTRACE_FIX"] = fix
-        env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep
-        )
         cmd += ["-p", "keytrace_suite_loader"]
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
@@ -132,16 +162,23 @@ def main() -> int:
     ap.add_argument("--fix", default=None, help="Record with this candidate fix applied.")
     args = ap.parse_args()
 
-    tree, home = prepare(args.version, args.cache)
+    t = time.monotonic()
+    tree, overlaid = release_tree(args.version, args.cache)
+    home = hf_home(args.cache)
+    t_tree = time.monotonic() - t
+    expect = (args.version, tree if overlaid else None)
     with tempfile.TemporaryDirectory(prefix="keytrace-vllm-suite-") as tmp:
         work = Path(tmp)
         (work / "keytrace_suite_loader.py").write_text(LOADER)
+        (work / "keytrace_suite_checker.py").write_text(CHECKER)
         record_dir = args.keep or work / "trace"
-        plain, t_plain = run_suites(tree, home, work, None)
-        recorded, t_rec = run_suites(tree, home, work, record_dir, args.fix)
+        plain, t_plain = run_suites(tree, home, work, None, None, expect)
+        recorded, t_rec = run_suites(tree, home, work, record_dir, args.fix, expect)
         parts = sorted(record_dir.rglob("*.parquet")) if record_dir.exists() else []
 
+    code = f"its own Python code from the sdist ({tree / 'vllm'})" if overlaid else "as installed"
     print(f"vLLM {args.version} {' and '.join(suite for suite, _ in SUITES)}")
+    print(f"  vLLM code: {code}; tree ready in {t_tree:.1f} s")
     print(f"  without keytrace:        {summary(plain)}  ({t_plain:.0f} s)")
     label = f"recording, fix {args.fix}" if args.fix else "recording (KEYTRACE_DIR)"
     print(f"  {label}: {summary(recorded)}  ({t_rec:.0f} s)")

@@ -387,11 +387,9 @@ def record_checks(table: Table) -> Iterator[Check]:
     if info.version is None:
         yield Check("vllm is importable", f"vllm is not importable ({info.error})")
         return
+    # the version string decides nothing (a checkout without setuptools_scm's file says
+    # "dev"): it only says whether the header's vllm_verified is true
     yield Check("vllm is importable")
-    if info.parsed is None:
-        yield Check("vllm's version parses", f"vllm's version {info.version!r} does not parse")
-    else:
-        yield Check("vllm's version parses")
     from keytrace.vllm.hook import compat
 
     cls, _base, problems = compat.load_targets()
