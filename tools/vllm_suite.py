@@ -1,6 +1,7 @@
 """vLLM's own offloading-connector suite, without and with keytrace recording: same results?
 
-    python tools/vllm_suite.py [--version 0.33.0] [--cache DIR] [--keep DIR] [--fix NAME]
+    python tools/vllm_suite.py [--version 0.33.0] [--record env|plugin] [--cache DIR]
+                               [--keep DIR] [--fix NAME]
 
 ``--version`` other than the installed vLLM runs that release's suite on that release's
 own Python code: its sdist's ``vllm/`` first on ``PYTHONPATH``, over the installed
@@ -12,9 +13,11 @@ Runs ``tests/v1/kv_connector/unit/offloading_connector/`` and the tiered manager
 ``tools/vllm_sdist.py``: `SUITES`) twice, on a CPU, offline:
 
 1. plain: keytrace installed but inert (``KEYTRACE_DIR`` unset);
-2. recording: vLLM's ``load_general_plugins()`` called at session start (what every vLLM
-   engine process does), with ``KEYTRACE_DIR`` set, so keytrace's plugin patches vLLM and
-   records every scheduler the suite builds from real configs.
+2. recording, ``--record env`` (default): vLLM's ``load_general_plugins()`` called at
+   session start (what every vLLM engine process does), with ``KEYTRACE_DIR`` set, so
+   keytrace's vLLM plugin patches vLLM and records every scheduler the suite builds from
+   real configs; ``--record plugin``: keytrace's pytest plugin, ``pytest --keytrace DIR``
+   (one trace folder per test), as a vLLM developer runs it.
 
 Prints both results, the per-test differences and the number of parts written. Exit 0
 only when every test has the same outcome in both runs and recording wrote parts; 1
@@ -87,6 +90,7 @@ def run_suites(
     record_dir: Path | None,
     fix: str | None = None,
     expect: tuple[str, Path | None] = ("", None),
+    via: str = "env",
 ) -> tuple[dict[str, str], float]:
     """Every suite of `SUITES`, one pytest each (each has its own conftest root).
     ``expect``: the vLLM version each run must import, and the folder it must come from
@@ -94,7 +98,9 @@ def run_suites(
     results: dict[str, str] = {}
     total = 0.0
     for suite, confcutdir in SUITES:
-        found, seconds = run_suite(tree, home, work, suite, confcutdir, record_dir, fix, expect)
+        found, seconds = run_suite(
+            tree, home, work, suite, confcutdir, record_dir, fix, expect, via
+        )
         results.update(found)
         total += seconds
     return results, total
@@ -109,6 +115,7 @@ def run_suite(
     record_dir: Path | None,
     fix: str | None = None,
     expect: tuple[str, Path | None] = ("", None),
+    via: str = "env",
 ) -> tuple[dict[str, str], float]:
     junit = work / f"{'recording' if record_dir else 'plain'}-{Path(suite).stem}.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
@@ -133,7 +140,11 @@ def run_suite(
         "-p",
         "keytrace_suite_checker",
     ]
-    if record_dir is not None:
+    if record_dir is not None and via == "plugin":
+        if fix:
+            env["KEYTRACE_FIX"] = fix  # read when the plugin installs recording
+        cmd += ["--keytrace", str(record_dir / Path(suite).stem)]
+    elif record_dir is not None:
         env["KEYTRACE_DIR"] = str(record_dir)
         if fix:
             env["KEYTRACE_FIX"] = fix
@@ -160,6 +171,13 @@ def main() -> int:
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--keep", type=Path, default=None, help="Keep the recorded trace here.")
     ap.add_argument("--fix", default=None, help="Record with this candidate fix applied.")
+    ap.add_argument(
+        "--record",
+        choices=("env", "plugin"),
+        default="env",
+        help="How to record: KEYTRACE_DIR with vLLM's plugin loader (a server's way), or "
+        "keytrace's pytest plugin (pytest --keytrace DIR).",
+    )
     args = ap.parse_args()
 
     t = time.monotonic()
@@ -173,14 +191,15 @@ def main() -> int:
         (work / "keytrace_suite_checker.py").write_text(CHECKER)
         record_dir = args.keep or work / "trace"
         plain, t_plain = run_suites(tree, home, work, None, None, expect)
-        recorded, t_rec = run_suites(tree, home, work, record_dir, args.fix, expect)
+        recorded, t_rec = run_suites(tree, home, work, record_dir, args.fix, expect, args.record)
         parts = sorted(record_dir.rglob("*.parquet")) if record_dir.exists() else []
 
     code = f"its own Python code from the sdist ({tree / 'vllm'})" if overlaid else "as installed"
     print(f"vLLM {args.version} {' and '.join(suite for suite, _ in SUITES)}")
     print(f"  vLLM code: {code}; tree ready in {t_tree:.1f} s")
     print(f"  without keytrace:        {summary(plain)}  ({t_plain:.0f} s)")
-    label = f"recording, fix {args.fix}" if args.fix else "recording (KEYTRACE_DIR)"
+    how = "KEYTRACE_DIR" if args.record == "env" else "pytest --keytrace"
+    label = f"recording ({how}), fix {args.fix}" if args.fix else f"recording ({how})"
     print(f"  {label}: {summary(recorded)}  ({t_rec:.0f} s)")
     print(f"  parts written while recording: {len(parts)}")
     differ = sorted(t for t in plain.keys() | recorded.keys() if plain.get(t) != recorded.get(t))

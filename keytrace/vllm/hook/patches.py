@@ -877,6 +877,21 @@ def uninstall() -> None:
     disable("record")
 
 
+def retarget(directory: str | os.PathLike[str]) -> None:
+    """Record the schedulers built from now on under ``directory`` (those built before keep
+    theirs): `keytrace.vllm.hook.pytest_plugin` gives every test its own folder."""
+    with _STATE.lock:
+        _STATE.directory = os.fspath(directory)
+
+
+def take_recorders() -> list[Recorder]:
+    """The recorders started since the last call, handed over to the caller (who closes
+    them); recording stays installed."""
+    with _STATE.lock:
+        recs, _STATE.recorders = _STATE.recorders, []
+    return recs
+
+
 def installed() -> bool:
     return active("record")
 
