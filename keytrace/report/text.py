@@ -37,7 +37,9 @@ def render_header(header: dict[str, Any], file: IO[str]) -> None:
 def render_summary(s: Summary, file: IO[str]) -> None:
     h = s.header
     file.write(
-        f"trace: {s.parts} part(s) from {s.instances} recorder instance(s); vLLM {h.get('vllm_version')}, "
+        f"trace: {s.parts} part(s) from {s.instances} recorder instance(s); vLLM {h.get('vllm_version')}"
+        + (" (not a verified release)" if h.get("vllm_verified") is False else "")
+        + ", "
         f"model {h.get('model')}, blocks_per_chunk {h.get('blocks_per_chunk')}\n"
     )
     file.write("rows: " + ", ".join(f"{k} {fmt_int(v)}" for k, v in s.rows.items()) + "\n\n")

@@ -5,6 +5,7 @@ report, one summary line. (vLLM's own suite through the plugin: tools/vllm_suite
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from tests.conftest import require_vllm
 require_vllm()
 
 from keytrace.analysis.diff import diff  # noqa: E402
+from keytrace.analysis.geometry import SMALL  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.vllm.hook.pytest_plugin import folder_name  # noqa: E402
 
@@ -111,3 +113,76 @@ def test_one_trace_per_test_and_the_verdict_of_a_failing_test(tmp_path: Path) ->
         f"keytrace: 2 of 3 tests recorded a trace under {out} " in r.stdout
         and "0 recorder failures); 1 failing test(s) diffed: 1 MISMATCH" in r.stdout
     )
+
+
+SCENARIO = ROOT / "tests" / "vllm_scenarios" / "runner_scenario.py"
+RUNNER_GEOMETRY = dataclasses.replace(
+    SMALL,
+    name="runner",
+    max_num_batched_tokens=1000,  # RequestRunner's
+    max_model_len=2048,  # facebook/opt-125m's, which RequestRunner's config reads
+    extra={"offload_prompt_only": False},  # RequestRunner's default
+)
+"""The harness geometry of the scenario's RequestRunner: SMALL's groups, its batch size."""
+
+
+def _episodes(trace_dir: Path) -> list[tuple[object, ...]]:
+    """Every episode's numbers and evidence, in order (request ids differ by design)."""
+    return [
+        (v.verdict, v.num_prompt_tokens, v.S, v.L, v.E, v.external_tokens, v.evidence())
+        for v in diff(open_trace(str(trace_dir)), all_episodes=True).episodes
+    ]
+
+
+def test_a_request_runner_scenario_diffs_like_the_harness(tmp_path: Path) -> None:
+    """vLLM's own test machinery (RequestRunner, in vLLM's test tree) recorded with
+    ``pytest --keytrace`` judges as keytrace's harness does on the same prompts: a hit at
+    1,000 tokens, the stock MTP peek miss at 970."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from vllm_sdist import prepare
+
+    from keytrace.vllm.hook.patches import recording
+    from keytrace.vllm.lab.harness import Harness
+
+    tree, home = prepare()
+    (tmp_path / "test_runner_scenario.py").write_text(SCENARIO.read_text())
+    out = tmp_path / "kt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]),  # vLLM's `tests` package first
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(home),
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_runner_scenario.py"),
+            "--keytrace",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    for n, verdict in ((970, "mismatch"), (1000, "hit")):
+        [runner_dir] = out.glob(f"test_runner_scenario.py-test_store_then_look_up_again_{n}-*")
+        harness_dir = tmp_path / f"harness-{n}"
+        with recording(harness_dir):
+            h = Harness(RUNNER_GEOMETRY)
+            h.scenario(n)
+            h.close()
+        runner, harness = _episodes(runner_dir), _episodes(harness_dir)
+        assert runner == harness, n
+        assert [e[0] for e in runner] == ["cold", verdict]
+    assert _episodes(runner_dir)[1][4:6] == (960, 960)  # E, external of the 1,000 hit
