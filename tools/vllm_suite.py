@@ -61,9 +61,12 @@ import os
 def pytest_configure(config):
     import vllm
 
+    from packaging.version import Version
+
     want_version, want_root = os.environ["KEYTRACE_SUITE_VLLM"].split("@", 1)
     where = os.path.dirname(vllm.__file__)
-    if vllm.__version__ != want_version or (want_root and not where.startswith(want_root)):
+    same = Version(vllm.__version__).public == Version(want_version).public  # +cpu: same code
+    if not same or (want_root and not where.startswith(want_root)):
         raise SystemExit(f"vllm_suite: imported vLLM {vllm.__version__} from {where}")
 '''
 
@@ -117,6 +120,8 @@ def run_suite(
     expect: tuple[str, Path | None] = ("", None),
     via: str = "env",
 ) -> tuple[dict[str, str], float]:
+    if not (tree / suite).exists():
+        raise SystemExit(f"vllm_suite: {suite} is not in vLLM {expect[0] or '?'}'s sdist")
     junit = work / f"{'recording' if record_dir else 'plain'}-{Path(suite).stem}.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", HF_HOME=str(home))
@@ -152,9 +157,11 @@ def run_suite(
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - t
-    if not junit.exists():
+    # 0 passed, 1 some failed (compared below); anything else (no tests, usage error,
+    # internal error, interrupted) means the run did not happen as asked
+    if not junit.exists() or proc.returncode not in (0, 1):
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"vllm_suite: pytest wrote no report (exit {proc.returncode})")
+        raise SystemExit(f"vllm_suite: pytest on {suite} failed to run (exit {proc.returncode})")
     return outcomes(junit), seconds
 
 

@@ -22,7 +22,8 @@ def command(as_json: bool, checks: bool) -> int:
     failed check for what does not. Also the Python, torch, pyarrow and polars versions.
 
     keytrace decides by the installed code, not the version string: a source build of
-    main records when its offloading code passes every check. Nothing is patched.
+    main records when its offloading code passes every check. vLLM is only inspected,
+    never patched.
 
     Exit 0 when recording would work, 2 otherwise.
     """

@@ -580,6 +580,10 @@ class Recorder:
     def end_step(self) -> None:
         self.step += 1
 
+    def flush(self) -> None:
+        """Write what is buffered as closed parts now (episodes still open stay open)."""
+        self.writer.flush()
+
     def close(self) -> None:
         self.close_all_episodes()
         if self.alarm is not None:

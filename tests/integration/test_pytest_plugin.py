@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = """
 import sys
 
+import pytest
+
 from keytrace.analysis.geometry import DSV4, SMALL
 from keytrace.vllm.lab.harness import Harness
 
@@ -51,6 +53,21 @@ def test_small_agrees():
 
 def test_no_scheduler():
     assert 1 + 1 == 2
+
+
+@pytest.fixture(scope="module")
+def shared():
+    h = Harness(SMALL)
+    yield h
+    h.close()
+
+
+def test_shared_first(shared):
+    assert shared.scenario(1000).external_tokens > 0
+
+
+def test_shared_second(shared):
+    assert shared.scenario(1000).external_tokens > 0
 """
 
 
@@ -87,7 +104,7 @@ def test_inert_without_the_flag(tmp_path: Path) -> None:
 
 def test_one_trace_per_test_and_the_verdict_of_a_failing_test(tmp_path: Path) -> None:
     out = tmp_path / "kt"
-    r = _pytest(tmp_path, "--keytrace", str(out), "-k", "not recorder_not_loaded")
+    r = _pytest(tmp_path, "--keytrace", str(out), "-k", "not recorder_not_loaded and not shared")
     # outcomes are the test's own: one failure (its assert), two passes
     assert r.returncode == 1 and "1 failed, 2 passed" in r.stdout, r.stdout[-3000:]
     assert "AssertionError: the second request should have loaded from the CPU" in r.stdout
@@ -186,3 +203,18 @@ def test_a_request_runner_scenario_diffs_like_the_harness(tmp_path: Path) -> Non
         assert runner == harness, n
         assert [e[0] for e in runner] == ["cold", verdict]
     assert _episodes(runner_dir)[1][4:6] == (960, 960)  # E, external of the 1,000 hit
+
+
+def test_a_scheduler_that_outlives_its_test_keeps_recording(tmp_path: Path) -> None:
+    """A module-scoped fixture's scheduler records both tests into the folder of the test
+    that built it; nothing the second test did is lost, and the summary says so."""
+    out = tmp_path / "kt"
+    r = _pytest(tmp_path, "--keytrace", str(out), "-k", "shared")
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:]
+    [folder] = out.iterdir()
+    assert folder.name.startswith("test_cases.py-test_shared_first-")
+    report = diff(open_trace(str(folder)), all_episodes=True)
+    # both tests' prime-and-resend (the second prime starts from the first's GPU cache)
+    assert [v.verdict for v in report.episodes] == ["cold", "hit", "cold", "hit"]
+    assert "keytrace: 1 of 2 tests recorded a trace" in r.stdout
+    assert "1 scheduler(s) outlived their test" in r.stdout

@@ -294,8 +294,8 @@ def test_a_source_build_version_records_and_says_so(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A version string no allowlist knows records when the code passes every check: one
-    INFO line, and the header says vllm_verified: false (the subprocess test in
-    test_source_build.py does this without touching vllm's module)."""
+    INFO line, and the header says vllm_verified: false (test_releases.py does this in a
+    fresh interpreter, without touching vllm's module)."""
     import vllm
 
     from keytrace.vllm.hook import patches
@@ -306,7 +306,7 @@ def test_a_source_build_version_records_and_says_so(
         _run(SMALL, 1000, tmp_path / "t")
     [line] = [r.getMessage() for r in caplog.records if "source build" in r.getMessage()]
     assert line == (
-        "keytrace: vLLM 0.33.1.dev3+g96039d055 is a source build; its offloading code passes "
+        "keytrace: vLLM 0.33.1.dev3+g96039d055 (source build): its offloading code passes "
         "every hook check, so keytrace records it (verified releases: 0.31.0, 0.32.0, "
         "0.33.0; traces say vllm_verified: false)"
     )

@@ -72,7 +72,8 @@ def test_doctor_on_0_31_records_and_refuses_what_it_lacks() -> None:
     assert caps["inject:pre48911"] and caps["fix:mtp_left_chunk"]
     reasons = {c["name"]: c["reason"] for c in found["capabilities"]}
     assert reasons["fix:window_minus_one"] == (
-        "hook point config.get_sliding_window_size_in_chunks is missing"
+        "hook point vllm.distributed.kv_transfer.kv_connector.v1.offloading.config."
+        "get_sliding_window_size_in_chunks is missing"
     )
     assert (
         "OffloadingConnectorScheduler._build_store_jobs differs from the code keytrace "

@@ -3,6 +3,9 @@ strings as vLLM developers and operators have them, and the signature/source che
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from keytrace.vllm.hook.support import (
@@ -101,17 +104,23 @@ def test_a_replacement_needs_the_exact_signature() -> None:
     ).ok
 
 
-def _mask_v1(self, group_config, start_chunk_idx):  # type: ignore[no-untyped-def]
-    return [True]
-
-
-def _mask_v2(self, group_config, start_chunk_idx):  # type: ignore[no-untyped-def]
-    return [False]  # a later commit changed the body
+def _define(body: str, tmp_path: Path, name: str) -> object:
+    """``_mask`` defined in a module of its own (a file, so inspect finds its source)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(f"def _mask(self, group_config, start_chunk_idx):\n    {body}\n")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._mask
 
 
 def test_a_replacement_needs_the_code_it_was_written_against(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # one name, one signature: only the body differs (a later commit on main)
+    _mask_v1 = _define("return [True]", tmp_path, "release")
+    _mask_v2 = _define("return [False]", tmp_path, "main")
     where = "OffloadingConnectorScheduler._reachable_store_block_mask"
     digest = source_digest(_mask_v1)
     assert digest is not None and digest != source_digest(_mask_v2)
@@ -120,6 +129,8 @@ def test_a_replacement_needs_the_code_it_was_written_against(
     changed = check_source(where, _mask_v2)
     assert changed.problem == f"{where} differs from the code keytrace replaces it with (0.33.0)"
     assert not check_source("Nowhere.fn", _mask_v1).ok  # unknown: never assumed the same
+    no_source = check_source(where, len)  # a builtin: no source to compare
+    assert no_source.problem == f"the source of {where} is not available, so it cannot be compared"
 
 
 def test_a_capability_names_every_failed_check() -> None:
@@ -127,3 +138,21 @@ def test_a_capability_names_every_failed_check() -> None:
     assert not cap.ok and cap.reason == "b is missing; c moved"
     assert [c.what for c in cap.failed] == ["b", "c"]
     assert Capability("record", (Check("a"),)).ok
+
+
+def test_a_star_args_signature_takes_what_is_read_but_not_a_replacement() -> None:
+    """A ``*args`` method (a MagicMock child, a wrapper) takes the read parameters as
+    passed; a replacement still needs the exact list, and a keyword-only parameter is not
+    a positional one."""
+
+    class M:
+        def any(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            pass
+
+        def kw_only(self, key, *, req_context):  # type: ignore[no-untyped-def]
+            pass
+
+    assert check_params("M.any", M.any, ("key", "req_context"), False).ok
+    assert not check_params("M.any", M.any, ("key", "req_context"), True).ok
+    bad = check_params("M.kw_only", M.kw_only, ("key", "req_context"), False)
+    assert bad.problem == "M.kw_only takes (key), keytrace reads (key, req_context)"

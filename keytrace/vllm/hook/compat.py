@@ -51,14 +51,14 @@ def load_targets() -> tuple[Any, Any, list[str]]:
         return None, None, [f"vllm {version} has no offloading scheduler ({exc})"]
     cls = getattr(sched_mod, SCHEDULER_CLASS, None)
     if cls is None:
-        problems.append(f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}")
+        problems.append(f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS} is missing")
     for name in ("make_offload_key", "LookupResult", "ReqContext", "OffloadingManager"):
         if not hasattr(base, name):
-            problems.append(f"{BASE_MODULE}.{name}")
+            problems.append(f"{BASE_MODULE}.{name} is missing")
     rc = getattr(base, "ReqContext", None)
     if rc is not None and not hasattr(rc, "get_offload_key_position"):
         # added in 0.31.0; keytrace reads each looked-up key's end token from it
-        problems.append("ReqContext.get_offload_key_position (vLLM 0.31.0+)")
+        problems.append("ReqContext.get_offload_key_position (vLLM 0.31.0+) is missing")
     return cls, base, problems
 
 

@@ -70,7 +70,8 @@ def build_header(
                 "window_chunks": c.sliding_window_size_in_chunks if c else None,
                 "extra_retained_tokens": int(getattr(kspec, "extra_retained_tokens", 0) or 0),
                 "is_eagle": bool(c.is_eagle_group) if c else bool(group.is_eagle_group),
-                "requires_cow_source": bool(c.requires_cow_source) if c else False,
+                # optional: a release without copy-on-write sources has none
+                "requires_cow_source": bool(getattr(c, "requires_cow_source", False)),
                 "manager_cls": c.manager_cls.__name__ if c else None,
             }
         )

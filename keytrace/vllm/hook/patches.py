@@ -249,15 +249,13 @@ def _start_recording(
         if hooks.is_stand_in(vllm_config, kv_cache_config):
             log.debug("keytrace: not recording a scheduler built from stand-in configs")
             return
-        missing = [
-            p.attr
-            for p in _rows("record", "manager")
-            if p.essential and _resolve(sched.manager, p.attr) is None
-        ]
-        if missing:
+        problems = support.manager_problems(sched.manager, _rows("record", "manager"))
+        if not problems and hooks.is_tiered(sched.manager):
+            problems = [c.problem for c in capability("record:tiered").failed]
+        if problems:
             _STATE.warn_once(
-                f"keytrace: not recording: the offloading manager {type(sched.manager).__name__} "
-                f"lacks {', '.join(missing)}"
+                f"keytrace: not recording a scheduler with the offloading manager "
+                f"{type(sched.manager).__name__} ({'; '.join(problems)})"
             )
             return
         rec = hooks.start_recording(
@@ -859,7 +857,7 @@ def _say_unverified() -> None:
     info = vllm_info()
     if not info.verified:
         _STATE.info_once(
-            f"keytrace: vLLM {info.version} is a {info.kind}; its offloading code passes "
+            f"keytrace: vLLM {info.version} ({info.kind}): its offloading code passes "
             f"every hook check, so keytrace records it (verified releases: "
             f"{', '.join(VERIFIED_RELEASES)}; traces say vllm_verified: false)"
         )

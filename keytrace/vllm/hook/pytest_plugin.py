@@ -8,13 +8,20 @@ option and nothing else (no import of vLLM or of keytrace's recorder). With it:
 - recording is installed for the session (`keytrace.vllm.hook.patches.install`: the same
   patch table and transparent wrappers as in a server, ``KEYTRACE_INJECT``/``KEYTRACE_FIX``
   honoured; no alarm);
-- each test's schedulers record under ``DIR/<node id>`` (`folder_name`), and the test's
-  recorders are closed when it ends, so the folder is a complete trace. A scheduler built
-  by a fixture wider than one test records into the folder of the test that built it;
-- a failing test's report gets a ``keytrace`` section: the diff verdict of its folder and
-  its first mismatch (what ``keytrace diff DIR/<node id>`` prints first);
+- each test's schedulers record under ``DIR/<node id>`` (`folder_name`). When the test
+  ends, the recorders of its schedulers that are gone are closed (the folder is then a
+  complete trace); a scheduler that outlives its test (a fixture wider than one test, a
+  module global) keeps recording into the folder of the test that built it, is flushed
+  there after each test and closed at the end of the session (counted in the summary);
+- a failing test that recorded something gets a ``keytrace`` section in its report: the
+  diff verdict of its folder and its first mismatch (what ``keytrace diff DIR/<node id>``
+  prints first);
 - the terminal summary ends with one line: tests recorded, parts written, failing tests'
   verdicts, recorder failures.
+
+With pytest-xdist the workers record (each test's folder as above) and the controller
+only says so: report sections are added after a worker has sent its report, so they
+show only without ``-n``.
 
 Outcomes are never changed: the recorder's failures are counted, never raised, and the
 plugin's own work (closing recorders, diffing a failing test's folder) is caught too.
@@ -22,6 +29,7 @@ plugin's own work (closing recorders, diffing a failing test's folder) is caught
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import re
@@ -47,15 +55,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     directory = config.getoption("keytrace")
-    if directory:
-        config.pluginmanager.register(KeytraceSession(Path(directory)), "keytrace-session")
+    if not directory:
+        return
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_XdistController(Path(directory)), "keytrace-session")
+        return
+    config.pluginmanager.register(KeytraceSession(Path(directory)), "keytrace-session")
+
+
+class _XdistController:
+    """An xdist controller runs no test: it records nothing and says where the workers do."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        terminalreporter.write_line(
+            f"keytrace: the xdist workers recorded one trace folder per test under {self.root}"
+        )
 
 
 def folder_name(nodeid: str) -> str:
     """A file name for a node id: the test file's name and the test's name and parameters,
     readable, unique (a digest of the full id) and not too long:
     ``tests/v1/.../test_scheduler.py::TestEagle::test_x[a-1]`` is
-    ``test_scheduler.py-TestEagle-test_x_a-1_-<digest>``."""
+    ``test_scheduler.py-TestEagle-test_x_a-1-<digest>``."""
     path, sep, rest = nodeid.partition("::")
     short = path.rsplit("/", 1)[-1] + ("::" + rest if sep else "")
     readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", short.replace("::", "-")).strip("_")[:100]
@@ -92,6 +116,8 @@ class KeytraceSession:
         self.parts = 0
         self.failures = 0
         self.failing: dict[str, str] = {}
+        self.failing_untraced = 0
+        self.outliving: list[Any] = []
         self.errors: list[str] = []
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -124,15 +150,16 @@ class KeytraceSession:
         from keytrace.vllm.hook import patches
 
         try:
-            recs = patches.take_recorders()
-            for rec in recs:
-                rec.close()
-                self.failures += rec.failures
+            self._settle(patches.take_recorders())
+            for rec in self.outliving:
+                rec.flush()
             parts = len(list(folder.rglob("*.parquet"))) if folder.exists() else 0
             self.parts += parts
             self.recorded += bool(parts)
             reports = item.stash.get(_FAILED, [])
-            if reports:
+            if reports and not parts:
+                self.failing_untraced += 1
+            elif reports:
                 section = verdict_section(folder)
                 self.failing[item.nodeid] = section.splitlines()[0]
                 for rep in reports:
@@ -140,11 +167,28 @@ class KeytraceSession:
         except Exception as exc:  # the plugin never changes an outcome
             self.errors.append(f"{item.nodeid}: {type(exc).__name__}: {exc}")
 
+    def _settle(self, recs: list[Any]) -> None:
+        """Close the recorders whose scheduler is gone; keep the others recording."""
+        if not recs:
+            return
+        from keytrace.vllm.hook import hooks
+
+        gc.collect()  # a test's scheduler is usually garbage by now, in a reference cycle
+        alive = {id(r) for r in list(hooks.RECORDERS.values())}
+        for rec in recs:
+            if id(rec) in alive:
+                self.outliving.append(rec)
+            else:
+                rec.close()
+                self.failures += rec.failures
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, Any, None]:
         outcome = yield
+        if outcome.excinfo is not None:  # another plugin's hook raised: pytest reports it
+            return
         rep = outcome.get_result()
         if self.recording and rep.failed:
             item.stash.setdefault(_FAILED, []).append(rep)
@@ -164,16 +208,29 @@ class KeytraceSession:
             word = v.split(":")[0] if v.split(":")[0].isupper() else "not judged"
             verdicts[word] = verdicts.get(word, 0) + 1
         failing = ", ".join(f"{n} {w}" for w, n in sorted(verdicts.items()))
+        outliving = (
+            f"; {len(self.outliving)} scheduler(s) outlived their test" if self.outliving else ""
+        )
+        untraced = (
+            f"; {self.failing_untraced} failing test(s) recorded nothing"
+            if self.failing_untraced
+            else ""
+        )
         return (
             f"keytrace: {self.recorded} of {self.tests} tests recorded a trace under "
             f"{self.root} ({self.parts} parts, {self.failures} recorder failures); "
-            f"{len(self.failing)} failing test(s) diffed" + (f": {failing}" if failing else "")
+            f"{len(self.failing)} failing test(s) diffed"
+            + (f": {failing}" if failing else "")
+            + untraced
+            + outliving
         )
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self.recording:
             from keytrace.vllm.hook import patches
 
+            for rec in self.outliving:
+                rec.close()
             patches.uninstall()
             self.recording = False
 

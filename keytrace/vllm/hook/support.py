@@ -18,7 +18,7 @@ is a list of checks on the installed code:
 - for the CPU lab's harness (`keytrace.vllm.lab.checks`), every constructor keyword it
   passes.
 
-A capability works when all its checks pass; otherwise `Capability.reason` names the first
+A capability works when all its checks pass; otherwise `Capability.reason` names every
 failed check. The version string only says whether keytrace's CI ran this exact release
 (`VllmInfo.verified`, the header's ``vllm_verified``); parsed with `packaging.version`.
 
@@ -170,13 +170,23 @@ def vllm_info() -> VllmInfo:
 
 # ----------------------------------------------------------------- the checks
 def _params(fn: Any) -> list[str] | None:
-    """Parameter names of ``fn`` (``self`` dropped for a function defined in a class)."""
+    """Parameter names of ``fn`` (``self`` dropped for a function defined in a class), up
+    to a ``*args`` (which takes every position: a mock's, say)."""
     target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
     try:
-        names = list(inspect.signature(target).parameters)
+        params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
         return None
-    return names[1:] if names and names[0] == "self" else names
+    if params and params[0].name == "self":
+        params = params[1:]
+    names: list[str] = []
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return [*names, "*"]
+        if p.kind is inspect.Parameter.VAR_KEYWORD or p.kind is inspect.Parameter.KEYWORD_ONLY:
+            break
+        names.append(p.name)
+    return names
 
 
 def _shown(params: tuple[str | None, ...]) -> str:
@@ -190,15 +200,16 @@ def check_params(where: str, fn: Any, expected: tuple[str | None, ...], exact: b
     found = _params(fn)
     if found is None:
         return Check(what, f"{where} has no readable signature")
+    takes = ", ".join(found)
+    if found and found[-1] == "*" and not exact:  # ``*args`` takes the rest as passed
+        found = found[:-1] + [n or "*" for n in expected[len(found) - 1 :]]
     bad = exact and len(found) != len(expected)
     bad = bad or any(
         name is not None and (i >= len(found) or found[i] != name)
         for i, name in enumerate(expected)
     )
     if bad:
-        return Check(
-            what, f"{where} takes ({', '.join(found)}), keytrace reads ({_shown(expected)})"
-        )
+        return Check(what, f"{where} takes ({takes}), keytrace reads ({_shown(expected)})")
     return Check(what)
 
 
@@ -234,6 +245,8 @@ def check_source(where: str, fn: Any) -> Check:
     what = f"{where} is the code the replacement was written against"
     known = REPLACED_SOURCES.get(where, {})
     digest = source_digest(fn)
+    if digest is None:
+        return Check(what, f"the source of {where} is not available, so it cannot be compared")
     if digest in known:
         return Check(what)
     releases = ", ".join(sorted(set(known.values()))) or "none"
@@ -249,15 +262,18 @@ def _owners() -> dict[str, tuple[str, Any]]:
     tiering = compat.tiering_class()
     return {
         "scheduler": ("OffloadingConnectorScheduler", cls),
-        "config": ("config", compat.config_module()),
+        "config": (compat.CONFIG_MODULE, compat.config_module()),
         "tiering_class": ("TieringOffloadingManager", tiering),
         "manager": ("OffloadingManager", getattr(base, "OffloadingManager", None)),
         "tiering": ("TieringOffloadingManager", tiering),
     }
 
 
-def _row_checks(feature: str, table: Table) -> Iterator[Check]:
-    """Presence, signature and (for replacements) source of each of ``feature``'s rows."""
+def _row_checks(
+    feature: str, table: Table, targets: tuple[str, ...] | None = None
+) -> Iterator[Check]:
+    """Presence, signature and (for replacements) source of each of ``feature``'s rows
+    (those on ``targets`` only, when given)."""
     from keytrace.vllm.hook.compat import resolve
 
     owners = _owners()
@@ -265,9 +281,9 @@ def _row_checks(feature: str, table: Table) -> Iterator[Check]:
     for row in table:
         if row.feature != feature or row.target not in owners:
             continue
+        if targets is not None and row.target not in targets:
+            continue
         label, owner = owners[row.target]
-        if owner is None and row.target == "tiering":
-            continue  # no tiered offloading in this vLLM: nothing of it to record
         where = f"{label}.{row.attr}"
         fn = None if owner is None else resolve(owner, row.attr)
         if fn is None:
@@ -278,6 +294,24 @@ def _row_checks(feature: str, table: Table) -> Iterator[Check]:
             yield check_params(where, fn, row.params, exact=replaces)
         if replaces:
             yield check_source(where, fn)
+
+
+def manager_problems(manager: Any, rows: Table) -> list[str]:
+    """Why the manager *instance* a scheduler built cannot be recorded (empty: it can): each
+    essential row's method exists on it and takes the parameters its observer reads (the
+    static checks saw only vLLM's abstract ``OffloadingManager``)."""
+    from keytrace.vllm.hook.compat import resolve
+
+    label = type(manager).__name__
+    problems = []
+    for row in rows:
+        fn = resolve(manager, row.attr)
+        if fn is None:
+            if row.essential:
+                problems.append(f"{label}.{row.attr} is missing")
+        elif row.params:
+            problems.append(check_params(f"{label}.{row.attr}", fn, row.params, False).problem)
+    return [p for p in problems if p]
 
 
 SCHEDULER_STATE = ("config", "manager", "_req_status", "_lookup_groups", "_jobs", "_job_counter")
@@ -316,6 +350,13 @@ def _state_checks(cls: Any) -> Iterator[Check]:
             sources.append(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
+    if not sources:
+        yield Check(
+            "OffloadingConnectorScheduler's source is readable",
+            "the source of OffloadingConnectorScheduler is not available, so the state "
+            "keytrace reads cannot be checked",
+        )
+        return
     text = "\n".join(sources)
     for name in SCHEDULER_STATE:
         what = f"OffloadingConnectorScheduler sets self.{name}"
@@ -393,20 +434,27 @@ def record_checks(table: Table) -> Iterator[Check]:
     from keytrace.vllm.hook import compat
 
     cls, _base, problems = compat.load_targets()
-    yield Check(
-        "the offloading scheduler and its base types exist",
-        "; ".join(f"{p} is missing" for p in problems),
-    )
+    yield Check("the offloading scheduler and its base types exist", "; ".join(problems))
     if cls is None:
         return
-    yield from _row_checks("record", table)
+    yield from _row_checks("record", table, ("scheduler", "manager"))
     yield from _state_checks(cls)
     yield from _config_checks()
 
 
-def _metrics_checks(table: Table) -> Iterator[Check]:
-    yield from record_checks(table)
-    yield importable("prometheus_client is importable", "prometheus_client")
+def tiered_checks(table: Table) -> Iterator[Check]:
+    """The checks behind ``record:tiered``: recording a tiered manager also needs the hook
+    points below its public methods (`TieringOffloadingManager`). Apart from ``record``,
+    so a changed tiering manager refuses only the schedulers that use one."""
+    from keytrace.vllm.hook import compat
+
+    if compat.tiering_class() is None:
+        yield Check(
+            f"{compat.TIERING_MODULE}.{compat.TIERING_CLASS} exists",
+            "this vLLM has no tiered offloading",
+        )
+        return
+    yield from _row_checks("record", table, ("tiering",))
 
 
 def _modification_checks(feature: str) -> Callable[[Table], Iterator[Check]]:
@@ -425,8 +473,11 @@ def _modification_checks(feature: str) -> Callable[[Table], Iterator[Check]]:
 def _capability_checks(table: Table) -> dict[str, Callable[[Table], Iterator[Check]]]:
     checks: dict[str, Callable[[Table], Iterator[Check]]] = {
         "record": record_checks,
-        "alarm": record_checks,  # the alarm judges what the recording hooks see
-        "metrics": _metrics_checks,
+        "record:tiered": tiered_checks,
+        # the alarm judges what the recording hooks see, and the metrics are the alarm's
+        # counters (prometheus_client is a core dependency): both need what recording needs
+        "alarm": record_checks,
+        "metrics": record_checks,
     }
     for feature in dict.fromkeys(row.feature for row in table):
         if feature.startswith(("inject:", "fix:")):
@@ -434,7 +485,7 @@ def _capability_checks(table: Table) -> dict[str, Callable[[Table], Iterator[Che
     return checks
 
 
-CAPABILITIES = ("record", "alarm", "metrics")
+CAPABILITIES = ("record", "record:tiered", "alarm", "metrics")
 """The in-server capabilities every vLLM is checked for; each injection and fix
 (``inject:NAME``, ``fix:NAME``) is one more (`capabilities`), and the CPU lab's
 ``harness`` is checked by `keytrace.vllm.lab.checks`."""

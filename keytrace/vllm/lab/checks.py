@@ -84,6 +84,20 @@ def harness_checks() -> Iterator[Check]:
         yield Check("keytrace's harness imports")
 
 
+_PASSED: dict[tuple[str, int], Capability] = {}
+"""Passed evaluations by (vLLM version, id of the scheduler class): every `Harness` calls
+`keytrace.vllm.require_vllm`, and a sweep or fuzz run builds thousands; a failed one is
+evaluated afresh (it is an error path)."""
+
+
 def harness_capability() -> Capability:
-    """Evaluate ``harness`` on the installed vLLM."""
-    return Capability("harness", tuple(harness_checks()))
+    """Evaluate ``harness`` on the installed vLLM (a pass is remembered for this code)."""
+    from keytrace.vllm.hook.compat import load_targets, vllm_version
+
+    key = (vllm_version(), id(load_targets()[0]))
+    found = _PASSED.get(key)
+    if found is None:
+        found = Capability("harness", tuple(harness_checks()))
+        if found.ok:
+            _PASSED[key] = found
+    return found

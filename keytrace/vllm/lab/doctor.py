@@ -28,6 +28,7 @@ from keytrace.vllm.mods import catalog
 
 CAPABILITY_TEXT = {
     "record": "record traces (KEYTRACE_DIR in vllm serve, the vLLM plugin)",
+    "record:tiered": "record a tiered manager too (TieringOffloadingSpec: CPU + fs/obj/p2p)",
     "alarm": "live write-only alarm (KEYTRACE_ALARM)",
     "metrics": "Prometheus metrics of the alarm",
     "harness": "CPU lab: demo, replay, sweep, workload, fuzz, minimize, report",
