@@ -33,6 +33,8 @@ from keytrace.vllm.hook.support import (
         ("0.33.1.dev3+g96039d055.d20261201", "source build", False, "0.33.1.dev3"),
         ("0.34.0rc1.dev1+g1234567", "source build", False, "0.34.0rc1.dev1"),
         ("0.33.0+g96039d055", "source build", False, "0.33.0"),
+        ("0.33.1.dev3", "source build", False, "0.33.1.dev3"),  # no local label at all
+        ("0.33.0.post1", "release keytrace has not run", False, "0.33.0.post1"),
         ("0.33.0+precompiled", "verified release", True, "0.33.0"),
         ("0.29.0", "release keytrace has not run", False, "0.29.0"),
         ("0.34.0rc1", "release keytrace has not run", False, "0.34.0rc1"),
