@@ -29,6 +29,11 @@ class UnknownResultError(TraceError):
     """Raw lookup rows the differ read hold a result value this keytrace does not know."""
 
 
+class IncompleteEvidenceError(KeytraceError):
+    """The trace is known to lack evidence (a torn flush, an unreadable or missing part,
+    stores without their lookups): no verdict is given on it unless asked for."""
+
+
 class UsageError(KeytraceError):
     """Options that do not make sense together, or point at nothing."""
 

@@ -153,17 +153,48 @@ def _diff(
     for b in batches:
         for k, v in b.counts.items():
             counts[k] = counts.get(k, 0) + v
+    unlooked = stores_without_lookups(trace)
+    warnings = list(trace.warnings)
+    if unlooked:
+        shown = ", ".join(unlooked[:3]) + (" ..." if len(unlooked) > 3 else "")
+        warnings.append(
+            f"incomplete trace: {len(unlooked)} request(s) stored keys and have no lookup "
+            f"rows at all ({shown}): their lookups are not in this trace"
+        )
     return DiffReport(
         verdict="mismatch" if first else "agree",
         first_mismatch=first,
         episodes=verdicts,
         counts=dict(sorted(counts.items())),
-        evidence_incomplete=trace.incomplete,
-        warnings=list(trace.warnings),
+        evidence_incomplete=trace.incomplete or bool(unlooked),
+        warnings=warnings,
         header=trace.header,
         all_episodes=all_episodes,
         lost=lost.summarize([b.lost for b in batches if b.lost is not None]),
     )
+
+
+def stores_without_lookups(trace: Trace) -> list[str]:
+    """Requests that offered keys to the store path and have no lookup row at all, sorted.
+
+    Every request is looked up (``get_num_new_matched_tokens``) before anything of it is
+    stored, and its lookup rows are buffered with its store rows, so a request with stores
+    and no lookup rows is evidence lost: a flush torn after its store part, a lookup part
+    removed. (A request still running when the trace was read has its key rows already;
+    only its episode row waits.) Read from the whole trace, whatever is selected."""
+    kinds = [k for k in ("lookup", "episode") if trace.parts_of(k)]
+    if not trace.parts_of("store"):
+        return []
+    stored = (
+        trace.frame("store")
+        .filter(pl.col("event").cast(pl.String) == "prepared")
+        .select(pl.col("req_id").cast(pl.String))
+        .unique()
+    )
+    looked = [trace.frame(k).select(pl.col("req_id").cast(pl.String)) for k in kinds]
+    if looked:
+        stored = stored.join(pl.concat(looked).unique(), on="req_id", how="anti")
+    return sorted(r for r in stored.collect(engine="streaming")["req_id"].to_list() if r)
 
 
 def _judge(

@@ -16,7 +16,7 @@ from keytrace.cli._common import (
     trace_paths,
 )
 from keytrace.cli._progress import progress_printer
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, IncompleteEvidenceError
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff
@@ -49,6 +49,13 @@ from keytrace.report.text import render_diff
     show_default=True,
     help="Episodes drawn in the HTML page at most (mismatches first).",
 )
+@click.option(
+    "--allow-incomplete",
+    is_flag=True,
+    help="Judge a trace known to be incomplete anyway (torn by a kill, parts unreadable or "
+    "missing, stores without their lookups); the verdict then says so. Without it such a "
+    "trace is exit 2: a verdict on partial evidence can be wrong either way.",
+)
 @progress_option
 def command(
     paths: tuple[str, ...],
@@ -59,6 +66,7 @@ def command(
     as_json: bool,
     html_path: str | None,
     html_limit: int,
+    allow_incomplete: bool,
     progress: bool | None,
 ) -> int:
     """Find where lookup needed a key the store path never wrote.
@@ -73,11 +81,18 @@ def command(
     terminal key and the cause of every chunk it needed are printed. docs/diff.md has the
     definitions.
 
+    A trace known to be incomplete (every part names the flush that wrote it and what
+    that flush wrote, so a kill between two parts is detected) gets no verdict unless
+    --allow-incomplete.
+
     \b
-    Exit status: 0 no mismatch, 1 mismatch found, 2 could not decide (bad input).
+    Exit status: 0 no mismatch, 1 mismatch found, 2 could not decide (bad or incomplete
+    input).
     """
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
+    if trace.incomplete and not allow_incomplete:
+        raise _incomplete(trace.missing + [f"part {p} unreadable" for p in trace.skipped])
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
     report = diff(
         trace,
@@ -88,6 +103,10 @@ def command(
         progress=progress_printer() if show else None,
         maps=html_limit if html_path is not None else 0,
     )
+    for w in report.warnings[len(trace.warnings) :]:  # found while judging
+        click.echo(f"keytrace: warning: {w}", err=True)
+    if report.evidence_incomplete and not allow_incomplete:
+        raise _incomplete(report.warnings[len(trace.warnings) :])
     if as_json:
         write_json(report, sys.stdout)
     else:
@@ -99,3 +118,12 @@ def command(
         if not as_json:
             click.echo(f"chunk map: {html_path}")
     return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK
+
+
+def _incomplete(reasons: list[str]) -> IncompleteEvidenceError:
+    first = reasons[0].removeprefix("incomplete trace: ") if reasons else "see the warnings"
+    more = f" (and {len(reasons) - 1} more, see the warnings)" if len(reasons) > 1 else ""
+    return IncompleteEvidenceError(
+        f"the trace is incomplete: {first}{more}; no verdict on partial evidence "
+        "(--allow-incomplete judges what is there)"
+    )

@@ -28,6 +28,8 @@ class CompactResult:
 def compact(paths: list[str], out_dir: str, *, force: bool = False) -> CompactResult:
     """Write ``out_dir/<kind>.parquet`` for every kind present (temporary name + rename)."""
     trace = open_trace(paths)
+    # what the source trace lacks goes into every file: a compacted torn trace stays torn
+    lacks = [*trace.missing, *(f"part {p} was unreadable" for p in trace.skipped)]
     os.makedirs(out_dir, exist_ok=True)
     files: dict[str, str] = {}
     rows: dict[str, int] = {}
@@ -37,7 +39,12 @@ def compact(paths: list[str], out_dir: str, *, force: bool = False) -> CompactRe
             raise TraceError(f"{dest}: already exists; pass --force to overwrite")
         sources = sorted({p.source.get("instance", "?") for p in trace.parts_of(kind)})
         meta = part_metadata(
-            kind, trace.header, {"compacted_from": sources}, __version__, version=trace.version
+            kind,
+            trace.header,
+            {"compacted_from": sources},
+            __version__,
+            version=trace.version,
+            incomplete=lacks,
         )
         schema = SCHEMAS_BY_VERSION[trace.version][kind].with_metadata(meta)
         tmp = dest + ".tmp"

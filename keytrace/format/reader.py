@@ -7,7 +7,10 @@ header (geometry + vLLM version) with every other part.
 
 Unreadable parts (torn by a kill, truncated copies, zero-byte files) are skipped with a
 warning naming them, and the trace is marked ``incomplete``; only when *nothing* readable is
-left does reading fail. Leftover ``.*.tmp`` files from a killed writer are ignored with a
+left does reading fail. Completeness is checked, never assumed: every part names the flush
+that wrote it and everything that flush wrote (`keytrace.format.schema.META_FLUSH`), so a
+flush torn by a kill (its store part on disk, its lookup part not) or a flush missing
+between two others is named (`missing_parts`) and marks the trace ``incomplete`` too. Leftover ``.*.tmp`` files from a killed writer are ignored with a
 note. Everything else that is wrong is a `TraceError` with a one-line message naming the file.
 """
 
@@ -29,7 +32,9 @@ from keytrace.errors import SchemaVersionError, TraceError
 from keytrace.format.schema import (
     KINDS,
     LOOKUP_RESULTS,
+    META_FLUSH,
     META_HEADER,
+    META_INCOMPLETE,
     META_KIND,
     META_SOURCE,
     META_VERSION,
@@ -53,6 +58,10 @@ class Part:
     version: int = SCHEMA_VERSION
     row_slice: tuple[int, int] | None = None
     """(offset, rows): only these rows of the file (a batch of a big file's row groups)."""
+    flush: dict[str, Any] | None = None
+    """The manifest of the flush that wrote this part (None: a part without one)."""
+    lacks: tuple[str, ...] = ()
+    """What the trace a compacted file was made from was known to lack."""
 
 
 @dataclass
@@ -68,11 +77,14 @@ class Trace:
     episodes: tuple[int | None, int | None] | None = None
     """``[lo, hi)``: only the lookup-side rows (kinds in `EPISODE_KINDS`) of episodes whose
     sequence number is in this range (a bound of None: open); see `episode_range`."""
+    missing: list[str] = field(default_factory=list)
+    """What the parts' flush manifests say was written and is not here (`missing_parts`)."""
 
     @property
     def incomplete(self) -> bool:
-        """True when some part could not be read: a verdict rests on partial evidence."""
-        return bool(self.skipped)
+        """True when some part could not be read or is known to be missing: a verdict
+        would rest on partial evidence."""
+        return bool(self.skipped or self.missing)
 
     def parts_of(self, kind: str) -> list[Part]:
         return [p for p in self.parts if p.kind == kind]
@@ -270,6 +282,15 @@ def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None
         if p.header_json != header_json:
             raise TraceError(_mixed_message(parts[0], p))
     header = json.loads(header_json)
+    # a trace directory stands for every kind; one of its kind=X folders, for that kind
+    whole = any(
+        os.path.isdir(p) and not os.path.basename(os.path.normpath(p)).startswith("kind=")
+        for p in paths
+    )
+    missing = missing_parts(parts, whole=whole)
+    warnings.extend(f"incomplete trace: {m}" for m in missing[:MAX_MISSING_SHOWN])
+    if len(missing) > MAX_MISSING_SHOWN:
+        warnings.append(f"incomplete trace: ... {len(missing) - MAX_MISSING_SHOWN} more")
     if kinds is not None:
         keep = set(kinds)
         parts = [p for p in parts if p.kind in keep]
@@ -280,9 +301,60 @@ def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None
         warnings=warnings,
         notes=notes,
         skipped=skipped,
+        missing=missing,
     )
     _check_values(trace)
     return trace
+
+
+MAX_MISSING_SHOWN = 3
+"""Missing parts named one by one in the warnings; the rest are counted."""
+
+
+def missing_parts(parts: Sequence[Part], *, whole: bool) -> list[str]:
+    """What the parts' flush manifests prove is missing, one line each.
+
+    A flush wrote one part per kind it held, each carrying the flush's manifest: a kind the
+    manifest lists with no part of that flush here is a *torn flush* (a kill between two of
+    its parts, or a part deleted since). With ``whole`` (a trace directory was given) a
+    flush generation missing between two present ones of one writer is a lost flush, and
+    every kind counts; for a list of files only the kinds given are checked (asking for the
+    store parts alone is not a torn trace). A compacted file passes on what its source
+    lacked. Parts without a manifest (older keytrace) prove nothing either way.
+    """
+    present_kinds = {p.kind for p in parts}
+    seen: dict[tuple[str, int], set[str]] = {}
+    listed: dict[tuple[str, int], dict[str, Any]] = {}
+    out: list[str] = []
+    for p in parts:
+        out.extend(p.lacks)
+        if p.flush is None:
+            continue
+        key = (str(p.source.get("instance", "?")), int(p.flush.get("gen", 0)))
+        seen.setdefault(key, set()).add(p.kind)
+        listed[key] = p.flush.get("kinds", {})
+    for (instance, gen), kinds in sorted(listed.items()):
+        for kind, extent in sorted(kinds.items()):
+            if kind in seen[(instance, gen)] or not (whole or kind in present_kinds):
+                continue
+            lo, hi = extent.get("seq", [None, None])
+            out.append(
+                f"writer {instance}, flush {gen}: its {kind} part ({extent.get('rows')} rows, "
+                f"seq {lo}-{hi}) is missing (torn by a kill, or removed)"
+            )
+    if whole:
+        by_writer: dict[str, list[int]] = {}
+        for instance, gen in listed:
+            by_writer.setdefault(instance, []).append(gen)
+        for instance, gens in sorted(by_writer.items()):
+            lost = sorted(set(range(1, max(gens) + 1)) - set(gens))
+            if lost:
+                shown = ", ".join(map(str, lost[:5])) + (" ..." if len(lost) > 5 else "")
+                out.append(
+                    f"writer {instance}: {len(lost)} flush(es) missing entirely "
+                    f"(generation {shown})"
+                )
+    return list(dict.fromkeys(out))
 
 
 class _Unreadable(Exception):
@@ -329,6 +401,13 @@ def _inspect(path: str) -> Part:
     missing = [n for n in schemas[kind].names if n not in names]
     if missing:
         raise TraceError(f"{path}: {kind} part lacks column(s) {', '.join(missing)}")
+    for expected in schemas[kind]:
+        found = schema.field(expected.name).type
+        if not _same_type(found, expected.type):
+            raise TraceError(
+                f"{path}: {kind} column {expected.name} is {found}, schema version {v} has "
+                f"{_plain(expected.type)}"
+            )
     header_json = meta.get(META_HEADER, b"").decode()
     try:
         json.loads(header_json)
@@ -339,7 +418,50 @@ def _inspect(path: str) -> Part:
         source = json.loads(source_raw)
     except ValueError:
         source = {}
-    return Part(path=path, kind=kind, rows=rows, header_json=header_json, source=source, version=v)
+    return Part(
+        path=path,
+        kind=kind,
+        rows=rows,
+        header_json=header_json,
+        source=source,
+        version=v,
+        flush=_json_meta(meta, META_FLUSH, path, dict),
+        lacks=tuple(_json_meta(meta, META_INCOMPLETE, path, list) or ()),
+    )
+
+
+def _json_meta(meta: dict[bytes, bytes], key: bytes, path: str, typ: type) -> Any:
+    """An optional JSON metadata value (None when absent); malformed is a `TraceError`: a
+    completeness record that cannot be read proves nothing, and silence would claim it."""
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw.decode())
+    except ValueError as exc:
+        raise TraceError(f"{path}: {key.decode()} metadata is not valid JSON") from exc
+    if not isinstance(value, typ):
+        raise TraceError(f"{path}: {key.decode()} metadata is not a JSON {typ.__name__}")
+    return value
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    """A type as its values read: dictionary encoding and large offsets are storage only."""
+    if pa.types.is_dictionary(t):
+        return _plain(t.value_type)
+    if pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_large_binary(t):
+        return pa.binary()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(_plain(t.value_type))
+    return t
+
+
+def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
+    """A part's column holds the values its schema version says (a ``seq`` rewritten as
+    strings would order events by text, silently; a narrower integer would overflow)."""
+    return bool(_plain(found) == _plain(expected))
 
 
 def _mixed_message(a: Part, b: Part) -> str:

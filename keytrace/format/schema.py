@@ -15,7 +15,7 @@ and carries, in its Parquet key-value metadata:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -36,6 +36,29 @@ META_KIND = b"keytrace.kind"
 META_HEADER = b"keytrace.header"
 META_SOURCE = b"keytrace.source"
 META_KEYTRACE_VERSION = b"keytrace.version"
+META_FLUSH = b"keytrace.flush"
+"""The flush a part was written by (`flush_manifest`): the writer's flush generation and,
+for every kind that flush wrote, its row count and sequence range. Every part of a flush
+carries the whole manifest, so whichever parts survive a kill name the ones that did not.
+Optional: parts written before it existed, and compacted files, carry none."""
+META_INCOMPLETE = b"keytrace.incomplete"
+"""On a compacted file: what the trace it was compacted from was known to lack (JSON list
+of strings), so compaction never turns a torn trace into a clean-looking one."""
+
+FLUSH_ORDER: tuple[str, ...] = ("store", "tier", "load", "step", "lookup", "episode")
+"""The order a flush writes its parts in. Stores first: a lookup without the stores it
+depends on would read as a false ``never_offered`` mismatch, while stores without their
+lookups only shrink the evidence; so a kill between two parts of a flush leaves the less
+misleading half. The manifest names the missing half either way."""
+
+
+def flush_manifest(gen: int, kinds: Mapping[str, tuple[int, int, int]]) -> dict[str, Any]:
+    """The manifest of flush ``gen``: kind -> (rows, first seq, last seq)."""
+    return {
+        "gen": gen,
+        "kinds": {k: {"rows": r, "seq": [lo, hi]} for k, (r, lo, hi) in sorted(kinds.items())},
+    }
+
 
 KINDS: tuple[str, ...] = ("store", "lookup", "episode", "load", "step", "tier")
 """Every kind any version uses (v2 has no ``episode`` kind: episodes are lookup rows; only
@@ -268,12 +291,21 @@ def part_metadata(
     keytrace_version: str,
     *,
     version: int = SCHEMA_VERSION,
+    flush: Mapping[str, Any] | None = None,
+    incomplete: Sequence[str] = (),
 ) -> dict[bytes, bytes]:
-    """The key-value metadata written into every part of ``kind`` (schema ``version``)."""
-    return {
+    """The key-value metadata written into every part of ``kind`` (schema ``version``),
+    with the manifest of the flush that wrote it and, for a compacted file, what its source
+    trace lacked."""
+    meta = {
         META_VERSION: str(version).encode(),
         META_KIND: kind.encode(),
         META_HEADER: canonical_json(header).encode(),
         META_SOURCE: canonical_json(source).encode(),
         META_KEYTRACE_VERSION: keytrace_version.encode(),
     }
+    if flush is not None:
+        meta[META_FLUSH] = canonical_json(flush).encode()
+    if incomplete:
+        meta[META_INCOMPLETE] = canonical_json(list(incomplete)).encode()
+    return meta

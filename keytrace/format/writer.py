@@ -39,7 +39,7 @@ import pyarrow.compute as pc  # here, not at the first flush: its import costs ~
 import pyarrow.parquet as pq
 
 from keytrace._version import __version__
-from keytrace.format.schema import SCHEMAS, part_metadata
+from keytrace.format.schema import FLUSH_ORDER, SCHEMAS, flush_manifest, part_metadata
 
 log = logging.getLogger("keytrace")
 
@@ -62,6 +62,12 @@ class WriterStats:
     dropped_rows: int = 0
     errors: int = 0
     rejected_calls: int = 0  # appends refused for bad input (a recorder bug, not the disk)
+
+
+def _extent(buf: _Buffer) -> tuple[int, int, int]:
+    """(rows, first seq, last seq) of a buffer (every call's first value is its seq)."""
+    seqs = [call[0] for call in buf.calls]
+    return buf.rows, min(seqs), max(seqs)
 
 
 class _Buffer:
@@ -171,6 +177,7 @@ class TraceWriter(_Identity):
         self._bufs = {k: self._new_buffer(k) for k in SCHEMAS}
         self._arity = {k: len(call_columns(k)) for k in SCHEMAS}
         self._part_no = itertools.count()
+        self._flush_gen = itertools.count(1)  # under _io_lock: generations in write order
         self._last_flush = time.monotonic()
         self._closed = False
         self._warned = False
@@ -234,15 +241,21 @@ class TraceWriter(_Identity):
 
     # ---------------------------------------------------------------- flushing
     def flush(self) -> None:
-        """Write every non-empty buffer as a closed part now. Never raises."""
+        """Write every non-empty buffer as a closed part now, in `FLUSH_ORDER`, each part
+        with the flush's manifest (`flush_manifest`). Never raises."""
         with self._lock:
             taken = {k: b for k, b in self._bufs.items() if b.rows}
             for k in taken:
                 self._bufs[k] = self._new_buffer(k)
             self._last_flush = time.monotonic()
+        if not taken:
+            return
         with self._io_lock:
-            for kind, buf in taken.items():
-                self._write_part(kind, buf)
+            manifest = flush_manifest(
+                next(self._flush_gen), {k: _extent(b) for k, b in taken.items()}
+            )
+            for kind in sorted(taken, key=FLUSH_ORDER.index):
+                self._write_part(kind, taken[kind], manifest)
 
     def close(self) -> None:
         """Flush and stop the background thread. Idempotent; never raises."""
@@ -289,13 +302,13 @@ class TraceWriter(_Identity):
             self._fail(exc, 0)
             return False
 
-    def _write_part(self, kind: str, buf: _Buffer) -> None:
+    def _write_part(self, kind: str, buf: _Buffer, manifest: Mapping[str, Any]) -> None:
         if not self._usable:
             self.stats.dropped_rows += buf.rows
             return
         try:
             table = self._to_table(kind, buf)
-            meta = part_metadata(kind, self.header, self._source, __version__)
+            meta = part_metadata(kind, self.header, self._source, __version__, flush=manifest)
             table = table.replace_schema_metadata(meta)
             folder = os.path.join(self.directory, f"kind={kind}")
             name = f"{self.instance}-{next(self._part_no):06d}.parquet"

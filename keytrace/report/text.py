@@ -124,9 +124,10 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
 
 def render_diff(report: Any, file: IO[str]) -> None:
     """Verdict line first, then evidence per reported episode."""
+    partial = " (on INCOMPLETE evidence)" if report.evidence_incomplete else ""
     if report.first_mismatch is not None and report.first_mismatch.verdict == "stalled":
         v = report.first_mismatch
-        file.write(f"STALLED: request {v.req_id}: {v.reason} (E={fmt_int(v.E)})\n")
+        file.write(f"STALLED{partial}: request {v.req_id}: {v.reason} (E={fmt_int(v.E)})\n")
     elif report.first_mismatch is not None:
         v = report.first_mismatch
         t = v.terminal
@@ -134,18 +135,21 @@ def render_diff(report: Any, file: IO[str]) -> None:
             "" if t is None or t.chunk is None else f", terminal chunk {t.chunk:,} ({t.result})"
         )
         file.write(
-            f"MISMATCH: request {v.req_id} got {v.external_tokens:,} external tokens, expected "
+            f"MISMATCH{partial}: request {v.req_id} got {v.external_tokens:,} external tokens, expected "
             f"{(v.E or 0) - v.S:,} (E={v.E:,}); binding group {v.binding_group} ({v.binding_label}){key_txt}\n"
         )
     else:
         n = sum(report.counts.values())
-        file.write(f"AGREE: no store/lookup mismatch in {n} episode(s)\n")
+        file.write(f"AGREE{partial}: no store/lookup mismatch in {n} episode(s)\n")
     if report.counts:
         file.write(
             "episodes: " + ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) + "\n"
         )
     if report.evidence_incomplete:
-        file.write("evidence incomplete: some parts were unreadable (see warnings)\n")
+        file.write(
+            "evidence incomplete: parts are unreadable or missing, or requests lack their "
+            "lookups (see the warnings); the verdict covers only what is here\n"
+        )
     shown = report.episodes if report.all_episodes else [v for v in [report.first_mismatch] if v]
     for v in shown:
         file.write("\n")

@@ -193,10 +193,20 @@ def test_unreadable_part_among_good_ones(
     trace = open_trace(str(trace_dir))
     assert trace.incomplete and trace.skipped == [str(bad)]
     assert any(str(bad) in w for w in trace.warnings)
+    # no verdict on evidence known to be partial: exit 2, one error line
     code = main(["diff", str(trace_dir)])
     out, err = capsys.readouterr()
-    assert code == 0
+    assert code == 2 and out == ""
     assert f"skipped unreadable part {bad}" in err
+    assert err.splitlines()[-1] == (
+        f"keytrace: error: the trace is incomplete: part {bad} unreadable; no verdict on "
+        "partial evidence (--allow-incomplete judges what is there)"
+    )
+    # asked for, the verdict is given and says what it rests on
+    code = main(["diff", str(trace_dir), "--allow-incomplete"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out.startswith("AGREE (on INCOMPLETE evidence): ")
     assert "evidence incomplete" in out
 
 

@@ -1,0 +1,203 @@
+"""Completeness is checked, never assumed: a torn flush, a lost flush, stores without their
+lookups and a compacted torn trace are reported incomplete and get no verdict (exit 2)
+unless --allow-incomplete; a kill between two parts of one flush, with a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keytrace.analysis.diff import diff
+from keytrace.cli import main
+from keytrace.format.reader import open_trace
+from keytrace.format.schema import FLUSH_ORDER
+from tests.factories import new_builder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _two_requests(directory: Path, *, flush_between: bool = True) -> None:
+    """Three flushes: r1 primes chain c; r2 hits it and stores; r3 stores and hits."""
+    b = new_builder(directory)
+    b.prime("r1", "c", 64)
+    if flush_between:
+        b.rec.writer.flush()
+    b.episode("r2", 64, external=48, scans=[(0, [(0, "HIT"), (1, "HIT"), (2, "HIT")])], chain="c")
+    b.rec.close_episode("r2")
+    b.store("r2", "c", 1, [3])  # flush 2: r2's lookups and a store of its own
+    b.rec.writer.flush()
+    b.store("r3", "c", 0, [3])  # flush 3: a store, and r3's lookup rows with it
+    b.episode("r3", 80, external=48, scans=[(0, [(0, "HIT"), (1, "HIT"), (2, "HIT")])], chain="c")
+    b.close()
+
+
+def _parts(directory: Path, kind: str) -> list[Path]:
+    return sorted((directory / f"kind={kind}").glob("*.parquet"))
+
+
+def _flush_of(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return int(json.loads(pq.read_schema(path).metadata[b"keytrace.flush"])["gen"])
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["diff", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_complete_trace_is_complete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _two_requests(tmp_path / "t")
+    trace = open_trace(str(tmp_path / "t"))
+    assert not trace.incomplete and trace.missing == []
+    code, out, err = _cli(capsys, str(tmp_path / "t"))
+    assert code == 0 and out.startswith("AGREE: ") and err == ""
+
+
+def test_a_torn_flush_is_named_and_gets_no_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = tmp_path / "t"
+    _two_requests(d)
+    # flush 2's lookup part is gone (the kill came after its store part... or it was deleted)
+    [torn] = [p for p in _parts(d, "lookup") if _flush_of(p) == 2]
+    torn.unlink()
+    trace = open_trace(str(d))
+    [missing] = trace.missing
+    assert missing.startswith(f"writer {trace.parts[0].source['instance']}, flush 2: its lookup")
+    assert missing.endswith("is missing (torn by a kill, or removed)")
+    code, out, err = _cli(capsys, str(d))
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("keytrace: error: the trace is incomplete: writer ")
+    code, out, err = _cli(capsys, str(d), "--allow-incomplete", "--json")
+    assert code == 0 and json.loads(out)["evidence_incomplete"] is True
+
+
+def test_a_lost_flush_between_two_others(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    _two_requests(d)
+    for kind in ("store", "lookup", "episode", "step"):
+        for p in _parts(d, kind):
+            if _flush_of(p) == 2:
+                p.unlink()
+    assert any(
+        "1 flush(es) missing entirely (generation 2)" in m for m in open_trace(str(d)).missing
+    )
+
+
+def test_files_given_one_by_one_are_checked_for_their_kinds_only(tmp_path: Path) -> None:
+    d = tmp_path / "t"
+    _two_requests(d)
+    # the store parts alone: no lookup asked for, none missing (diff itself refuses them)
+    assert open_trace([str(p) for p in _parts(d, "store")]).missing == []
+    assert open_trace(str(d / "kind=store")).missing == []
+    # both kinds, one lookup part left out: torn
+    files = _parts(d, "store") + _parts(d, "lookup")[1:]
+    assert open_trace([str(p) for p in files]).missing
+
+
+def test_stores_without_lookups_are_incomplete(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An older part without manifests cannot show a torn flush; a request that stored and
+    has no lookup row at all still proves its lookups are missing."""
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.prime("r1", "c", 64)
+    b.store("ghost", "g", 0, [0, 1])  # offered keys, never looked up: impossible in vLLM
+    b.close()
+    report = diff(open_trace(str(d)))
+    assert report.evidence_incomplete
+    assert report.warnings[-1] == (
+        "incomplete trace: 1 request(s) stored keys and have no lookup rows at all (ghost): "
+        "their lookups are not in this trace"
+    )
+    code, _out, err = _cli(capsys, str(d))
+    assert code == 2 and "1 request(s) stored keys and have no lookup rows" in err
+
+
+def test_compacting_a_torn_trace_keeps_it_torn(tmp_path: Path) -> None:
+    from keytrace.format.compact import compact
+
+    d = tmp_path / "t"
+    _two_requests(d)
+    [torn] = [p for p in _parts(d, "lookup") if _flush_of(p) == 2]
+    torn.unlink()
+    result = compact([str(d)], str(tmp_path / "c"))
+    compacted = open_trace(list(result.files.values()))
+    assert compacted.incomplete and "flush 2: its lookup part" in compacted.missing[0]
+
+
+def test_a_flush_writes_stores_first() -> None:
+    assert FLUSH_ORDER.index("store") < FLUSH_ORDER.index("lookup")
+    assert set(FLUSH_ORDER) >= {"store", "lookup", "episode", "load", "step", "tier"}
+
+
+KILLED_MID_FLUSH = """
+import os, signal, sys
+from keytrace.format import writer as w
+from tests.factories import new_builder
+
+real = w.TraceWriter._write_part
+def write_then_die(self, kind, buf, manifest):
+    real(self, kind, buf, manifest)
+    if manifest["gen"] == 2 and kind == "store":  # between the parts of one flush
+        os.kill(os.getpid(), signal.SIGKILL)
+w.TraceWriter._write_part = write_then_die
+
+b = new_builder(sys.argv[1])
+b.prime("r1", "c", 64)
+b.rec.writer.flush()
+b.prime("r2", "d", 64)     # flush 2: stores and lookups of r2
+b.rec.writer.flush()
+print("not killed")
+"""
+
+
+def test_a_real_sigkill_between_the_parts_of_a_flush(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = tmp_path / "t"
+    r = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_FLUSH, str(d)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert r.returncode == -signal.SIGKILL and "not killed" not in r.stdout, r.stderr
+    trace = open_trace(str(d))
+    assert {p.kind for p in trace.parts if p.flush and p.flush["gen"] == 2} == {"store"}
+    assert any("flush 2: its lookup part" in m for m in trace.missing)
+    code, out, _err = _cli(capsys, str(d))
+    assert code == 2 and "AGREE" not in out
+
+
+def test_a_column_of_the_wrong_type_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A part whose ``seq`` was rewritten as strings would be ordered by text: exit 2,
+    naming the part and the column, never a verdict."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "t"
+    _two_requests(d)
+    part = _parts(d, "lookup")[0]
+    table = pq.read_table(part)
+    i = table.schema.get_field_index("seq")
+    as_text = table.set_column(i, "seq", pa.array([str(x) for x in table["seq"].to_pylist()]))
+    pq.write_table(as_text.replace_schema_metadata(table.schema.metadata), part)
+    code, out, err = _cli(capsys, str(d))
+    assert (code, out) == (2, "")
+    assert err.strip() == (
+        f"keytrace: error: {part}: lookup column seq is string, schema version 3 has int64"
+    )
