@@ -536,3 +536,21 @@ def served(S: Num, N: Num, accepted: Num, external: Num) -> tuple[Num, Num]:
 def short_of_E(E: Num, gpu: Num, offload: Num) -> Num:
     """A shortfall's tokens: between what was served and the expected boundary E."""
     return greatest(E - gpu - offload, 0)
+
+
+def is_request(req_id: Any, request: str) -> Truth:
+    """``req_id`` (vLLM's internal request id) is the request a user names ``request``:
+    equal, or that id plus vLLM's suffixes. The OpenAI server returns ``cmpl-<hex>``; the
+    scheduler sees ``cmpl-<hex>-<choice index>-<random>``, so ``--request`` with the id the
+    API returned selects every choice of it (and never ``cmpl-<hex>9``, a different id)."""
+    if is_expr(req_id):
+        text = req_id.cast(pl_string())
+        return (text == request) | text.str.starts_with(request + "-")
+    return req_id is not None and (req_id == request or str(req_id).startswith(request + "-"))
+
+
+def pl_string() -> Any:
+    """polars' String type, imported only for an expression (the alarm never loads polars)."""
+    import polars as pl
+
+    return pl.String

@@ -258,7 +258,7 @@ def _stores(trace: Trace, before: pl.Expr | None, at: pl.DataFrame | None = None
 def _selection(request: str | None, engine: str | None, rank: int | None) -> pl.Expr:
     sel = pl.lit(True)
     if request is not None:
-        sel &= pl.col("req_id") == request
+        sel &= d.is_request(pl.col("req_id"), request)
     if engine is not None:
         sel &= (pl.col("engine_id") == engine) | (pl.col("instance") == engine)
     if rank is not None:

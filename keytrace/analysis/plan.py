@@ -16,7 +16,7 @@ import polars as pl
 
 from keytrace._version import __version__
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import ASKED_AGAIN, FINDINGS
+from keytrace.analysis.definitions import ASKED_AGAIN, FINDINGS, is_request
 from keytrace.analysis.diff import EpisodeVerdict, diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.errors import TraceError
@@ -59,7 +59,7 @@ def _choose(report_all: Sequence[EpisodeVerdict], request: str | None) -> Episod
             if pick:
                 return pick[0]
     if request is not None:
-        mine = [v for v in eps if v.req_id == request]
+        mine = [v for v in eps if is_request(v.req_id, request)]
         if not mine:
             raise TraceError(
                 f"request {request!r} has no non-deferred lookup episode in this trace"

@@ -24,7 +24,11 @@ from keytrace.report.text import render_diff
 
 @subcommand("diff")
 @trace_paths
-@click.option("--request", default=None, help="Only episodes of this request id.")
+@click.option(
+    "--request",
+    default=None,
+    help="Only episodes of this request: vLLM's id, or the id the API returned (cmpl-...: every choice of it).",
+)
 @click.option("--engine", default=None, help="Only this engine id (or recorder instance).")
 @click.option("--rank", type=int, default=None, help="Only this data-parallel rank.")
 @click.option(

@@ -34,6 +34,17 @@ def render_header(header: dict[str, Any], file: IO[str]) -> None:
         file.write("  " + "  ".join(f"{g.get(c)!s:>12}" for c in cols) + "\n")
 
 
+SUMMARY_ROWS = {
+    "store": "store events",
+    "lookup": "key lookups",
+    "episode": "episodes",
+    "load": "load events",
+    "step": "step rows",
+}
+"""What each of `Summary.rows` counts, in words (a lookup part's row holds a whole scan:
+the count is of keys looked up, not of rows on disk)."""
+
+
 def render_summary(s: Summary, file: IO[str]) -> None:
     h = s.header
     file.write(
@@ -42,9 +53,13 @@ def render_summary(s: Summary, file: IO[str]) -> None:
         + ", "
         f"model {h.get('model')}, blocks_per_chunk {h.get('blocks_per_chunk')}\n"
     )
-    file.write("rows: " + ", ".join(f"{k} {fmt_int(v)}" for k, v in s.rows.items()) + "\n\n")
     file.write(
-        f"{'group':>5}  {'kind':<9} {'tpc':>5}  {'stored':>8} {'prepared':>8} {'rejected':>8} "
+        "recorded: "
+        + ", ".join(f"{SUMMARY_ROWS.get(k, k)} {fmt_int(v)}" for k, v in s.rows.items())
+        + "\n\n"
+    )
+    file.write(
+        f"{'group':>5}  {'kind':<9} {'tpc':>5}  {'stored':>8} {'prepared':>8} {'not new':>8} "
         f"{'evicted':>7}  {'lookups':>8} {'HIT':>8} {'MISS':>8} {'PENDING':>7} {'RETRY':>5}\n"
     )
     for g in s.groups:
@@ -54,6 +69,10 @@ def render_summary(s: Summary, file: IO[str]) -> None:
             f"{fmt_int(g.looked_up):>8} {fmt_int(g.hits):>8} {fmt_int(g.misses):>8} "
             f"{fmt_int(g.pending):>7} {fmt_int(g.retries):>5}\n"
         )
+    file.write(
+        "(not new: offered to the store path and not written because the key was already "
+        "stored, being stored, or under store_threshold)\n"
+    )
     if s.episodes:
         file.write(f"\nepisodes (first {len(s.episodes)}):\n")
         file.write(

@@ -201,3 +201,19 @@ def test_a_column_of_the_wrong_type_is_refused(
     assert err.strip() == (
         f"keytrace: error: {part}: lookup column seq is string, schema version 3 has int64"
     )
+
+
+def test_request_accepts_the_id_the_api_returned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The OpenAI server answers ``cmpl-<hex>``; the trace holds vLLM's
+    ``cmpl-<hex>-<choice>-<random>``: ``--request`` with the API's id finds it."""
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.prime("cmpl-b9ee44ee58fc8024-0-9a8fd555", "c", 64)
+    b.prime("cmpl-b9ee44ee58fc80249-0-00000000", "e", 64)  # a different id, same prefix
+    b.close()
+    code = main(["diff", str(d), "--request", "cmpl-b9ee44ee58fc8024", "--all", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [e["req_id"] for e in out["episodes"]] == ["cmpl-b9ee44ee58fc8024-0-9a8fd555"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -312,3 +313,23 @@ def test_the_evaluator_is_lazy_for_plain_values() -> None:
     assert d.base_verdict(d.EpisodeNumbers(S=0, X=5, E=None)) == "cold"
     assert d.base_verdict(d.EpisodeNumbers(S=0, X=5, E=5)) == "hit"
     assert d.base_verdict(d.EpisodeNumbers(S=0, X=4, E=5)) == "shortfall"
+
+
+@pytest.mark.parametrize(
+    ("req_id", "named", "same"),
+    [
+        ("cmpl-b9ee44ee58fc8024-0-9a8fd555", "cmpl-b9ee44ee58fc8024", True),  # the API's id
+        ("cmpl-b9ee44ee58fc8024-1-1f2e3d4c", "cmpl-b9ee44ee58fc8024", True),  # choice 1
+        ("cmpl-b9ee44ee58fc8024-0-9a8fd555", "cmpl-b9ee44ee58fc8024-0-9a8fd555", True),
+        ("cmpl-b9ee44ee58fc80249-0-9a8fd555", "cmpl-b9ee44ee58fc8024", False),  # another id
+        ("r1", "r1", True),
+        ("r10", "r1", False),
+        (None, "r1", False),
+    ],
+)
+def test_a_request_is_named_by_vllm_s_id_or_the_api_s(
+    req_id: str | None, named: str, same: bool
+) -> None:
+    assert d.is_request(req_id, named) is same
+    frame = pl.DataFrame({"req_id": [req_id]}, schema={"req_id": pl.Categorical})
+    assert frame.select(d.is_request(pl.col("req_id"), named).fill_null(False)).item() is same

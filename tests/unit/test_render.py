@@ -67,14 +67,16 @@ def test_summary(tmp_path: Path) -> None:
     trace = open_trace(str(_build(tmp_path, swa1=[5], episode_external=0)))
     assert _text(render_summary, summarize(trace)) == [
         "trace: 2 part(s) from 1 recorder instance(s); vLLM 0.33.0, model None, blocks_per_chunk 1",
-        "rows: store 14, lookup 13, episode 2, load 0, step 0",
+        "recorded: store events 14, key lookups 13, episodes 2, load events 0, step rows 0",
         "",
-        "group  kind        tpc    stored prepared rejected evicted   lookups      HIT     MISS "
+        "group  kind        tpc    stored prepared  not new evicted   lookups      HIT     MISS "
         "PENDING RETRY",
         "    0  FA           16         6        6        0       0         7        6        1 "
         "      0     0",
         "    1  SWA          16         1        1        0       0         6        1        5 "
         "      0     0",
+        "(not new: offered to the store path and not written because the key was already "
+        "stored, being stored, or under store_threshold)",
         "",
         "episodes (first 2):",
         "  request        prompt    local  external  accepted",
