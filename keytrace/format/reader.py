@@ -325,6 +325,7 @@ def missing_parts(parts: Sequence[Part], *, whole: bool) -> list[str]:
     present_kinds = {p.kind for p in parts}
     seen: dict[tuple[str, int], set[str]] = {}
     listed: dict[tuple[str, int], dict[str, Any]] = {}
+    capped: dict[str, tuple[int, dict[str, Any]]] = {}
     out: list[str] = []
     for p in parts:
         out.extend(p.lacks)
@@ -333,14 +334,27 @@ def missing_parts(parts: Sequence[Part], *, whole: bool) -> list[str]:
         key = (str(p.source.get("instance", "?")), int(p.flush.get("gen", 0)))
         seen.setdefault(key, set()).add(p.kind)
         listed[key] = p.flush.get("kinds", {})
+        if isinstance(p.flush.get("capped"), dict):
+            capped[key[0]] = (key[1], p.flush["capped"])
+    for instance, (_gen, cap) in sorted(capped.items()):
+        out.append(
+            f"writer {instance} stopped at its disk cap (KEYTRACE_MAX_BYTES = "
+            f"{cap.get('max_bytes')} bytes) after seq {cap.get('last_seq')}: what it recorded "
+            "later is not in this trace"
+        )
     for (instance, gen), kinds in sorted(listed.items()):
         for kind, extent in sorted(kinds.items()):
             if kind in seen[(instance, gen)] or not (whole or kind in present_kinds):
                 continue
             lo, hi = extent.get("seq", [None, None])
+            why = (
+                "not written: the disk cap"
+                if instance in capped and gen < capped[instance][0]
+                else "torn by a kill, or removed"
+            )
             out.append(
                 f"writer {instance}, flush {gen}: its {kind} part ({extent.get('rows')} rows, "
-                f"seq {lo}-{hi}) is missing (torn by a kill, or removed)"
+                f"seq {lo}-{hi}) is missing ({why})"
             )
     if whole:
         by_writer: dict[str, list[int]] = {}

@@ -46,6 +46,67 @@ log = logging.getLogger("keytrace")
 DEFAULT_MAX_ROWS = 262_144
 DEFAULT_MAX_SECONDS = 10.0
 DEFAULT_IDLE_SECONDS = 1.0
+DEFAULT_MAX_BYTES = 4 << 30
+"""Bytes of closed parts one process writes at most (``KEYTRACE_MAX_BYTES``): a busy
+server left recording stops at 4 GiB instead of filling its disk."""
+MARKER_RESERVE = 256 << 10
+"""Kept below the cap for the one empty part that says the trace was capped."""
+
+
+class DiskBudget:
+    """The bytes every writer of this process may still write (`DEFAULT_MAX_BYTES`).
+
+    Policy: stop and count. A part that would take the process past the cap is not kept;
+    the writer then writes one empty *cap marker* part (its manifest says ``capped``, with
+    the last sequence number on disk), and from then on counts the rows and parts it does
+    not write (`WriterStats`, the ``keytrace_rows_dropped`` metrics). The trace on disk is
+    then a complete prefix, and the reader says it was capped (`keytrace diff` gives no
+    verdict on it without ``--allow-incomplete``). Stopping keeps what a later diff of the
+    start of the problem needs; dropping the oldest parts would leave the history every
+    later lookup is judged against torn."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int, *, reserve: bool = False) -> bool:
+        """Book ``n`` bytes; False (nothing booked) when they do not fit. Only the cap
+        marker may use `MARKER_RESERVE`."""
+        limit = self.max_bytes if reserve else self.max_bytes - MARKER_RESERVE
+        with self._lock:
+            if self.used + n > limit:
+                return False
+            self.used += n
+            return True
+
+
+_BUDGET: DiskBudget | None = None
+
+
+def process_budget() -> DiskBudget:
+    """This process's budget, from ``KEYTRACE_MAX_BYTES`` (bytes; ``4G``, ``512M`` too)."""
+    global _BUDGET
+    if _BUDGET is None:
+        _BUDGET = DiskBudget(parse_bytes(os.environ.get("KEYTRACE_MAX_BYTES")))
+    return _BUDGET
+
+
+def parse_bytes(text: str | None, default: int = DEFAULT_MAX_BYTES) -> int:
+    """``4294967296``, ``4G``, ``512M``, ``64K`` (binary units); unset or unreadable: the
+    default (a cap must never be lifted by a typo)."""
+    if not text:
+        return default
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        log.warning("keytrace: KEYTRACE_MAX_BYTES=%r is not a size; using %d", text, default)
+        return default
+    return int(value)
+
+
 """Buffered rows are written once nothing was appended for this long. vLLM's default
 shutdown (``shutdown_timeout=0``) SIGKILLs the engine-core process right after SIGTERM, so
 no handler can flush there: what a quiet server recorded must already be on disk."""
@@ -60,6 +121,9 @@ class WriterStats:
     parts_written: int = 0
     bytes_written: int = 0
     dropped_rows: int = 0
+    dropped_parts: int = 0
+    """Parts not written: refused at the disk cap, or after it (`DiskBudget`)."""
+    capped: bool = False
     errors: int = 0
     rejected_calls: int = 0  # appends refused for bad input (a recorder bug, not the disk)
 
@@ -166,8 +230,11 @@ class TraceWriter(_Identity):
         max_seconds: float = DEFAULT_MAX_SECONDS,
         idle_seconds: float = DEFAULT_IDLE_SECONDS,
         background: bool = True,
+        budget: DiskBudget | None = None,
     ) -> None:
         self.directory = os.fspath(directory)
+        self.budget = budget if budget is not None else process_budget()
+        self._last_seq_on_disk: int | None = None
         super().__init__(header, engine_id, dp_rank, tokens_per_chunk)
         self.max_rows = max(1, int(max_rows))
         self.max_seconds = float(max_seconds)
@@ -303,31 +370,70 @@ class TraceWriter(_Identity):
             return False
 
     def _write_part(self, kind: str, buf: _Buffer, manifest: Mapping[str, Any]) -> None:
-        if not self._usable:
+        if not self._usable or self.stats.capped:
             self.stats.dropped_rows += buf.rows
+            if self.stats.capped:
+                self.stats.dropped_parts += 1
             return
         try:
             table = self._to_table(kind, buf)
             meta = part_metadata(kind, self.header, self._source, __version__, flush=manifest)
-            table = table.replace_schema_metadata(meta)
-            folder = os.path.join(self.directory, f"kind={kind}")
-            name = f"{self.instance}-{next(self._part_no):06d}.parquet"
-            final = os.path.join(folder, name)
-            tmp = os.path.join(folder, f".{name}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    write_parquet(table, fh)
-                os.replace(tmp, final)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            if not self._put(kind, table.replace_schema_metadata(meta)):
+                self.stats.dropped_rows += buf.rows
+                self.stats.dropped_parts += 1
+                self._cap(manifest)
+                return
             self.stats.rows_written += buf.rows
             self.stats.parts_written += 1
-            self.stats.bytes_written += os.path.getsize(final)
+            self._last_seq_on_disk = max(
+                manifest["kinds"][kind]["seq"][1], self._last_seq_on_disk or 0
+            )
         except Exception as exc:
             self._fail(exc, buf.rows)
+
+    def _put(self, kind: str, table: pa.Table, *, reserve: bool = False) -> bool:
+        """Write one closed part (temporary name, then rename) if the disk budget has room
+        for it; False: it had none, and nothing is left on disk."""
+        folder = os.path.join(self.directory, f"kind={kind}")
+        name = f"{self.instance}-{next(self._part_no):06d}.parquet"
+        final = os.path.join(folder, name)
+        tmp = os.path.join(folder, f".{name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                write_parquet(table, fh)
+            size = os.path.getsize(tmp)
+            if not self.budget.take(size, reserve=reserve):
+                os.unlink(tmp)
+                return False
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self.stats.bytes_written += size
+        return True
+
+    def _cap(self, manifest: Mapping[str, Any]) -> None:
+        """Stop at the disk cap: one empty part whose manifest says so, one warning."""
+        self.stats.capped = True
+        marker = {
+            "gen": next(self._flush_gen),  # a flush of its own: no part of it is missing
+            "kinds": {},
+            "capped": {"max_bytes": self.budget.max_bytes, "last_seq": self._last_seq_on_disk},
+        }
+        schema = SCHEMAS["step"]
+        empty = schema.empty_table().replace_schema_metadata(
+            part_metadata("step", self.header, self._source, __version__, flush=marker)
+        )
+        self._put("step", empty, reserve=True)
+        log.warning(
+            "keytrace: the trace under %s reached KEYTRACE_MAX_BYTES (%.1f GiB for this "
+            "process); recording stops here and what is not written is counted "
+            "(keytrace_rows_dropped). vLLM is not affected.",
+            self.directory,
+            self.budget.max_bytes / (1 << 30),
+        )
 
     def _to_table(self, kind: str, buf: _Buffer) -> pa.Table:
         schema = SCHEMAS[kind]

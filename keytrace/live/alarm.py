@@ -244,13 +244,23 @@ class Alarm:
                 name, engine or name, dp_rank, directory, ref, tag=tag
             )
 
-    def health(self) -> list[tuple[str, int, int]]:
-        """(engine, recorder failures, rows dropped by its writer) per live instance."""
+    def health(self) -> list[tuple[str, int, int, int, bool]]:
+        """(engine, recorder failures, rows and parts its writer did not write, whether the
+        writer stopped at the disk cap) per live instance."""
         out = []
         for st in list(self._inst.values()):
             rec = st.recorder() if st.recorder is not None else None
             if rec is not None:
-                out.append((st.engine, rec.failures, rec.writer.stats.dropped_rows))
+                stats = rec.writer.stats
+                out.append(
+                    (
+                        st.engine,
+                        rec.failures,
+                        stats.dropped_rows,
+                        getattr(stats, "dropped_parts", 0),
+                        bool(getattr(stats, "capped", False)),
+                    )
+                )
         return out
 
     def engine(self, instance_id: int) -> str:

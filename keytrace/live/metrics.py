@@ -63,6 +63,17 @@ class AlarmCollector:
         dropped = CounterMetricFamily(
             "keytrace_rows_dropped", "Trace rows the writer could not keep.", labels=["engine"]
         )
+        parts_dropped = CounterMetricFamily(
+            "keytrace_parts_dropped",
+            "Trace parts not written because the process reached KEYTRACE_MAX_BYTES.",
+            labels=["engine"],
+        )
+        capped = GaugeMetricFamily(
+            "keytrace_trace_capped",
+            "1 once the engine's trace stopped at KEYTRACE_MAX_BYTES (the trace on disk is a "
+            "complete prefix; keytrace diff says so).",
+            labels=["engine"],
+        )
         records = GaugeMetricFamily(
             "keytrace_alarm_state_records", "Key records the alarm holds (bounded)."
         )
@@ -80,14 +91,27 @@ class AlarmCollector:
                 stored.add_metric([engine, group, event], n)
             for (engine, group, result), n in sorted(alarm.looked_up.items()):
                 looked.add_metric([engine, group, result], n)
-            for engine, fails, drops in alarm.health():
+            for engine, fails, drops, parts, at_cap in alarm.health():
                 failures.add_metric([engine], fails)
                 dropped.add_metric([engine], drops)
+                parts_dropped.add_metric([engine], parts)
+                capped.add_metric([engine], int(at_cap))
             n_records += alarm.state_records()
             n_forgotten += alarm.forgotten
         records.add_metric([], n_records)
         forgotten.add_metric([], n_forgotten)
-        yield from (episodes, short, stored, looked, failures, dropped, records, forgotten)
+        yield from (
+            episodes,
+            short,
+            stored,
+            looked,
+            failures,
+            dropped,
+            parts_dropped,
+            capped,
+            records,
+            forgotten,
+        )
 
 
 def _registry() -> Any:

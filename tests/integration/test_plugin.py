@@ -68,3 +68,22 @@ def test_plugin_inert_without_variable(tmp_path: Path) -> None:
     out = _run(0, None)
     assert "patched False" in out
     assert "external 960" in out
+
+
+def test_one_startup_warning_says_where_and_the_cap(tmp_path: Path) -> None:
+    """vLLM shows WARNING, not keytrace's INFO: the operator sees one line, once, however
+    often vLLM loads its plugins."""
+    d = tmp_path / "kt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+    env.update(KEYTRACE_DIR=str(d), KEYTRACE_MAX_BYTES="512M")
+    r = subprocess.run(
+        [sys.executable, "-c", CODE, "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if "keytrace: recording offload keys" in x]
+    assert lines == [f"keytrace: recording offload keys to {d} (cap 0.5 GiB, alarm on, no metrics)"]

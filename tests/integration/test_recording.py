@@ -445,3 +445,27 @@ def test_a_recorded_harness_is_collected_after_use(tmp_path: Path) -> None:
         gc.collect()
         assert [r() for r in gone] == [None] * len(gone)
         assert not list(hooks.RECORDERS)  # its recorder went with it
+
+
+def test_serving_goes_on_at_the_disk_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real scheduler recorded with a tiny KEYTRACE_MAX_BYTES: vLLM's results are those of
+    an unrecorded run, nothing fails, and the trace on disk stays under the cap."""
+    from keytrace.format import writer as w
+
+    cap = 512 << 10
+    monkeypatch.setattr(w, "_BUDGET", w.DiskBudget(cap))
+    plain = Harness(SMALL)
+    expected = [plain.scenario(1000 + 64 * i).external_tokens for i in range(6)]
+    plain.close()
+    with recording(tmp_path / "t") as recs:
+        h = Harness(SMALL)
+        got = []
+        for i in range(6):
+            got.append(h.scenario(1000 + 64 * i).external_tokens)
+            recs[0].writer.flush()
+        stats = recs[0].writer.stats
+        assert recs[0].failures == 0
+        h.close()
+    assert got == expected
+    assert stats.capped and stats.dropped_parts > 0
+    assert sum(p.stat().st_size for p in (tmp_path / "t").rglob("*.parquet")) <= cap

@@ -217,3 +217,52 @@ def test_request_accepts_the_id_the_api_returned(
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert [e["req_id"] for e in out["episodes"]] == ["cmpl-b9ee44ee58fc8024-0-9a8fd555"]
+
+
+def test_the_disk_cap_is_never_exceeded_and_the_trace_says_it_was_capped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop and count: recording goes on without error while nothing more is written, the
+    bytes on disk stay under the cap, one empty marker part says where it stopped, and the
+    differ gives no verdict on the prefix unless asked."""
+    from keytrace.format import writer as w
+
+    cap = 600 << 10
+    budget = w.DiskBudget(cap)
+    monkeypatch.setattr(w, "_BUDGET", budget)
+    d = tmp_path / "t"
+    b = new_builder(d)
+    for i in range(400):  # far more than fits
+        b.prime(f"r{i}", f"chain{i}", 256)
+        b.rec.writer.flush()
+    stats = b.rec.writer.stats
+    b.close()
+    on_disk = sum(p.stat().st_size for p in d.rglob("*.parquet"))
+    assert on_disk <= cap and budget.used == on_disk == stats.bytes_written
+    assert stats.capped and stats.dropped_parts > 0 and stats.dropped_rows > 0
+    trace = open_trace(str(d))
+    [capped] = [m for m in trace.missing if "disk cap" in m and "stopped" in m]
+    assert capped.startswith(f"writer {trace.parts[0].source['instance']} stopped at its disk cap")
+    code, out, err = _cli(capsys, str(d))
+    assert (code, out) == (2, "") and "stopped at its disk cap" in err.splitlines()[-1]
+    code, out, _err = _cli(capsys, str(d), "--allow-incomplete")
+    assert code == 0 and out.startswith("AGREE (on INCOMPLETE evidence)")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        (None, 4 << 30),
+        ("", 4 << 30),
+        ("1048576", 1 << 20),
+        ("512M", 512 << 20),
+        ("4G", 4 << 30),
+        ("2GiB", 2 << 30),
+        ("64k", 64 << 10),
+        ("lots", 4 << 30),  # a typo never lifts the cap
+    ],
+)
+def test_max_bytes_spellings(text: str | None, value: int) -> None:
+    from keytrace.format.writer import parse_bytes
+
+    assert parse_bytes(text) == value

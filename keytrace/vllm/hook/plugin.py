@@ -16,6 +16,7 @@ ENV_ALARM = "KEYTRACE_ALARM"
 _ON = ("1", "true", "yes", "on")
 
 log = logging.getLogger("keytrace")
+_ANNOUNCED: set[str] = set()
 
 
 def register() -> None:
@@ -33,15 +34,34 @@ def register() -> None:
         inject_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
         fix_from_env()  # testing only: KEYTRACE_FIX applies a candidate fix
         if install(directory, alarm):
-            log.info(
-                "keytrace: %s%s",
-                f"recording offload store/lookup keys under {directory}" if directory else "",
-                ("; " if directory else "") + "live write-only alarm on" if alarm else "",
-            )
+            line = startup_line(directory, alarm)
+            if line not in _ANNOUNCED:  # vLLM may load its plugins more than once
+                _ANNOUNCED.add(line)
+                log.warning(line)
     except Exception as exc:  # never break vLLM start-up
         log.warning(
             "keytrace: hooks not installed (%s: %s); vLLM is unaffected", type(exc).__name__, exc
         )
 
 
-__all__ = ["ENV_ALARM", "ENV_DIR", "register"]
+def startup_line(directory: str | None, alarm: object) -> str:
+    """The one WARNING an operator sees in the engine log when keytrace is on (vLLM's
+    logging shows WARNING, not keytrace's INFO): where, the disk cap, alarm, metrics, and
+    whether this vLLM is a release keytrace's CI ran."""
+    from keytrace.format.writer import process_budget
+    from keytrace.vllm.hook.support import vllm_info
+
+    port = getattr(alarm, "metrics_port", None)
+    what = [
+        f"cap {process_budget().max_bytes / (1 << 30):g} GiB" if directory else "no trace",
+        "alarm on" if alarm is not None else "alarm off",
+        f"metrics :{port}" if port else "no metrics",
+    ]
+    info = vllm_info()
+    if not info.verified:
+        what.append(f"vLLM {info.version} ({info.kind}): traces say vllm_verified false")
+    where = f"recording offload keys to {directory}" if directory else "live alarm only"
+    return f"keytrace: {where} ({', '.join(what)})"
+
+
+__all__ = ["ENV_ALARM", "ENV_DIR", "register", "startup_line"]
