@@ -14,6 +14,8 @@ cd "$(dirname "$0")/../.."
 
 export KEYTRACE_DIR=${KEYTRACE_DIR:-/tmp/keytrace-serve}
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 PYTHONPATH=$PWD
+# the CPU engine's KV cache in GiB: without it vLLM wants most of the machine's memory
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 PORT=${PORT:-8765}
 MODEL=$PWD/examples/serve/gemma2-tiny
 
@@ -28,11 +30,17 @@ python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 -
         "block_size": 32}}' &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; done
+for _ in $(seq 300); do                     # up to 5 minutes, and never past a dead server
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+    kill -0 "$server" 2>/dev/null || { echo "serve_cpu.sh: the server exited" >&2; exit 2; }
+    sleep 1
+done
+curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "serve_cpu.sh: no server" >&2; exit 2; }
 
 python examples/serve/send_prompts.py --port "$PORT"
 
 sleep 2                                      # keytrace closes its parts after 1 s of quiet
 kill -TERM "$server"; wait "$server" || true
+trap - EXIT
 keytrace summary "$KEYTRACE_DIR"
 keytrace diff "$KEYTRACE_DIR"
