@@ -49,6 +49,9 @@ DEFAULT_IDLE_SECONDS = 1.0
 DEFAULT_MAX_BYTES = 4 << 30
 """Bytes of closed parts one process writes at most (``KEYTRACE_MAX_BYTES``): a busy
 server left recording stops at 4 GiB instead of filling its disk."""
+CLOSE_JOIN_SECONDS = 5.0
+"""How long closing waits for the writer's thread to finish a flush in progress (it then
+flushes the rest itself): bounded, so an exit is never held by a slow disk for long."""
 MARKER_RESERVE = 256 << 10
 """Kept below the cap for the one empty part that says the trace was capped."""
 
@@ -247,6 +250,7 @@ class TraceWriter(_Identity):
         self._flush_gen = itertools.count(1)  # under _io_lock: generations in write order
         self._last_flush = time.monotonic()
         self._closed = False
+        self._flush_now = False
         self._warned = False
         self._warned_reject = False
         self._usable = self._prepare_directory()
@@ -324,6 +328,12 @@ class TraceWriter(_Identity):
             for kind in sorted(taken, key=FLUSH_ORDER.index):
                 self._write_part(kind, taken[kind], manifest)
 
+    def request_flush(self) -> None:
+        """Have the background thread flush at once (safe in a signal handler: it only
+        sets two flags). Without a background thread, nothing: ``close`` flushes."""
+        self._flush_now = True
+        self._wake.set()
+
     def close(self) -> None:
         """Flush and stop the background thread. Idempotent; never raises."""
         if self._closed:
@@ -331,7 +341,7 @@ class TraceWriter(_Identity):
         self._closed = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=CLOSE_JOIN_SECONDS)
         self.flush()
 
     def _run(self) -> None:
@@ -345,6 +355,11 @@ class TraceWriter(_Identity):
             self._wake.clear()
             if self._closed:  # set by close() from another thread
                 return
+            if self._flush_now:  # SIGTERM: flush what is buffered now, beside vLLM's teardown
+                self._flush_now = False
+                self.flush()
+                seen_rows, seen_at = 0, time.monotonic()
+                continue
             now = time.monotonic()
             with self._lock:
                 rows = sum(b.rows for b in self._bufs.values())
@@ -557,7 +572,14 @@ def close_all() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    close_all()
+    """Ask every writer's own thread to flush now, then hand the signal to whoever handled
+    it before (vLLM), at once. No I/O, no lock and no join happens here: vLLM's teardown
+    runs as it would without keytrace, and the flush runs beside it on the writers' threads
+    (a kill during it leaves a torn flush, which the reader names). What is still buffered
+    at a calm exit is flushed by the ``atexit`` hook."""
+    for w in list(_LIVE):
+        with contextlib.suppress(Exception):
+            w.request_flush()
     prev = _PREV_SIGTERM
     if callable(prev):
         prev(signum, frame)

@@ -239,30 +239,52 @@ def test_sigkill_leaves_every_closed_part_readable(tmp_path: Path) -> None:
     assert any("temporary" in n for n in trace.notes)
 
 
-def test_sigterm_flushes_and_chains_previous_handler(tmp_path: Path) -> None:
+_SIGTERM_CHILD = """
+import os, signal, sys, threading, time
+from keytrace.format import writer as w
+
+written = threading.Event()
+real = w.TraceWriter._write_part
+def noting(self, kind, buf, manifest):
+    real(self, kind, buf, manifest)
+    print("written by", threading.current_thread().name, flush=True)
+    written.set()
+w.TraceWriter._write_part = noting
+
+def vllm_handler(signum, frame):
+    print("previous handler ran", flush=True)
+    if sys.argv[2] == "exit":
+        raise SystemExit(0)  # vLLM's engine core: unwind, tear down, exit through atexit
+    # still in vLLM's handler, keytrace's flush is already running beside it
+    print("flushed meanwhile", written.wait(60), flush=True)
+    os._exit(0)  # skips atexit: only the flush that ran beside the handler saved the rows
+signal.signal(signal.SIGTERM, vllm_handler)
+tw = w.TraceWriter(sys.argv[1], {"groups": []}, max_rows=10**9, max_seconds=3600, idle_seconds=3600)
+for i in range(7):
+    tw.append("step", 1, (*tw.common(i, 0, 0), "r", 0, 1, 1, 1, False, False, False))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "stay"])
+def test_sigterm_chains_at_once_and_flushes_beside_vllm(tmp_path: Path, how: str) -> None:
+    """keytrace's SIGTERM handler does no I/O: it hands the signal to the previous handler
+    (vLLM's) at once, and the rows are written by the writer's own thread while that
+    handler runs ("stay") or on the way out through atexit ("exit", vLLM's SystemExit)."""
     d = tmp_path / "t"
-    code = textwrap.dedent(
-        """
-        import os, signal, sys, time
-        def prev(signum, frame):
-            # os._exit skips atexit: only keytrace's own chained SIGTERM flush saves rows
-            print("previous handler ran", flush=True)
-            os._exit(0)
-        signal.signal(signal.SIGTERM, prev)
-        from keytrace.format.writer import TraceWriter
-        w = TraceWriter(sys.argv[1], {"groups": []}, max_rows=10**9, max_seconds=3600)
-        for i in range(7):
-            w.append("step", 1, (*w.common(i, 0, 0), "r", 0, 1, 1, 1, False, False, False))
-        print("ready", flush=True)
-        time.sleep(60)
-        """
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SIGTERM_CHILD, str(d), how], stdout=subprocess.PIPE, text=True
     )
-    p = subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=30)
-    assert "previous handler ran" in out
-    assert open_trace(str(d)).rows("step") == 7
+    out, _ = p.communicate(timeout=60)
+    lines = out.splitlines()
+    assert "previous handler ran" in lines
+    if how == "stay":  # the flush ran on the writer's thread, beside vLLM's handler
+        assert "flushed meanwhile True" in lines and "written by MainThread" not in lines
+        assert any(x.startswith("written by keytrace-writer-") for x in lines)
+    assert p.returncode == 0 and open_trace(str(d)).rows("step") == 7
 
 
 def _mount_tmpfs(path: Path, opts: str) -> bool:
