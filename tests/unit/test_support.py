@@ -144,8 +144,8 @@ def test_a_capability_names_every_failed_check() -> None:
 
 def test_a_star_args_signature_takes_what_is_read_but_not_a_replacement() -> None:
     """A ``*args`` method (a MagicMock child, a wrapper) takes the read parameters as
-    passed; a replacement still needs the exact list, and a keyword-only parameter is not
-    a positional one."""
+    passed; a replacement still needs the exact list; a keyword-only parameter counts (the
+    hooks read a parameter by position or by name), and so does its absence."""
 
     class M:
         def any(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -156,5 +156,8 @@ def test_a_star_args_signature_takes_what_is_read_but_not_a_replacement() -> Non
 
     assert check_params("M.any", M.any, ("key", "req_context"), False).ok
     assert not check_params("M.any", M.any, ("key", "req_context"), True).ok
-    bad = check_params("M.kw_only", M.kw_only, ("key", "req_context"), False)
-    assert bad.problem == "M.kw_only takes (key), keytrace reads (key, req_context)"
+    assert check_params("M.kw_only", M.kw_only, ("key", "req_context"), True).ok
+    bad = check_params("M.kw_only", M.kw_only, ("key", "req_context", "tier"), True)
+    assert (
+        bad.problem == "M.kw_only takes (key, req_context), keytrace reads (key, req_context, tier)"
+    )

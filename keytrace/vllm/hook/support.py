@@ -170,8 +170,9 @@ def vllm_info() -> VllmInfo:
 
 # ----------------------------------------------------------------- the checks
 def _params(fn: Any) -> list[str] | None:
-    """Parameter names of ``fn`` (``self`` dropped for a function defined in a class), up
-    to a ``*args`` (which takes every position: a mock's, say)."""
+    """Parameter names of ``fn`` (``self`` dropped for a function defined in a class), in
+    order, keyword-only ones included, up to a ``*args`` (which takes every position: a
+    mock's, say; then ``"*"`` ends the list)."""
     target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
     try:
         params = list(inspect.signature(target).parameters.values())
@@ -183,9 +184,9 @@ def _params(fn: Any) -> list[str] | None:
     for p in params:
         if p.kind is inspect.Parameter.VAR_POSITIONAL:
             return [*names, "*"]
-        if p.kind is inspect.Parameter.VAR_KEYWORD or p.kind is inspect.Parameter.KEYWORD_ONLY:
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
             break
-        names.append(p.name)
+        names.append(p.name)  # keyword-only ones too: the hooks read by name as well
     return names
 
 
