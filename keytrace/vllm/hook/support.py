@@ -231,7 +231,9 @@ REPLACED_SOURCES: dict[str, dict[str, str]] = {
     "OffloadingConnectorScheduler._lookup_complete_chunks": {"39dabc3f0bcf8ed0": "0.33.0"},
     "OffloadingConnectorScheduler._sliding_window_lookup": {"e32883e126ad9ae2": "0.31.0-0.33.0"},
     "OffloadingConnectorScheduler._build_store_jobs": {"67436204741c157e": "0.33.0"},
-    "config.get_sliding_window_size_in_chunks": {"99a973ac592781f8": "0.33.0"},
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config.get_sliding_window_size_in_chunks": {
+        "99a973ac592781f8": "0.33.0"
+    },
     "TieringOffloadingManager.lookup": {"f7b6e66fc3b402a6": "0.33.0"},
     "TieringOffloadingManager._initiate_promotion": {"865b303eb3da26c0": "0.33.0"},
     "TieringOffloadingManager.on_schedule_end": {"a354a2cbc08490b0": "0.33.0"},
