@@ -88,6 +88,7 @@ class ServeRun:
 
     port: int = 0
     engine_pid: int | None = None
+    metrics_port: int | None = None
     engine_id: str | None = None
     server_exit: int | None = None
     cached_tokens: list[int | None] = field(default_factory=list)
@@ -99,6 +100,8 @@ class ServeRun:
     summary: str = ""
     log_tail: str = ""
     log_warnings: list[str] = field(default_factory=list)
+    startup_lines: list[str] = field(default_factory=list)
+    """keytrace's start-up WARNING lines in the server log (one: the engine core's)."""
     """keytrace's lines in the server's log (its warnings: the live alarm's, among others)."""
     keytrace_metrics: str = ""
     """The engine-core process's keytrace metrics, scraped while the server ran."""
@@ -313,7 +316,7 @@ def run(
 
         shutil.rmtree(trace)
     server = Server(py, work, trace, inject, extra_args, extra_env, tier)
-    out = ServeRun(port=server.port)
+    out = ServeRun(port=server.port, metrics_port=server.metrics_port)
     try:
         server.wait_healthy()
         out.cached_tokens = (
@@ -329,11 +332,9 @@ def run(
         out.engine_pid = server.engine_pid()
         out.engine_id = server.engine_id()
         out.log_tail = server.tail()
-        out.log_warnings = [
-            line
-            for line in server.log_path.read_text(errors="replace").splitlines()
-            if "keytrace: " in line
-        ]
+        lines = server.log_path.read_text(errors="replace").splitlines()
+        out.startup_lines = [x for x in lines if "keytrace: recording offload keys to " in x]
+        out.log_warnings = [x for x in lines if "keytrace: " in x and x not in out.startup_lines]
         region = Path(f"/dev/shm/vllm_offload_{out.engine_id}.mmap")
         out.shm_left = out.engine_id is not None and region.exists()
         if out.shm_left:

@@ -181,6 +181,15 @@ def _by_verdict(run: Any) -> dict[str, float]:
     return {dict(k)["verdict"]: v for k, v in _scraped(run)["keytrace_episodes"].items()}
 
 
+def test_one_startup_line_in_the_server_log(recorded: Any) -> None:
+    """vLLM shows WARNING: the operator sees one line saying keytrace records, where, the
+    cap, the alarm and the metrics port, from the engine core (the API server process
+    loads the plugin too and records nothing)."""
+    [line] = recorded.startup_lines
+    assert "keytrace: recording offload keys to " in line
+    assert line.rstrip().endswith(f"(cap 4 GiB, alarm on, metrics :{recorded.metrics_port})")
+
+
 def test_the_live_alarm_is_quiet_on_stock_and_its_metrics_match_the_diff(recorded: Any) -> None:
     assert not [w for w in recorded.log_warnings if "write-only" in w], recorded.log_warnings
     assert _by_verdict(recorded) == {k: float(v) for k, v in recorded.diff["counts"].items()}

@@ -280,6 +280,10 @@ def _start_recording(
     hooks.RECORDERS[sched] = rec
     with _STATE.lock:
         _STATE.recorders.append(rec)
+        say, _STATE.announce = _STATE.announce, None
+    if say is not None:
+        with contextlib.suppress(Exception):
+            log.warning(say())
 
 
 def _replace(fn: Wrapper) -> Callable[[Binding], Wrapper]:
@@ -711,6 +715,9 @@ class _State:
         self.alarm: AlarmSettings | None = None
         self.exact_scans = False
         self.recorders: list[Recorder] = []
+        self.announce: Callable[[], str] | None = None
+        self.announced = False
+        """The start-up line to log when the first scheduler is recorded (`announce`)."""
         self._warned: set[str] = set()
 
     def info_once(self, message: str) -> None:
@@ -873,6 +880,16 @@ def uninstall() -> None:
         with contextlib.suppress(Exception):
             rec.close()
     disable("record")
+
+
+def announce(line: Callable[[], str]) -> None:
+    """Log ``line()`` once, at WARNING, when this process records its first scheduler (the
+    plugin's start-up line: vLLM loads plugins in every process, only the engine core
+    builds a scheduler)."""
+    with _STATE.lock:
+        if not _STATE.announced:
+            _STATE.announced = True
+            _STATE.announce = line
 
 
 def retarget(directory: str | os.PathLike[str]) -> None:

@@ -16,7 +16,6 @@ ENV_ALARM = "KEYTRACE_ALARM"
 _ON = ("1", "true", "yes", "on")
 
 log = logging.getLogger("keytrace")
-_ANNOUNCED: set[str] = set()
 
 
 def register() -> None:
@@ -28,16 +27,15 @@ def register() -> None:
         return
     try:
         from keytrace.live.alarm import AlarmSettings
-        from keytrace.vllm.hook.patches import fix_from_env, inject_from_env, install
+        from keytrace.vllm.hook.patches import announce, fix_from_env, inject_from_env, install
 
         alarm = AlarmSettings.from_env(os.environ, recording=directory is not None)
         inject_from_env()  # testing only: KEYTRACE_INJECT reintroduces a historical bug
         fix_from_env()  # testing only: KEYTRACE_FIX applies a candidate fix
         if install(directory, alarm):
-            line = startup_line(directory, alarm)
-            if line not in _ANNOUNCED:  # vLLM may load its plugins more than once
-                _ANNOUNCED.add(line)
-                log.warning(line)
+            # said by the process that records (the engine core, when it builds its
+            # scheduler), once: not by every process vLLM loads its plugins in
+            announce(lambda: startup_line(directory, alarm))
     except Exception as exc:  # never break vLLM start-up
         log.warning(
             "keytrace: hooks not installed (%s: %s); vLLM is unaffected", type(exc).__name__, exc
