@@ -32,20 +32,24 @@ print("external", Harness(SMALL, dp_rank=int(sys.argv[1])).scenario(1000).extern
 """
 
 
-def _run(rank: int, trace_dir: Path | None) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
-    if trace_dir is not None:
-        env["KEYTRACE_DIR"] = str(trace_dir)
+def _child(rank: int, **env: str) -> subprocess.CompletedProcess[str]:
+    """`CODE` in a fresh interpreter as DP rank ``rank``, with ``env`` as keytrace's
+    settings (none inherited)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
     r = subprocess.run(
         [sys.executable, "-c", CODE, str(rank)],
         capture_output=True,
         text=True,
-        env=env,
+        env={**full, **env},
         cwd=ROOT,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
+    return r
+
+
+def _run(rank: int, trace_dir: Path | None) -> str:
+    return _child(rank, **({"KEYTRACE_DIR": str(trace_dir)} if trace_dir else {})).stdout
 
 
 def test_plugin_records_per_process_and_rank(tmp_path: Path) -> None:
@@ -74,16 +78,6 @@ def test_one_startup_warning_says_where_and_the_cap(tmp_path: Path) -> None:
     """vLLM shows WARNING, not keytrace's INFO: the operator sees one line, once, however
     often vLLM loads its plugins."""
     d = tmp_path / "kt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
-    env.update(KEYTRACE_DIR=str(d), KEYTRACE_MAX_BYTES="512M")
-    r = subprocess.run(
-        [sys.executable, "-c", CODE, "0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _child(0, KEYTRACE_DIR=str(d), KEYTRACE_MAX_BYTES="512M")
     lines = [x for x in r.stderr.splitlines() if "keytrace: recording offload keys" in x]
     assert lines == [f"keytrace: recording offload keys to {d} (cap 0.5 GiB, alarm on, no metrics)"]

@@ -71,10 +71,19 @@ def test_shared_second(shared):
 """
 
 
-def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "test_cases.py").write_text(TESTS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
-    env.update(PYTHONPATH=str(ROOT), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+def _pytest(
+    tmp_path: Path,
+    *args: str,
+    source: str = TESTS,
+    test_file: str = "test_cases.py",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """A pytest of its own over ``source`` written to ``tmp_path/test_file`` (rooted
+    there), keytrace importable; ``env`` adds to (or overrides) the environment."""
+    (tmp_path / test_file).write_text(source)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+    full.update(PYTHONPATH=str(ROOT), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+    full.update(env or {})
     return subprocess.run(
         [
             sys.executable,
@@ -85,12 +94,12 @@ def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
             "no:cacheprovider",
             "--rootdir",
             str(tmp_path),
-            str(tmp_path / "test_cases.py"),
+            str(tmp_path / test_file),
             *args,
         ],
         capture_output=True,
         text=True,
-        env=env,
+        env=full,
         cwd=tmp_path,
         timeout=900,
     )
@@ -162,34 +171,15 @@ def test_a_request_runner_scenario_diffs_like_the_harness(tmp_path: Path) -> Non
     from keytrace.vllm.lab.harness import Harness
 
     tree, home = prepare()
-    (tmp_path / "test_runner_scenario.py").write_text(SCENARIO.read_text())
     out = tmp_path / "kt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]),  # vLLM's `tests` package first
-        VLLM_TARGET_DEVICE="cpu",
-        HF_HUB_OFFLINE="1",
-        HF_HOME=str(home),
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            str(tmp_path),
-            str(tmp_path / "test_runner_scenario.py"),
-            "--keytrace",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=900,
+    r = _pytest(
+        tmp_path,
+        "--keytrace",
+        str(out),
+        source=SCENARIO.read_text(),
+        test_file="test_runner_scenario.py",
+        # vLLM's `tests` package first, then keytrace
+        env={"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "HF_HOME": str(home)},
     )
     assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     for n, verdict in ((970, "mismatch"), (1000, "hit")):
