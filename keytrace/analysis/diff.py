@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import polars as pl
@@ -171,7 +171,14 @@ def _diff(
         header=trace.header,
         all_episodes=all_episodes,
         lost=lost.summarize([b.lost for b in batches if b.lost is not None]),
+        sample=sample_of(trace.header),
     )
+
+
+def sample_of(header: Mapping[str, Any]) -> float | None:
+    """The fraction of prefix chains a trace holds (its header's ``sample``), None: all."""
+    value = header.get("sample")
+    return float(value) if isinstance(value, (int, float)) and 0 < value < 1 else None
 
 
 def stores_without_lookups(trace: Trace) -> list[str]:

@@ -147,6 +147,10 @@ class DiffReport:
     all_episodes: bool = False
     lost: LostTokens | None = None
     """Where every prompt token of the selected episodes came from (per engine, and all)."""
+    sample: float | None = None
+    """The fraction of prefix chains a sampled trace holds (``KEYTRACE_SAMPLE``), None for a
+    full trace: the verdicts and token counts are exact for those chains and say nothing
+    of the rest."""
     maps: list[EpisodeMap] = field(default_factory=list, metadata=NOT_IN_JSON)
     """Chunk maps of the first reported shortfalls (``diff(..., maps=N)``; the HTML page)."""
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from keytrace.format.keys import chunk_ending_at, key_tail, tail_gid
 from keytrace.format.schema import HEAD, SCAN_ENDING, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
+from keytrace.record.sampling import IN_FLIGHT_TIER_EVENTS, ChainSampler, sample_fraction
 
 
 class Alarm(Protocol):
@@ -113,6 +114,7 @@ class Recorder:
         max_seconds: float | None = None,
         idle_seconds: float | None = None,
         alarm: Alarm | None = None,
+        sample: float | None = None,
     ) -> None:
         kw: dict[str, Any] = {}
         if max_rows is not None:
@@ -131,6 +133,9 @@ class Recorder:
             **kw,
         )
         w = self.writer
+        self.sampler = ChainSampler(sample) if sample is not None else None
+        """Which chains are written (``KEYTRACE_SAMPLE``; None: all). The alarm is fed
+        before it filters: it judges all traffic."""
         self.alarm = alarm
         """The live alarm this recorder feeds (`keytrace.live.alarm`), or None."""
         self._tpc = dict(tokens_per_chunk)
@@ -192,9 +197,13 @@ class Recorder:
         num_tokens: int,
         num_hashes: int,
         shared_prefix_boundary: int | None = None,
+        first_hash: bytes | None = None,
     ) -> None:
-        """A ``get_num_new_matched_tokens`` call begins: a new episode (and no scan yet)."""
+        """A ``get_num_new_matched_tokens`` call begins: a new episode (and no scan yet).
+        ``first_hash``: the request's first block hash (what a sampled trace decides by)."""
         self.end_scan()
+        if self.sampler is not None:
+            self.sampler.decide(req_id, first_hash)
         self.close_episode(req_id)
         self.episode = next(_SEQ)
         self.in_episode = True
@@ -429,6 +438,8 @@ class Recorder:
     def _lookup_row(
         self, seq: int, ts: int, step: int, episode: int, scan: int, req_id: str, **values: Any
     ) -> None:
+        if self.sampler is not None and not self.sampler.request(req_id):
+            return
         row = [seq, ts, *self._common_tail, step, episode, scan, req_id]
         row += [values.get(name) for name in _LOOKUP_VALUES]
         self.writer.append("lookup", 1, tuple(row))
@@ -448,12 +459,49 @@ class Recorder:
         seq = next(_SEQ)
         ts = time.time_ns()
         if kind == "store":
-            call: tuple[Any, ...] = (seq, ts, *self._common_tail, self.step, event, req_id, job_id)
             if self.alarm is not None:
                 self._feed("store", seq, ts, event, req_id, keys, positions)
+            if self.sampler is not None:
+                req_id, keys, positions, job_id = self._sampled_store(
+                    event, req_id, keys, positions, job_id
+                )
+                if not keys:
+                    return
+            call: tuple[Any, ...] = (seq, ts, *self._common_tail, self.step, event, req_id, job_id)
         else:
+            if self.sampler is not None and not self.sampler.request(req_id):
+                return
             call = (seq, ts, *self._common_tail, self.step, event, req_id)
         self.writer.append(kind, len(keys), call, key=list(keys), end_token=list(positions))
+
+    def _sampled_store(
+        self,
+        event: str,
+        req_id: str | None,
+        keys: Sequence[bytes],
+        positions: Sequence[int | None],
+        job_id: int | None,
+    ) -> tuple[str | None, Sequence[bytes], Sequence[int | None], int | None]:
+        """What a sampled trace writes of one store call (`keytrace.record.sampling`): the
+        call itself on a sampled chain; of an eviction, the sampled chains' keys; of an
+        unsampled chain's prepared keys, the first of each group (as no request's)."""
+        sm = self.sampler
+        assert sm is not None
+        if event == "evicted":
+            kept = sm.sampled_keys(keys)
+            sm.evicted(keys)
+            pos = dict(zip(keys, positions, strict=True))
+            return req_id, kept, [pos[k] for k in kept if k is not None], job_id  # type: ignore[return-value]
+        if event == "prepared":
+            if sm.stored(req_id, keys):
+                sm.note_prepared(keys)
+                return req_id, keys, positions, job_id
+            first = sm.first_of_groups(keys)
+            pos = dict(zip(keys, positions, strict=True))
+            return None, first, [pos[k] for k in first], None
+        if sm.request(req_id):
+            return req_id, keys, positions, job_id
+        return req_id, (), (), job_id
 
     def store_prepared(
         self,
@@ -498,6 +546,8 @@ class Recorder:
 
     def reset(self) -> None:
         """``manager.reset_cache()``: every stored key left the tier."""
+        if self.sampler is not None:
+            self.sampler.reset()
         seq, ts = next(_SEQ), time.time_ns()
         self.writer.append(
             "store",
@@ -544,6 +594,13 @@ class Recorder:
         ends = [None if k is None else pos(k) for k in ks]
         seq, ts = next(_SEQ), time.time_ns()
         episode = self.episode if self.in_episode else None
+        if self.alarm is not None:
+            self._feed("tier", seq, ts, event, req_id, tier, ks, episode, result)
+        if self.sampler is not None and keys:
+            ks = self._sampled_tier(event, req_id, ks)
+            if not ks:
+                return
+            ends = [None if k is None else pos(k) for k in ks]
         call = (
             seq,
             ts,
@@ -557,8 +614,22 @@ class Recorder:
             job_id,
         )
         self.writer.append("tier", len(ks), call, key=ks, end_token=ends)
-        if self.alarm is not None:
-            self._feed("tier", seq, ts, event, req_id, tier, ks, episode, result)
+
+    def _sampled_tier(
+        self, event: str, req_id: str | None, keys: list[bytes | None]
+    ) -> list[bytes | None]:
+        """What a sampled trace writes of one keyed tier call: all of it for transfers in
+        flight (they count for every chain's promotions) and for a sampled request; by key
+        for a tier's evictions and a promotion's (whose request is not the keys' owner)."""
+        sm = self.sampler
+        assert sm is not None
+        if event == "promotion_prepared":  # keys enter this primary from a tier (stored,
+            sm.stored(req_id, [k for k in keys if k is not None])  # maybe, by another engine)
+        if event in IN_FLIGHT_TIER_EVENTS:
+            return keys
+        if req_id is None or event == "promotion_evicted":  # keys of any chain
+            return sm.sampled_keys(keys)
+        return keys if sm.request(req_id) else []
 
     # ------------------------------------------------------------------- loads
     def load(
@@ -574,7 +645,10 @@ class Recorder:
     ) -> None:
         """Per-request rows of one ``build_connector_meta`` call (pre-step values)."""
         ts = time.time_ns()
+        keep = self.sampler.request if self.sampler is not None else None
         for row in rows:
+            if keep is not None and not keep(row[0]):
+                continue
             self.writer.append("step", 1, (next(_SEQ), ts, *self._common_tail, self.step, *row))
 
     def end_step(self) -> None:
@@ -683,4 +757,22 @@ def env_float(name: str) -> float | None:
     try:
         return float(raw) if raw else None
     except ValueError:
+        return None
+
+
+_SAMPLE_WARNED: list[str] = []
+
+
+def env_sample() -> float | None:
+    """``KEYTRACE_SAMPLE`` (`keytrace.record.sampling.sample_fraction`); a value that is not
+    a fraction is warned about once and the trace is full."""
+    raw = os.environ.get("KEYTRACE_SAMPLE")
+    try:
+        return sample_fraction(raw)
+    except ValueError:
+        if raw not in _SAMPLE_WARNED:
+            _SAMPLE_WARNED.append(str(raw))
+            log.warning(
+                "keytrace: KEYTRACE_SAMPLE=%r is not a fraction in (0, 1]; recording all", raw
+            )
         return None

@@ -159,7 +159,14 @@ def render_diff(report: Any, file: IO[str]) -> None:
         )
     else:
         n = sum(report.counts.values())
-        file.write(f"AGREE{partial}: no store/lookup mismatch in {n} episode(s)\n")
+        of = " of the sampled chains" if report.sample is not None else ""
+        file.write(f"AGREE{partial}: no store/lookup mismatch in {n} episode(s){of}\n")
+    if report.sample is not None:
+        file.write(
+            f"sampled trace (KEYTRACE_SAMPLE={report.sample:g}): every row of "
+            f"{report.sample:.2%} of prefix chains, chosen by their first block hash; verdicts "
+            "and token counts are exact for those chains and say nothing of the others\n"
+        )
     if report.counts:
         file.write(
             "episodes: " + ", ".join(f"{k} {n}" for k, n in sorted(report.counts.items())) + "\n"

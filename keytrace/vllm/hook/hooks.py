@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keytrace.live.alarm import AlarmSettings
-from keytrace.record.recorder import Recorder, env_float, env_int
+from keytrace.record.recorder import Recorder, env_float, env_int, env_sample
 from keytrace.vllm.mods.catalog import PROOF_FIX
 
 log = logging.getLogger("keytrace")
@@ -70,6 +70,9 @@ def start_recording(
     from keytrace.vllm.hook.header import build_header, engine_identity
 
     header = build_header(sched, spec, vllm_config, kv_cache_config, modified=modified)
+    sample = env_sample()
+    if sample is not None:
+        header = {**header, "sample": sample}
     engine_id, rank = engine_identity(vllm_config)
     live = None
     if alarm is not None:
@@ -88,7 +91,10 @@ def start_recording(
         max_seconds=env_float("KEYTRACE_MAX_SECONDS"),
         idle_seconds=env_float("KEYTRACE_IDLE_SECONDS"),
         alarm=live,
+        sample=sample,
     )
+    if rec.sampler is not None:
+        rec.sampler.tiered = is_tiered(sched.manager)
     rec.exact_scans = exact_scans
     return rec
 
@@ -99,14 +105,16 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
     request = arg(args, kw, 0, "request")
     max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
     spb = getattr(request, "shared_prefix_boundary", None)
+    hashes = request.block_hashes
     rec.episode_begin(
         request.request_id,
         int(arg(args, kw, 1, "num_computed_tokens")),
         max_new,
         int(request.num_prompt_tokens),
         int(request.num_tokens),
-        len(request.block_hashes),
+        len(hashes),
         int(spb) if spb else None,
+        bytes(hashes[0]) if rec.sampler is not None and hashes else None,
     )
 
 

@@ -47,11 +47,14 @@ def startup_line(directory: str | None, alarm: object) -> str:
     logging shows WARNING, not keytrace's INFO): where, the disk cap, alarm, metrics, and
     whether this vLLM is a release keytrace's CI ran."""
     from keytrace.format.writer import process_budget
+    from keytrace.record.recorder import env_sample
     from keytrace.vllm.hook.support import vllm_info
 
     port = getattr(alarm, "metrics_port", None)
+    sample = env_sample() if directory else None
     what = [
         f"cap {process_budget().max_bytes / (1 << 30):g} GiB" if directory else "no trace",
+        *([f"sampling {sample:.4g} of prefix chains"] if sample is not None else []),
         "alarm on" if alarm is not None else "alarm off",
         f"metrics :{port}" if port else "no metrics",
     ]

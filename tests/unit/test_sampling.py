@@ -1,0 +1,177 @@
+"""Consistent sampling, row by row, on the recorder alone (no vLLM): what a sampled trace
+keeps of each kind of call (keytrace.record.sampling). The end-to-end property, sampled
+verdicts equal to full ones on the sampled chains, is tests/integration/test_sampling.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from keytrace.format.keys import chain_sampled, make_key
+from keytrace.format.reader import open_trace
+from keytrace.record.recorder import Recorder, env_sample
+from keytrace.record.sampling import sample_fraction
+
+IN = b"\x00" * 32  # a first block hash inside any sample
+OUT = b"\xff" * 32  # and one outside every sample below 1
+TPC = {0: 16, 1: 16}
+
+
+def _recorder(d: Path, sample: float | None = 0.5) -> Recorder:
+    return Recorder(str(d), {"g": 1}, engine_id="e", dp_rank=0, tokens_per_chunk=TPC, sample=sample)
+
+
+def _episode(rec: Recorder, req: str, first: bytes | None) -> None:
+    rec.episode_begin(req, 0, None, 64, 64, 4, None, first)
+    rec.lookup(make_key(first or OUT, 0), req, 16, "MISS", False)
+    rec.episode_end(req, 0, False)
+
+
+def _stores(d: Path) -> list[tuple[str, str | None, bytes]]:
+    rows = open_trace(str(d)).collect("store")
+    return [
+        (e, r, k)
+        for e, r, k in rows.select(
+            pl.col("event").cast(pl.String), pl.col("req_id").cast(pl.String), "key"
+        ).iter_rows()
+    ]
+
+
+def test_an_unsampled_chain_leaves_only_the_first_prepared_key_of_each_group(
+    tmp_path: Path,
+) -> None:
+    rec = _recorder(tmp_path)
+    _episode(rec, "in", IN)
+    _episode(rec, "out", OUT)
+    a0, a1, b0 = make_key(b"a" * 8, 0), make_key(b"a" * 8, 1), make_key(b"b" * 8, 0)
+    c0, c1 = make_key(b"c" * 8, 0), make_key(b"c" * 8, 1)
+    rec.store_prepared("out", [a0, a1], {a0: 16, a1: 16}, [a0, a1], [], 1)
+    rec.store_prepared("out", [b0], {b0: 32}, [b0], [], 2)  # group 0 already seen
+    rec.store_prepared("in", [c0, c1], {c0: 16, c1: 16}, [c0, c1], [], 3)
+    rec.store_completed("out", [a0, a1], {}, 1, True)
+    rec.close()
+    assert _stores(tmp_path) == [
+        ("prepared", None, a0),  # the groups' first prepare, as no request's
+        ("prepared", None, a1),
+        ("prepared", "in", c0),
+        ("prepared", "in", c1),
+    ]
+    lookups = open_trace(str(tmp_path)).collect("lookup")
+    assert set(lookups["req_id"].cast(pl.String).to_list()) == {"in"}
+
+
+def test_evictions_are_kept_by_key_whoever_made_room(tmp_path: Path) -> None:
+    rec = _recorder(tmp_path)
+    _episode(rec, "in", IN)
+    _episode(rec, "out", OUT)
+    mine, theirs = make_key(b"m" * 8, 0), make_key(b"t" * 8, 0)
+    rec.store_prepared("in", [mine], {mine: 16}, [mine], [], 1)
+    # the unsampled request's store evicts a key of each chain: the sampled one is kept
+    rec.store_prepared("out", [theirs], {theirs: 16}, [theirs], [mine, theirs], 2)
+    # and, its eviction written, the key is forgotten: a second eviction is another chain's
+    rec.store_prepared("out", [theirs], {theirs: 16}, [theirs], [mine], 3)
+    rec.close()
+    assert ("evicted", "out", mine) in _stores(tmp_path)
+    assert [r for r in _stores(tmp_path) if r[0] == "evicted"] == [("evicted", "out", mine)]
+
+
+def test_tier_rows_in_flight_are_kept_for_every_chain_the_rest_by_request_or_key(
+    tmp_path: Path,
+) -> None:
+    rec = _recorder(tmp_path)
+    rec.sampler.tiered = True  # type: ignore[union-attr]
+    _episode(rec, "in", IN)
+    _episode(rec, "out", OUT)
+    mine, theirs = make_key(b"m" * 8, 0), make_key(b"t" * 8, 0)
+    rec.tier_event("promotion_prepared", "in", 0, [mine])  # enters the primary by promotion
+    rec.tier_event("cascade_submitted", "out", 0, [theirs], job_id=7)  # in flight: kept
+    rec.tier_event("lookup", "out", 0, [theirs], result="HIT")  # another chain's: dropped
+    # an unsampled request's promotion evicts a key of each chain: the sampled one is kept
+    rec.evicted_by_promotion("out", 0, [mine, theirs], {})
+    rec.tier_event("tier_evicted", None, 0, [theirs, mine])  # a tier's eviction: by key
+    rec.tier_event("promotions_held", None, None, [])  # keyless: kept
+    rec.close()
+    tiers = open_trace(str(tmp_path)).collect("tier")
+    got = list(
+        tiers.select(
+            pl.col("event").cast(pl.String), pl.col("req_id").cast(pl.String), "key"
+        ).iter_rows()
+    )
+    assert got == [
+        ("promotion_prepared", "in", mine),
+        ("cascade_submitted", "out", theirs),
+        ("promotion_evicted", "out", mine),
+        ("tier_evicted", None, mine),
+        ("promotions_held", None, None),
+    ]
+    # a tiered sampler never forgets a key: the primary's eviction does not take it off a tier
+    assert ("evicted", "out", mine) in _stores(tmp_path)
+
+
+def test_the_alarm_is_fed_every_chain(tmp_path: Path) -> None:
+    fed: list[tuple[str, str | None]] = []
+
+    class Alarm:
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return lambda inst, *args: fed.append((name, args[3] if name == "store" else None))
+
+    rec = Recorder(
+        str(tmp_path), {}, engine_id=None, dp_rank=None, tokens_per_chunk=TPC,
+        alarm=Alarm(), sample=0.5,
+    )  # fmt: skip
+    _episode(rec, "out", OUT)
+    k = make_key(b"k" * 8, 0)
+    rec.store_prepared("out", [k], {k: 16}, [k], [], 1)
+    rec.close()
+    assert ("store", "out") in fed and ("judge", None) in fed
+    assert _stores(tmp_path) == [("prepared", None, k)]
+
+
+def test_a_request_without_a_full_block_is_kept(tmp_path: Path) -> None:
+    rec = _recorder(tmp_path)
+    _episode(rec, "short", None)
+    rec.close()
+    assert open_trace(str(tmp_path)).collect("lookup").height == 2  # its scan and episode
+
+
+@given(st.binary(min_size=1, max_size=40), st.floats(0.0, 1.0))
+def test_chain_sampled_is_monotone_in_the_fraction(first: bytes, f: float) -> None:
+    """A chain in a sample of f is in every larger sample: raising the fraction only adds
+    chains (traces of 1% are a subset of traces of 10%)."""
+    if chain_sampled(first, f):
+        assert chain_sampled(first, min(1.0, f * 1.5 + 1e-9))
+    assert chain_sampled(first, 1.0)
+    assert not chain_sampled(first, 0.0)
+
+
+def test_the_fraction_of_chains_sampled_is_the_fraction_asked() -> None:
+    import hashlib
+
+    hashes = [hashlib.sha256(str(i).encode()).digest() for i in range(20_000)]
+    share = sum(chain_sampled(h, 0.01) for h in hashes) / len(hashes)
+    assert 0.0075 < share < 0.0125  # 200 expected, binomial sd 14: beyond 3.5 sd
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [(None, None), ("", None), ("0.01", 0.01), ("1", None), ("2", None), (" 0.5 ", 0.5)],
+)
+def test_sample_fraction(raw: str | None, want: float | None) -> None:
+    assert sample_fraction(raw) == want
+
+
+@pytest.mark.parametrize("raw", ["0", "-0.1", "half", "nan"])
+def test_a_bad_sample_records_everything_with_one_warning(
+    raw: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ValueError):
+        sample_fraction(raw)
+    monkeypatch.setenv("KEYTRACE_SAMPLE", raw)
+    assert env_sample() is None
+    assert env_sample() is None
+    said = [r for r in caplog.records if "KEYTRACE_SAMPLE" in r.getMessage()]
+    assert len(said) == 1  # once per value, not per scheduler
