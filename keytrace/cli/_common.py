@@ -140,3 +140,32 @@ def echo_trace_warnings(trace: Trace) -> None:
         click.echo(f"keytrace: warning: {w}", err=True)
     for n in trace.notes:
         click.echo(f"keytrace: note: {n}", err=True)
+
+
+allow_incomplete_option = click.option(
+    "--allow-incomplete",
+    is_flag=True,
+    help="Work from a trace known to be incomplete anyway (torn by a kill, parts unreadable "
+    "or missing, stores without their lookups); what it says then says so. Without it such "
+    "a trace is exit 2: a verdict on partial evidence can be wrong either way.",
+)
+
+
+def refuse_incomplete(reasons: list[str]) -> None:
+    """Raise `IncompleteEvidenceError` naming the first of ``reasons`` (what is missing):
+    every command that judges a trace refuses one known to be incomplete."""
+    from keytrace.errors import IncompleteEvidenceError
+
+    first = reasons[0].removeprefix("incomplete trace: ") if reasons else "see the warnings"
+    more = f" (and {len(reasons) - 1} more, see the warnings)" if len(reasons) > 1 else ""
+    raise IncompleteEvidenceError(
+        f"the trace is incomplete: {first}{more}; no verdict on partial evidence "
+        "(--allow-incomplete judges what is there)"
+    )
+
+
+def check_complete(trace: Trace, allow_incomplete: bool) -> None:
+    """`refuse_incomplete` unless ``allow_incomplete``, for a trace the reader found torn,
+    capped or with unreadable parts."""
+    if trace.incomplete and not allow_incomplete:
+        refuse_incomplete(trace.missing + [f"part {p} unreadable" for p in trace.skipped])

@@ -8,18 +8,22 @@ import click
 
 from keytrace.analysis.chunkmap import DEFAULT_LIMIT
 from keytrace.analysis.diff import diff
+from keytrace.analysis.fleet import by_engine
 from keytrace.cli._common import (
+    allow_incomplete_option,
+    check_complete,
     echo_trace_warnings,
     json_option,
     progress_option,
+    refuse_incomplete,
     subcommand,
     trace_paths,
 )
 from keytrace.cli._progress import progress_printer
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK, IncompleteEvidenceError
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
-from keytrace.report.text import render_diff
+from keytrace.report.text import render_diff, render_fleet
 
 
 @subcommand("diff")
@@ -54,12 +58,15 @@ from keytrace.report.text import render_diff
     help="Episodes drawn in the HTML page at most (mismatches first).",
 )
 @click.option(
-    "--allow-incomplete",
-    is_flag=True,
-    help="Judge a trace known to be incomplete anyway (torn by a kill, parts unreadable or "
-    "missing, stores without their lookups); the verdict then says so. Without it such a "
-    "trace is exit 2: a verdict on partial evidence can be wrong either way.",
+    "--by",
+    "by",
+    type=click.Choice(["engine"]),
+    default=None,
+    help="One row per engine (engine id, else recorder instance), worst first: verdict "
+    "counts, the first mismatch, the RULE causes of its lost tokens. With --json: the "
+    "fleet report.",
 )
+@allow_incomplete_option
 @progress_option
 def command(
     paths: tuple[str, ...],
@@ -70,6 +77,7 @@ def command(
     as_json: bool,
     html_path: str | None,
     html_limit: int,
+    by: str | None,
     allow_incomplete: bool,
     progress: bool | None,
 ) -> int:
@@ -95,8 +103,7 @@ def command(
     """
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
-    if trace.incomplete and not allow_incomplete:
-        raise _incomplete(trace.missing + [f"part {p} unreadable" for p in trace.skipped])
+    check_complete(trace, allow_incomplete)
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
     report = diff(
         trace,
@@ -110,8 +117,14 @@ def command(
     for w in report.warnings[len(trace.warnings) :]:  # found while judging
         click.echo(f"keytrace: warning: {w}", err=True)
     if report.evidence_incomplete and not allow_incomplete:
-        raise _incomplete(report.warnings[len(trace.warnings) :])
-    if as_json:
+        refuse_incomplete(report.warnings[len(trace.warnings) :])
+    if by == "engine":
+        fleet = by_engine(report)
+        if as_json:
+            write_json(fleet, sys.stdout)
+        else:
+            render_fleet(fleet, sys.stdout)
+    elif as_json:
         write_json(report, sys.stdout)
     else:
         render_diff(report, sys.stdout)
@@ -122,12 +135,3 @@ def command(
         if not as_json:
             click.echo(f"chunk map: {html_path}")
     return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK
-
-
-def _incomplete(reasons: list[str]) -> IncompleteEvidenceError:
-    first = reasons[0].removeprefix("incomplete trace: ") if reasons else "see the warnings"
-    more = f" (and {len(reasons) - 1} more, see the warnings)" if len(reasons) > 1 else ""
-    return IncompleteEvidenceError(
-        f"the trace is incomplete: {first}{more}; no verdict on partial evidence "
-        "(--allow-incomplete judges what is there)"
-    )

@@ -10,6 +10,8 @@ import sys
 import click
 
 from keytrace.cli._common import (
+    allow_incomplete_option,
+    check_complete,
     echo_trace_warnings,
     json_option,
     progress_option,
@@ -32,12 +34,14 @@ from keytrace.errors import EXIT_MISMATCH
     help="Folder for the minimal case's trace (minimal-trace/) and minimal.json.",
 )
 @json_option
+@allow_incomplete_option
 @progress_option
 def command(
     paths: tuple[str, ...],
     request: str | None,
     out_dir: str,
     as_json: bool,
+    allow_incomplete: bool,
     progress: bool | None,
 ) -> int:
     """Shrink a recorded mismatch to the smallest geometry and prompt lengths that keep it.
@@ -56,9 +60,10 @@ def command(
     from keytrace.vllm import require_vllm
     from keytrace.vllm.lab.minimize import minimize
 
-    require_vllm()
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
+    check_complete(trace, allow_incomplete)
+    require_vllm()
     plan = plan_from_trace(trace, request=request)
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
     os.makedirs(out_dir, exist_ok=True)

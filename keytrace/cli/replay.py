@@ -6,7 +6,14 @@ import sys
 
 import click
 
-from keytrace.cli._common import echo_trace_warnings, json_option, subcommand, trace_paths
+from keytrace.cli._common import (
+    allow_incomplete_option,
+    check_complete,
+    echo_trace_warnings,
+    json_option,
+    subcommand,
+    trace_paths,
+)
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
@@ -27,7 +34,14 @@ from keytrace.report.jsonout import write_json
     help="Keep the replay's own trace here [default: a temporary folder].",
 )
 @json_option
-def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as_json: bool) -> int:
+@allow_incomplete_option
+def command(
+    paths: tuple[str, ...],
+    request: str | None,
+    out_dir: str | None,
+    as_json: bool,
+    allow_incomplete: bool,
+) -> int:
     """Rebuild the geometry from the trace header and replay one episode on the real
     vLLM 0.33.0 scheduler: the requests that stored its chain (cold, stores acknowledged),
     a GPU-prefix-cache-only reset, then the episode's request at identical lengths with
@@ -41,6 +55,7 @@ def command(paths: tuple[str, ...], request: str | None, out_dir: str | None, as
     """
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
+    check_complete(trace, allow_incomplete)
     from keytrace.vllm.lab.replay import replay_trace
 
     out = replay_trace(trace, request=request, out_dir=out_dir)

@@ -7,9 +7,18 @@ import sys
 
 import click
 
-from keytrace.cli._common import fix_option, plain_progress_option, subcommand, trace_paths
+from keytrace.cli._common import (
+    allow_incomplete_option,
+    check_complete,
+    echo_trace_warnings,
+    fix_option,
+    plain_progress_option,
+    subcommand,
+    trace_paths,
+)
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH
+from keytrace.format.reader import open_trace
 
 
 @subcommand("report")
@@ -25,6 +34,7 @@ from keytrace.errors import EXIT_MISMATCH
 )
 @click.option("--no-minimize", is_flag=True, help="Skip the minimal case (faster).")
 @fix_option("Also sweep the lengths with this candidate fix and report what it closes.")
+@allow_incomplete_option
 @plain_progress_option
 def command(
     paths: tuple[str, ...],
@@ -33,6 +43,7 @@ def command(
     sweep_points: int,
     no_minimize: bool,
     fix: str | None,
+    allow_incomplete: bool,
     progress: bool | None,
 ) -> int:
     """Write an upstream-ready report of a trace's first mismatch into OUT.
@@ -57,6 +68,9 @@ def command(
 
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UsageError(f"{out_dir} is not empty; pass a new --out folder")
+    trace = open_trace(list(paths))  # an upstream report is a verdict: on whole evidence
+    echo_trace_warnings(trace)
+    check_complete(trace, allow_incomplete)
     show = progress if progress is not None else sys.stderr.isatty()
     files = write_report(
         list(paths),

@@ -80,6 +80,27 @@ def test_a_torn_flush_is_named_and_gets_no_verdict(
     assert code == 0 and json.loads(out)["evidence_incomplete"] is True
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["replay"], ["minimize", "-o", "{tmp}/min"], ["report", "-o", "{tmp}/report"]],
+)
+def test_every_command_that_judges_refuses_a_torn_trace(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """replay, minimize and report start from the trace's verdict: on a torn trace they
+    stop before anything runs (no vLLM needed to say so), exit 2, one line."""
+    d = tmp_path / "t"
+    _two_requests(d)
+    [torn] = [p for p in _parts(d, "lookup") if _flush_of(p) == 2]
+    torn.unlink()
+    args = [a.format(tmp=tmp_path) for a in command]
+    code = main([args[0], str(d), *args[1:]])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("keytrace: error: the trace is incomplete: writer ")
+    assert "Traceback" not in err
+
+
 def test_a_lost_flush_between_two_others(tmp_path: Path) -> None:
     d = tmp_path / "t"
     _two_requests(d)
