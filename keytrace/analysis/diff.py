@@ -97,6 +97,8 @@ class _Batch:
     """Verdict -> episodes, over the batch's selected episodes (empty: none selected)."""
     lost: lost.Partial | None
     reported: EpisodeList | None
+    engine_counts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """Engine (id, else recorder instance) -> verdict -> episodes."""
 
 
 def _diff(
@@ -153,6 +155,12 @@ def _diff(
     for b in batches:
         for k, v in b.counts.items():
             counts[k] = counts.get(k, 0) + v
+    engine_counts: dict[str, dict[str, int]] = {}
+    for b in batches:
+        for engine, by_verdict in b.engine_counts.items():
+            into = engine_counts.setdefault(engine, {})
+            for k, v in by_verdict.items():
+                into[k] = into.get(k, 0) + v
     unlooked = stores_without_lookups(trace)
     warnings = list(trace.warnings)
     if unlooked:
@@ -172,6 +180,7 @@ def _diff(
         all_episodes=all_episodes,
         lost=lost.summarize([b.lost for b in batches if b.lost is not None]),
         sample=sample_of(trace.header),
+        engine_counts={e: dict(sorted(c.items())) for e, c in sorted(engine_counts.items())},
     )
 
 
@@ -233,6 +242,11 @@ def _judge(
     judged = _with_explanations(eps, explained)
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().iter_rows())
+    per_engine = (
+        judged.group_by(pl.coalesce("engine_id", "instance").alias("engine"), "verdict")
+        .len()
+        .iter_rows()
+    )
     partial = _lost_tokens(judged, routing, promotions)
     reported = (
         judged
@@ -242,7 +256,10 @@ def _judge(
     by_gid = {g.gid: g for g in groups}
     stored = _stored_near(trace, before, reported, explained, by_gid) if explained.height else {}
     verdicts = episode_list(groups, reported, explained, stored)
-    return _Batch(counts, partial, verdicts)
+    engine_counts: dict[str, dict[str, int]] = {}
+    for engine, verdict, n in per_engine:
+        engine_counts.setdefault(str(engine), {})[str(verdict)] = int(n)
+    return _Batch(counts, partial, verdicts, engine_counts)
 
 
 def _before(hi: int | None, t_max: int | None) -> pl.Expr | None:
@@ -342,6 +359,12 @@ def _groups(trace: Trace) -> list[Group]:
             "lookup.parquet episode.parquet); traces of schema 2 carry episodes in lookup.parquet"
         )
     if not trace.parts_of("lookup"):
+        sample = sample_of(trace.header)
+        if sample is not None:
+            raise TraceError(
+                f"this sampled trace (KEYTRACE_SAMPLE={sample:g}) holds no sampled prefix "
+                "chain yet: none of the requests so far was in the sample; nothing to diff"
+            )
         raise TraceError("trace holds no lookup episodes (only store-side rows); nothing to diff")
     return groups
 

@@ -151,6 +151,9 @@ class DiffReport:
     """The fraction of prefix chains a sampled trace holds (``KEYTRACE_SAMPLE``), None for a
     full trace: the verdicts and token counts are exact for those chains and say nothing
     of the rest."""
+    engine_counts: dict[str, dict[str, int]] = field(default_factory=dict, metadata=NOT_IN_JSON)
+    """Engine (engine id, else recorder instance) -> verdict -> episodes: what
+    `keytrace.analysis.fleet.by_engine` reads (``keytrace diff --by engine``)."""
     maps: list[EpisodeMap] = field(default_factory=list, metadata=NOT_IN_JSON)
     """Chunk maps of the first reported shortfalls (``diff(..., maps=N)``; the HTML page)."""
 

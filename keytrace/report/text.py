@@ -194,6 +194,50 @@ def render_diff(report: Any, file: IO[str]) -> None:
 
 
 MAX_ENGINE_COLUMNS = 4
+MAX_RULE_ROWS = 3
+"""RULE rows of the lost-token table shown under each engine (``--json`` has them all)."""
+
+
+def render_fleet(fleet: Any, file: IO[str]) -> None:
+    """``keytrace diff --by engine``: the whole trace's verdict, then one line per engine,
+    worst first (mismatches, then RULE tokens lost), its first mismatch and RULE causes."""
+    partial = " (on INCOMPLETE evidence)" if fleet.evidence_incomplete else ""
+    bad = [e for e in fleet.engines if e.mismatches]
+    head = "MISMATCH" if fleet.verdict == "mismatch" else "AGREE"
+    file.write(f"{head}{partial}: {len(bad)} of {len(fleet.engines)} engine(s) with mismatches\n")
+    if fleet.sample is not None:
+        file.write(
+            f"sampled trace (KEYTRACE_SAMPLE={fleet.sample:g}): counts cover the sampled "
+            "prefix chains only\n"
+        )
+    width = max([len(e.engine) for e in fleet.engines] + [6])
+    file.write(
+        f"{'engine':<{width}}  {'episodes':>8} {'mismatch':>8} {'explained':>9} "
+        f"{'hit':>8} {'cold':>8}  {'RULE tokens':>11}\n"
+    )
+    for e in fleet.engines:
+        c = e.counts
+        file.write(
+            f"{e.engine:<{width}}  {fmt_int(sum(c.values())):>8} {fmt_int(e.mismatches):>8} "
+            f"{fmt_int(c.get('explained', 0)):>9} {fmt_int(c.get('hit', 0)):>8} "
+            f"{fmt_int(c.get('cold', 0)):>8}  {fmt_int(e.rule_tokens):>11}\n"
+        )
+        v = e.first_mismatch
+        if v is not None:
+            t = v.terminal
+            where = "" if t is None or t.chunk is None else f", chunk {t.chunk:,} ({t.result})"
+            cause = "" if t is None or t.cause is None else f": {t.cause}"
+            file.write(
+                f"  first: request {v.req_id}, group {v.binding_group}{where}{cause}; "
+                f"got {fmt_int(v.external_tokens)} external tokens, E={fmt_int(v.E)}\n"
+            )
+        for r in e.rule_rows[:MAX_RULE_ROWS]:
+            group = "" if r.group is None else f" group {r.group}"
+            file.write(
+                f"  RULE {r.cause}{group}: {r.tokens:,} tokens in {r.episodes:,} episode(s)\n"
+            )
+        if len(e.rule_rows) > MAX_RULE_ROWS:
+            file.write(f"  ... {len(e.rule_rows) - MAX_RULE_ROWS} more RULE row(s) (--json)\n")
 
 
 def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:

@@ -192,3 +192,20 @@ def test_summary_says_a_trace_is_sampled(tmp_path: Path) -> None:
     out = io.StringIO()
     render_summary(summarize(open_trace(str(tmp_path))), out)
     assert "sampled: every row of 1.00% of prefix chains" in out.getvalue()
+
+
+def test_a_sampled_trace_without_a_sampled_chain_says_so(tmp_path: Path) -> None:
+    from keytrace.analysis.diff import diff
+    from keytrace.analysis.geometry import DSV4, synthetic_header
+    from keytrace.errors import TraceError
+
+    header = {**synthetic_header(DSV4), "sample": 0.01}
+    rec = Recorder(
+        str(tmp_path), header, engine_id="e", dp_rank=0, tokens_per_chunk=TPC, sample=0.01
+    )
+    _episode(rec, "out", OUT)  # not in the sample: only its group's first prepare is kept
+    k = make_key(b"k" * 8, 0)
+    rec.store_prepared("out", [k], {k: 16}, [k], [], 1)
+    rec.close()
+    with pytest.raises(TraceError, match="holds no sampled prefix chain yet"):
+        diff(open_trace(str(tmp_path)))
