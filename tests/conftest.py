@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tests.s3 import s3  # noqa: F401  (fixture: a local S3-compatible store, tests/s3.py)
+
 # What vLLM needs on a CPU-only machine; set before any test imports vLLM.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -2,11 +2,13 @@
 `vllm serve` (vLLM 0.32.0, CPU build: tools/serve_e2e.py) with keytrace off, recording,
 the live alarm alone, and recording 1% of prefix chains, side by side in one run.
 
-    python tools/bench_serve.py [--rounds 6] [--clients 4] [--requests 16] [--json]
+    python tools/bench_serve.py [--rounds 8] [--clients 4] [--requests 48] [--pause 2] [--json]
 
 One server per mode, all started first (start-up is not what is measured) and warmed with
 one unmeasured round; then rounds interleave the modes (the order rotates each round), and
-only one server takes traffic at a time. A round on a server: a GPU-only prefix-cache reset
+only one server takes traffic at a time, ``--pause`` seconds after the last (vLLM's CPU
+worker threads spin a while after their work: the next server must not share the cores
+with them). A round on a server: a GPU-only prefix-cache reset
 (``POST /reset_prefix_cache``: what the GPU held is gone, the CPU tier keeps its keys), then
 ``--requests`` streaming completions from ``--clients`` concurrent clients, each a prompt of
 one of four shared 768-token prefixes (loaded back from the CPU tier after the reset) and a
@@ -144,9 +146,10 @@ def trace_facts(py: Path, trace: Path) -> tuple[int, int, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6, help="measured rounds per mode")
+    ap.add_argument("--rounds", type=int, default=8, help="measured rounds per mode")
     ap.add_argument("--clients", type=int, default=4, help="concurrent clients")
-    ap.add_argument("--requests", type=int, default=16, help="requests per round")
+    ap.add_argument("--requests", type=int, default=48, help="requests per round")
+    ap.add_argument("--pause", type=float, default=2.0, help="seconds between two servers' rounds")
     ap.add_argument("--venv", type=Path, default=serve_e2e.DEFAULT_VENV)
     ap.add_argument("--json", action="store_true", help="one JSON document")
     args = ap.parse_args()
@@ -168,6 +171,7 @@ def main() -> int:
             order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
             batch = prompts(r, args.requests)
             for mode in order:
+                time.sleep(args.pause)
                 tput, first = one_round(servers[mode], batch, args.clients)
                 results[mode].throughput.append(tput)
                 results[mode].ttft.append(first)

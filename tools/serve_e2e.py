@@ -124,7 +124,7 @@ class Server:
         self,
         py: Path,
         work: Path,
-        trace: Path | None,
+        trace: Path | str | None,
         inject: str | None,
         extra_args: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
@@ -326,9 +326,12 @@ def run(
     settle: float = 3.0,
     extra_env: dict[str, str] | None = None,
     tier: Tier | None = None,
+    destination: str | None = None,
 ) -> ServeRun:
     """Serve, send traffic, stop, and diff the trace (see the module doc). With ``tier``:
-    on vLLM's tiered manager over an fs tier, with that traffic."""
+    on vLLM's tiered manager over an fs tier, with that traffic. With ``destination`` (a
+    URI, e.g. ``s3://bucket/prefix``; credentials and endpoint in ``extra_env``): the
+    server records there and every keytrace command reads it from there."""
     py = ensure_venv(venv)
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace" if record else None
@@ -336,7 +339,7 @@ def run(
         import shutil
 
         shutil.rmtree(trace)
-    server = Server(py, work, trace, inject, extra_args, extra_env, tier)
+    server = Server(py, work, destination or trace, inject, extra_args, extra_env, tier)
     out = ServeRun(port=server.port, metrics_port=server.metrics_port)
     try:
         server.wait_healthy()
@@ -363,18 +366,32 @@ def run(
     if trace is None:
         out.parts = sorted(str(p.relative_to(work)) for p in work.rglob("*.parquet"))
         return out
+    env = {**cli_env(), **(extra_env or {})}
+    if destination is not None:  # a local copy, as any reader command makes one
+        from keytrace.format.remote import mirror
+
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            trace = Path(mirror(destination))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     out.parts = sorted(str(p.relative_to(trace)) for p in trace.rglob("*.parquet"))
     cli = [str(py), "-m", "keytrace.cli"]
-    env = cli_env()
+    where = destination or str(trace)
     header = subprocess.run(
-        [*cli, "header", str(trace), "--json"], capture_output=True, text=True, env=env
+        [*cli, "header", where, "--json"], capture_output=True, text=True, env=env
     )
     out.header = json.loads(header.stdout) if header.returncode == 0 else {}
     out.summary = subprocess.run(
-        [*cli, "summary", str(trace)], capture_output=True, text=True, env=env
+        [*cli, "summary", where], capture_output=True, text=True, env=env
     ).stdout
     d = subprocess.run(
-        [*cli, "diff", str(trace), "--all", "--json"], capture_output=True, text=True, env=env
+        [*cli, "diff", where, "--all", "--json"], capture_output=True, text=True, env=env
     )
     out.diff_exit = d.returncode
     out.diff = json.loads(d.stdout) if d.stdout.strip() else {"stderr": d.stderr}

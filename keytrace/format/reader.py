@@ -22,6 +22,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 import polars as pl
@@ -29,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from keytrace.errors import SchemaVersionError, TraceError
+from keytrace.format.remote import is_remote, mirror, public
 from keytrace.format.schema import (
     KINDS,
     LOOKUP_RESULTS,
@@ -179,6 +181,18 @@ def _polars_schema(kind: str, version: int) -> dict[str, pl.DataType]:
     return dict(empty.schema)
 
 
+def _mirrored(uri: str) -> str:
+    """A remote trace (``s3://bucket/prefix``), mirrored into the local cache
+    (`keytrace.format.remote.mirror`)."""
+    try:
+        local = mirror(uri)
+    except (OSError, ValueError) as exc:
+        raise TraceError(f"{public(uri)}: cannot read the trace from its store ({exc})") from exc
+    if not any(Path(local).rglob("*.parquet")):
+        raise TraceError(f"{public(uri)}: holds no keytrace trace (no .parquet objects)")
+    return local
+
+
 def expand_paths(paths: Sequence[str]) -> list[str]:
     """Files, directories (searched recursively) and globs -> sorted part candidates.
 
@@ -189,6 +203,9 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
         raise TraceError("no trace given: pass part files, a trace directory or a quoted glob")
     out: list[str] = []
     for arg in paths:
+        if is_remote(arg):
+            out.extend(_expand_one(_mirrored(arg)))
+            continue
         if any(c in arg for c in _GLOB_CHARS) and not os.path.exists(arg):
             matches = sorted(glob.glob(arg, recursive=True))
             if not matches:
@@ -284,7 +301,8 @@ def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None
     header = json.loads(header_json)
     # a trace directory stands for every kind; one of its kind=X folders, for that kind
     whole = any(
-        os.path.isdir(p) and not os.path.basename(os.path.normpath(p)).startswith("kind=")
+        (is_remote(p) or os.path.isdir(p))
+        and not os.path.basename(os.path.normpath(p)).startswith("kind=")
         for p in paths
     )
     missing = missing_parts(parts, whole=whole)

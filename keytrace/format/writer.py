@@ -39,6 +39,7 @@ import pyarrow.compute as pc  # here, not at the first flush: its import costs ~
 import pyarrow.parquet as pq
 
 from keytrace._version import __version__
+from keytrace.format.remote import Uploader, finish_uploads, is_remote, parse_bytes, uploader_for
 from keytrace.format.schema import FLUSH_ORDER, SCHEMAS, flush_manifest, part_metadata
 
 log = logging.getLogger("keytrace")
@@ -91,29 +92,18 @@ def process_budget() -> DiskBudget:
     """This process's budget, from ``KEYTRACE_MAX_BYTES`` (bytes; ``4G``, ``512M`` too)."""
     global _BUDGET
     if _BUDGET is None:
-        _BUDGET = DiskBudget(parse_bytes(os.environ.get("KEYTRACE_MAX_BYTES")))
+        _BUDGET = DiskBudget(parse_bytes(os.environ.get("KEYTRACE_MAX_BYTES"), DEFAULT_MAX_BYTES))
     return _BUDGET
-
-
-def parse_bytes(text: str | None, default: int = DEFAULT_MAX_BYTES) -> int:
-    """``4294967296``, ``4G``, ``512M``, ``64K`` (binary units); unset or unreadable: the
-    default (a cap must never be lifted by a typo)."""
-    if not text:
-        return default
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if scale > 1 else t) * scale
-    except ValueError:
-        log.warning("keytrace: KEYTRACE_MAX_BYTES=%r is not a size; using %d", text, default)
-        return default
-    return int(value)
 
 
 """Buffered rows are written once nothing was appended for this long. vLLM's default
 shutdown (``shutdown_timeout=0``) SIGKILLs the engine-core process right after SIGTERM, so
 no handler can flush there: what a quiet server recorded must already be on disk."""
 _INSTANCE_COUNTER = itertools.count()
+
+
+class _SpoolFull(Exception):
+    """A part the object-store spool had no room for (`keytrace.format.remote`)."""
 
 
 @dataclass
@@ -235,6 +225,14 @@ class TraceWriter(_Identity):
         background: bool = True,
         budget: DiskBudget | None = None,
     ) -> None:
+        self.destination = os.fspath(directory)
+        """Where the trace goes: ``directory`` as given (a local folder or a URI)."""
+        self.uploader: Uploader | None = None
+        """For a URI (`keytrace.format.remote`): parts are closed in its local spool, then
+        uploaded whole."""
+        if is_remote(self.destination):
+            self.uploader = uploader_for(self.destination)
+            directory = self.uploader.spool
         self.directory = os.fspath(directory)
         self.budget = budget if budget is not None else process_budget()
         self._last_seq_on_disk: int | None = None
@@ -343,6 +341,8 @@ class TraceWriter(_Identity):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=CLOSE_JOIN_SECONDS)
         self.flush()
+        if self.uploader is not None:
+            finish_uploads(self.uploader)
 
     def _run(self) -> None:
         # Due: a buffer is full, the oldest buffered row waited max_seconds, or rows are
@@ -398,13 +398,17 @@ class TraceWriter(_Identity):
                 self.stats.dropped_parts += 1
                 self._cap(manifest)
                 return
-            self.stats.rows_written += buf.rows
-            self.stats.parts_written += 1
-            self._last_seq_on_disk = max(
-                manifest["kinds"][kind]["seq"][1], self._last_seq_on_disk or 0
-            )
+        except _SpoolFull:  # the uploader counted it and warned; the reader names the gap
+            self.stats.dropped_rows += buf.rows
+            self.stats.dropped_parts += 1
+            return
         except Exception as exc:
             self._fail(exc, buf.rows)
+            return
+        self.stats.rows_written += buf.rows
+        self.stats.parts_written += 1
+        seq = manifest.get("kinds", {}).get(kind, {}).get("seq") or (0, 0)
+        self._last_seq_on_disk = max(seq[1], self._last_seq_on_disk or 0)
 
     def _put(self, kind: str, table: pa.Table, *, reserve: bool = False) -> bool:
         """Write one closed part (temporary name, then rename) if the disk budget has room
@@ -418,6 +422,8 @@ class TraceWriter(_Identity):
             with os.fdopen(fd, "wb") as fh:
                 write_parquet(table, fh)
             size = os.path.getsize(tmp)
+            if self.uploader is not None and not self.uploader.admit(size):
+                raise _SpoolFull
             if not self.budget.take(size, reserve=reserve):
                 os.unlink(tmp)
                 return False
@@ -427,6 +433,8 @@ class TraceWriter(_Identity):
                 os.unlink(tmp)
             raise
         self.stats.bytes_written += size
+        if self.uploader is not None:
+            self.uploader.submit(final)
         return True
 
     def _cap(self, manifest: Mapping[str, Any]) -> None:

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from keytrace.format.remote import uploaders
 from keytrace.live.alarm import AlarmSettings, alarms
 
 log = logging.getLogger("keytrace")
@@ -81,6 +82,32 @@ class AlarmCollector:
             "keytrace_alarm_forgotten_records",
             "Key records dropped to stay under the alarm's memory cap.",
         )
+        uploaded = CounterMetricFamily(
+            "keytrace_parts_uploaded",
+            "Trace parts uploaded to the object store (KEYTRACE_DIR=s3://...).",
+            labels=["destination"],
+        )
+        upload_failures = CounterMetricFamily(
+            "keytrace_upload_failures",
+            "Failed attempts to upload a trace part (the store unreachable; retried).",
+            labels=["destination"],
+        )
+        spooled = GaugeMetricFamily(
+            "keytrace_spool_bytes",
+            "Bytes of closed trace parts waiting in the local spool for the object store.",
+            labels=["destination"],
+        )
+        spool_dropped = CounterMetricFamily(
+            "keytrace_spool_dropped_parts",
+            "Trace parts dropped because the local spool was full (KEYTRACE_SPOOL_BYTES).",
+            labels=["destination"],
+        )
+        for up in uploaders():
+            uploaded.add_metric([up.shown], up.stats.uploaded_parts)
+            upload_failures.add_metric([up.shown], up.stats.failures)
+            spooled.add_metric([up.shown], up.pending()[1])
+            spool_dropped.add_metric([up.shown], up.stats.dropped_parts)
+        yield from (uploaded, upload_failures, spooled, spool_dropped)
         n_records = n_forgotten = 0
         for alarm in alarms():
             for (engine, verdict), n in sorted(alarm.episodes.items()):

@@ -96,6 +96,36 @@ def starving(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def to_s3(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The default traffic, recorded by the server straight to a local S3-compatible store
+    (moto on 127.0.0.1, tests/s3.py); the run's diff reads it from there. Also a copy of
+    the bucket's objects, fetched apart from keytrace, in ``copy``."""
+    from tests.s3 import local_store
+
+    tmp = tmp_path_factory.mktemp("s3")
+    with local_store(tmp) as (store, env):
+        run = tool.run(
+            tool.DEFAULT_VENV, tmp / "work", destination=store.uri("served"), extra_env=env
+        )
+        run.keys = store.keys("served/")
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=store.direct,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        for key in run.keys:
+            dest = tmp / "copy" / key
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file("traces", key, str(dest))
+    run.copy = tmp / "copy" / "served"
+    return run
+
+
+@pytest.fixture(scope="module")
 def unrecorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("plain"), record=False)
 
@@ -287,3 +317,28 @@ def test_a_prompt_its_cpu_tier_cannot_hold_is_deferred_then_judged_and_the_log_a
     else:
         assert said == []
     assert _by_verdict(starving) == {k: float(v) for k, v in starving.diff["counts"].items()}
+
+
+def test_a_server_records_to_object_storage_with_the_verdict_of_a_local_copy(
+    to_s3: Any, recorded: Any
+) -> None:
+    import json
+    import subprocess
+
+    assert to_s3.server_exit == 0, to_s3.log_tail
+    # the engine core's parts went up as whole objects, nothing temporary among them
+    assert to_s3.keys and all(k.endswith(".parquet") and "/." not in k for k in to_s3.keys)
+    assert {k.split("/")[1] for k in to_s3.keys} >= {"kind=lookup", "kind=store"}
+    # keytrace diff s3://... (the run's own) and keytrace diff on a copy fetched by boto3
+    here = subprocess.run(
+        [sys.executable, "-m", "keytrace", "diff", "--all", "--json", str(to_s3.copy)],
+        capture_output=True,
+        text=True,
+    )
+    assert here.returncode == to_s3.diff_exit == 0, here.stderr
+    assert json.loads(here.stdout) == to_s3.diff
+    # and it is the verdict of the same traffic recorded to a local folder
+    assert (to_s3.diff["verdict"], to_s3.diff["counts"]) == (
+        recorded.diff["verdict"],
+        recorded.diff["counts"],
+    )
