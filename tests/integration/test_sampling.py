@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
 
+from tests.alarm_checks import SETTINGS
 from tests.conftest import require_vllm
 
 require_vllm()
@@ -26,6 +27,7 @@ require_vllm()
 from keytrace.analysis.definitions import IN_FLIGHT_TIER_WORK  # noqa: E402
 from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.live.alarm import live_totals  # noqa: E402
 from keytrace.record.sampling import IN_FLIGHT_TIER_EVENTS  # noqa: E402
 from keytrace.report.jsonout import to_jsonable  # noqa: E402
 from keytrace.report.text import render_diff  # noqa: E402
@@ -78,13 +80,17 @@ def _keys_by_request(d: str) -> dict[str, set[bytes]]:
     return dict(keys)
 
 
-def _record(spec: WorkloadSpec, d: Path, sample: float | None, mp: pytest.MonkeyPatch) -> str:
+def _record(
+    spec: WorkloadSpec, d: Path, sample: float | None, mp: pytest.MonkeyPatch
+) -> tuple[str, Counter[str]]:
+    """Record ``spec`` into ``d`` with the live alarm on; the trace and what the alarm
+    judged during the run (episodes by verdict)."""
     if sample is None:
         mp.delenv("KEYTRACE_SAMPLE", raising=False)
     else:
         mp.setenv("KEYTRACE_SAMPLE", str(sample))
-    run_workload(spec, str(d))
-    return str(d)
+    run_workload(spec, str(d), alarm=SETTINGS)  # a recording session starts a new alarm
+    return str(d), Counter(live_totals()[0])
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -92,8 +98,10 @@ def test_sampled_verdicts_equal_full_verdicts_on_the_sampled_chains(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = SPECS[name]
-    full_dir = _record(spec, tmp_path / "full", None, monkeypatch)
-    sampled_dir = _record(spec, tmp_path / "sampled", FRACTION, monkeypatch)
+    full_dir, judged_full = _record(spec, tmp_path / "full", None, monkeypatch)
+    sampled_dir, judged_sampled = _record(spec, tmp_path / "sampled", FRACTION, monkeypatch)
+    # the live alarm judged all traffic both times, sampled trace or not
+    assert judged_sampled == judged_full and sum(judged_full.values()) > 0
     full = diff(open_trace(full_dir), all_episodes=True)
     sampled = diff(open_trace(sampled_dir), all_episodes=True)
     assert sampled.sample == FRACTION and full.sample is None
