@@ -164,8 +164,21 @@ def refuse_incomplete(reasons: list[str]) -> None:
     )
 
 
-def check_complete(trace: Trace, allow_incomplete: bool) -> None:
+def check_complete(trace: Trace, allow_incomplete: bool, *, unlooked: bool = True) -> None:
     """`refuse_incomplete` unless ``allow_incomplete``, for a trace the reader found torn,
-    capped or with unreadable parts."""
-    if trace.incomplete and not allow_incomplete:
+    capped or with unreadable parts, or whose requests stored keys without lookups
+    (`keytrace.analysis.diff.stores_without_lookups`; ``unlooked=False`` for ``keytrace
+    diff``, whose report finds them itself, after saying what else it cannot judge)."""
+    if allow_incomplete:
+        return
+    if trace.incomplete:
         refuse_incomplete(trace.missing + [f"part {p} unreadable" for p in trace.skipped])
+    if not unlooked:
+        return
+    from keytrace.analysis.diff import stores_without_lookups
+
+    missing = stores_without_lookups(trace)
+    if missing:
+        refuse_incomplete(
+            [f"{len(missing)} request(s) stored keys and have no lookup rows ({missing[0]} ...)"]
+        )

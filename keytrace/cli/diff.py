@@ -20,7 +20,7 @@ from keytrace.cli._common import (
     trace_paths,
 )
 from keytrace.cli._progress import progress_printer
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff, render_fleet
@@ -63,8 +63,9 @@ from keytrace.report.text import render_diff, render_fleet
     type=click.Choice(["engine"]),
     default=None,
     help="One row per engine (engine id, else recorder instance), worst first: verdict "
-    "counts, the first mismatch, the RULE causes of its lost tokens. With --json: the "
-    "fleet report.",
+    "counts, the first mismatch (or stalled request), and the tokens it lost for RULE "
+    "causes (store and lookup paths disagree: rejected, other_group, never_offered, "
+    "not_keyable and the tiered ones; docs/diff.md, Causes). With --json: the fleet report.",
 )
 @allow_incomplete_option
 @progress_option
@@ -84,7 +85,8 @@ def command(
     """Find where lookup needed a key the store path never wrote.
 
     TRACE is any mix of part files (store.parquet lookup.parquet, in any order), trace
-    directories and quoted globs; each part's kind comes from its metadata.
+    directories, quoted globs and object-store URIs (s3://bucket/prefix: read through a
+    local cache); each part's kind comes from its metadata.
 
     For every lookup episode keytrace computes the expected boundary E (the largest
     boundary an earlier request on the same chain stored for, whose full-attention prefix
@@ -101,9 +103,11 @@ def command(
     Exit status: 0 no mismatch, 1 mismatch found, 2 could not decide (bad or incomplete
     input).
     """
+    if by is not None and (all_episodes or html_path is not None):
+        raise UsageError("--by engine is a table of engines: use it without --all and --html")
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
-    check_complete(trace, allow_incomplete)
+    check_complete(trace, allow_incomplete, unlooked=False)  # the report finds those
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
     report = diff(
         trace,

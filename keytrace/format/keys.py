@@ -70,8 +70,11 @@ SAMPLE_SCALE = 1 << 64
 def chain_sampled(first_hash: bytes, fraction: float) -> bool:
     """Whether the prefix chain whose first block hash is ``first_hash`` is in a sample of
     ``fraction`` of all chains (``KEYTRACE_SAMPLE``). The hash's first 8 bytes, read as an
-    unsigned big-endian integer, below ``fraction`` of 2**64: vLLM's block hashes are
-    uniform (sha256 and its kin), and the same on every engine, process and run, so every
-    recorder of a fleet samples the same chains. A hash shorter than 8 bytes is padded."""
+    unsigned big-endian integer, below ``fraction`` of 2**64. vLLM's block hashes are
+    uniform (sha256 and its kin), and equal wherever two engines can share a key at all
+    (the same hash function and ``PYTHONHASHSEED``, which vLLM's first hash is seeded
+    from): every recorder that can meet a chain's keys samples it alike. Where the seed
+    differs, so do the keys, and no key is shared to be judged. A hash shorter than 8
+    bytes is padded."""
     head = bytes(first_hash[:8]).ljust(8, b"\0")
     return int.from_bytes(head, "big") < fraction * SAMPLE_SCALE

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import polars as pl
 import pyarrow as pa
@@ -203,6 +204,8 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
         raise TraceError("no trace given: pass part files, a trace directory or a quoted glob")
     out: list[str] = []
     for arg in paths:
+        if arg.startswith("file://"):  # a local URI is its path
+            arg = urlsplit(arg).path
         if is_remote(arg):
             out.extend(_expand_one(_mirrored(arg)))
             continue

@@ -9,7 +9,8 @@ complete, or in the spool complete, or nowhere and named missing by its flush's 
 The uploader never blocks vLLM: the writer hands it a path and goes on. When the store is
 unreachable parts wait in the spool (retried with backoff, failures counted in the
 metrics); past ``KEYTRACE_SPOOL_BYTES`` (default 1 GiB) new parts are dropped and counted,
-and the reader reports the gap. At exit the uploader gets `CLOSE_UPLOAD_SECONDS` to
+and the reader reports the gap once a later part arrives (its flush number skips; drops at
+the very end of a trace leave no sign but the metric). At exit the uploader gets `CLOSE_UPLOAD_SECONDS` to
 finish; what is left stays in the spool and the next keytrace process writing to the same
 URI on that host uploads it (a spool of a process that is no longer alive is adopted).
 
@@ -30,8 +31,10 @@ import hashlib
 import logging
 import os
 import socket
+import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +65,13 @@ def public(uri: str) -> str:
     return urlunsplit((p.scheme, p.hostname or "", p.path, "", ""))
 
 
+def shown(path: str | os.PathLike[str]) -> str:
+    """A trace location as logs and messages may show it: a URI without credentials or
+    query (`public`), a local path as it is."""
+    text = os.fspath(path)
+    return public(text) if is_remote(text) else text
+
+
 def filesystem(uri: str) -> tuple[Any, str]:
     """(pyarrow filesystem, root path inside it) of ``uri``."""
     import pyarrow.fs as pafs
@@ -71,15 +81,28 @@ def filesystem(uri: str) -> tuple[Any, str]:
 
 
 def spool_root(uri: str) -> Path:
-    """Where parts for ``uri`` wait on this host (``KEYTRACE_SPOOL_DIR`` or the temp dir),
-    one folder per URI."""
+    """Where parts for ``uri`` wait on this host: ``KEYTRACE_SPOOL_DIR`` or the temp dir's
+    ``keytrace-spool-<uid>``, one folder per URI. The folders are made 0700 and must be
+    this user's (`_private`): what waits there is uploaded with this user's credentials."""
     base = os.environ.get("KEYTRACE_SPOOL_DIR") or os.path.join(
-        tempfile.gettempdir(), "keytrace-spool"
+        tempfile.gettempdir(), f"keytrace-spool-{os.getuid()}"
     )
     return Path(base) / hashlib.sha256(public(uri).encode()).hexdigest()[:16]
 
 
-def parse_bytes(text: str | None, default: int = 4 << 30, name: str = "KEYTRACE_MAX_BYTES") -> int:
+def _private(folder: Path) -> None:
+    """Make ``folder`` (and its parent) 0700 and refuse one that is another user's or a
+    symbolic link: nobody else may plant parts that this process would upload."""
+    for d in (folder.parent, folder):
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(f"{d} is not a folder of this user's; not spooling there")
+        if st.st_mode & 0o077:
+            os.chmod(d, 0o700)
+
+
+def parse_bytes(text: str | None, default: int, name: str = "KEYTRACE_MAX_BYTES") -> int:
     """``4294967296``, ``4G``, ``512M``, ``64K`` (binary units); unset or unreadable: the
     default (a cap must never be lifted by a typo). ``name``: the variable, for the warning."""
     if not text:
@@ -122,7 +145,9 @@ class Uploader:
         self.shown = public(uri)
         self.root = spool_root(uri)
         self.spool = self.root / f"{socket.gethostname()}-{os.getpid()}"
-        self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.root.parent.parent.mkdir(parents=True, exist_ok=True)
+        _private(self.root)
+        _private(self.spool)
         self.max_bytes = (
             parse_spool_bytes(os.environ.get("KEYTRACE_SPOOL_BYTES"))
             if spool_bytes is None
@@ -136,6 +161,13 @@ class Uploader:
         self._idle = threading.Event()
         self._idle.set()
         self._fs: tuple[Any, str] | None = None
+        self._retry_at = 0.0
+        """While the store is away: when the next attempt may start (backoff; neither a
+        new part nor a drain brings it forward, only `stop`'s last try does)."""
+        self._stopping = False
+        self._deadline: float | None = None
+        """Set by the first closing writer (`finish_uploads`): every later one waits only
+        until then, so an exit with many writers waits `CLOSE_UPLOAD_SECONDS` once."""
         self._warned_unreachable = False
         self._warned_full = False
         self.warned_left = False
@@ -184,23 +216,37 @@ class Uploader:
             return len(self._queue), self._pending_bytes
 
     def drain(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the spool to empty; True if it did."""
+        """Wait up to ``timeout`` s for the spool to empty (one attempt now, backoff or
+        not: a closing writer's last chance); True if it did."""
+        self._retry_at = 0.0
         self._wake.set()
         return self._idle.wait(timeout)
+
+    def stop(self) -> None:
+        """No new attempt after the one in flight (process exit: pyarrow's S3 layer is
+        finalised after this); waits for that one up to the closing deadline."""
+        self._stopping = True
+        self._wake.set()
+        left = 0.0 if self._deadline is None else self._deadline - time.monotonic()
+        self._thread.join(timeout=max(0.0, left))
 
     # ------------------------------------------------------------ upload side
     def _run(self) -> None:
         wait = RETRY_SECONDS[0]
-        while True:
-            self._wake.wait(wait if self._queue else None)
+        while not self._stopping:
+            delay = max(0.0, self._retry_at - time.monotonic())
+            self._wake.wait(delay if delay > 0 or self._queue else None)
             self._wake.clear()
-            while True:
+            if self._stopping or time.monotonic() < self._retry_at:
+                continue  # woken by a new part or a drain while backing off
+            while not self._stopping:
                 with self._lock:
                     head = self._queue[0] if self._queue else None
                     if head is None:
                         self._idle.set()
                         break
                 if not self._upload(head):
+                    self._retry_at = time.monotonic() + wait
                     wait = min(wait * 2, RETRY_SECONDS[1])
                     break
                 wait = RETRY_SECONDS[0]
@@ -250,20 +296,29 @@ class Uploader:
         return self._fs
 
     def _adopt_orphans(self) -> None:
-        """Queue the closed parts of spools whose process is gone (same host): what an
-        earlier process could not upload before it exited."""
-        host = socket.gethostname()
+        """Queue the closed parts of spools whose process is gone (same host), and those in
+        this process's own folder (a restarted container often has the same host name and
+        pid as the one that died): what an earlier process could not upload before it
+        exited. Only this user's folders, never through a symbolic link."""
+        host, me = socket.gethostname(), os.getuid()
         try:
-            spools = [d for d in self.root.iterdir() if d.is_dir() and d != self.spool]
+            spools = sorted(self.root.iterdir())
         except OSError:
             return
         for d in spools:
             name_host, _, pid = d.name.rpartition("-")
-            if name_host != host or not pid.isdigit() or _alive(int(pid)):
+            try:
+                st = os.lstat(d)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or name_host != host:
+                continue
+            if d != self.spool and (not pid.isdigit() or _alive(int(pid))):
                 continue
             for part in sorted(d.glob("kind=*/*.parquet")):
-                self.stats.adopted_parts += 1
-                self.submit(part)
+                if not part.is_symlink() and os.lstat(part).st_uid == me:
+                    self.stats.adopted_parts += 1
+                    self.submit(part)
 
 
 def _alive(pid: int) -> bool:
@@ -287,6 +342,20 @@ def uploader_for(uri: str) -> Uploader:
         if up is None:
             up = _UPLOADERS[uri] = Uploader(uri)
         return up
+
+
+def _forget_in_child() -> None:
+    """A forked child has no uploader threads: it makes its own on first use."""
+    _UPLOADERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def stop_all() -> None:
+    """Stop every uploader (at exit, after the writers closed: `finish_uploads` ran)."""
+    for up in uploaders():
+        up.stop()
 
 
 def uploaders() -> list[Uploader]:
@@ -324,7 +393,7 @@ def mirror(uri: str, progress: Callable[[int, int], None] | None = None) -> str:
         wanted.add(dest)
         if not (dest.exists() and dest.stat().st_size == info.size):
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.tmp")
+            tmp = dest.with_name(f".{dest.name}.{os.getpid()}-{threading.get_ident()}.tmp")
             with fs.open_input_stream(info.path) as src, open(tmp, "wb") as out:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
@@ -340,19 +409,21 @@ def mirror(uri: str, progress: Callable[[int, int], None] | None = None) -> str:
 
 
 def finish_uploads(up: Uploader, timeout: float = CLOSE_UPLOAD_SECONDS) -> bool:
-    """Give ``up`` up to ``timeout`` s to empty its spool (a closing writer); if it cannot,
-    say once where what is left waits. True: everything is on the store."""
-    if up.drain(timeout):
+    """Give ``up`` until ``timeout`` s after the first closing writer to empty its spool;
+    if it cannot, say once where what is left waits. True: everything is on the store."""
+    if up._deadline is None:
+        up._deadline = time.monotonic() + timeout
+    if up.drain(max(0.0, up._deadline - time.monotonic())):
         return True
     parts, size = up.pending()
     if not up.warned_left:
         up.warned_left = True
         log.warning(
-            "keytrace: %d trace part(s) (%d bytes) not uploaded to %s yet; they stay in %s "
-            "and the next keytrace process writing there uploads them",
+            "keytrace: %d trace part(s) (%d bytes) not uploaded to %s yet; they stay under "
+            "%s and the next keytrace process writing there from this host uploads them",
             parts,
             size,
             up.shown,
-            up.spool,
+            up.root,
         )
     return False

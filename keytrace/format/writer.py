@@ -39,7 +39,15 @@ import pyarrow.compute as pc  # here, not at the first flush: its import costs ~
 import pyarrow.parquet as pq
 
 from keytrace._version import __version__
-from keytrace.format.remote import Uploader, finish_uploads, is_remote, parse_bytes, uploader_for
+from keytrace.format.remote import (
+    Uploader,
+    finish_uploads,
+    is_remote,
+    parse_bytes,
+    shown,
+    stop_all,
+    uploader_for,
+)
 from keytrace.format.schema import FLUSH_ORDER, SCHEMAS, flush_manifest, part_metadata
 
 log = logging.getLogger("keytrace")
@@ -230,9 +238,13 @@ class TraceWriter(_Identity):
         self.uploader: Uploader | None = None
         """For a URI (`keytrace.format.remote`): parts are closed in its local spool, then
         uploaded whole."""
+        spool_error: Exception | None = None
         if is_remote(self.destination):
-            self.uploader = uploader_for(self.destination)
-            directory = self.uploader.spool
+            try:
+                self.uploader = uploader_for(self.destination)
+                directory = self.uploader.spool
+            except Exception as exc:  # a spool this user may not use: record nothing
+                spool_error = exc
         self.directory = os.fspath(directory)
         self.budget = budget if budget is not None else process_budget()
         self._last_seq_on_disk: int | None = None
@@ -251,7 +263,9 @@ class TraceWriter(_Identity):
         self._flush_now = False
         self._warned = False
         self._warned_reject = False
-        self._usable = self._prepare_directory()
+        self._usable = spool_error is None and self._prepare_directory()
+        if spool_error is not None:
+            self._fail(spool_error, 0)
         self._source = {
             "instance": self.instance,
             "instance_id": self.instance_id,
@@ -454,7 +468,7 @@ class TraceWriter(_Identity):
             "keytrace: the trace under %s reached KEYTRACE_MAX_BYTES (%.1f GiB for this "
             "process); recording stops here and what is not written is counted "
             "(keytrace_rows_dropped). vLLM is not affected.",
-            self.directory,
+            shown(self.destination),
             self.budget.max_bytes / (1 << 30),
         )
 
@@ -532,7 +546,8 @@ class TraceWriter(_Identity):
             log.warning(
                 "keytrace: cannot write trace under %s (%s: %s); recording continues in "
                 "memory only and rows are dropped. vLLM is not affected.",
-                self.directory,
+                shown(self.destination)
+                + ("" if self.uploader is None else f" (spool {self.directory})"),
                 type(exc).__name__,
                 exc,
             )
@@ -577,6 +592,8 @@ def close_all() -> None:
     for w in list(_LIVE):
         with contextlib.suppress(Exception):
             w.close()
+    with contextlib.suppress(Exception):
+        stop_all()  # before pyarrow finalises its S3 layer (its atexit hook ran earlier)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

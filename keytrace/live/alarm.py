@@ -61,6 +61,7 @@ from keytrace.format.keys import (
     make_key,
     tail_gid,
 )
+from keytrace.format.remote import shown
 
 log = logging.getLogger("keytrace")
 
@@ -884,7 +885,7 @@ class Alarm:
             chunk = "every needed chunk resident"
         rank = "" if st.dp_rank is None else f", DP rank {st.dp_rank}"
         cmd = (
-            f"keytrace diff {shlex.quote(st.directory)} --request {shlex.quote(j.req_id)}"
+            f"keytrace diff {shlex.quote(shown(st.directory))} --request {shlex.quote(j.req_id)}"
             if st.directory
             else "record a trace (KEYTRACE_DIR) and run keytrace diff on it"
         )
@@ -900,7 +901,7 @@ class Alarm:
         rank = "" if st.dp_rank is None else f", DP rank {st.dp_rank}"
         expected = "" if j.E is None else f" (expected E={j.E:,} from S={j.S:,})"
         cmd = (
-            f"keytrace diff {shlex.quote(st.directory)} --request {shlex.quote(j.req_id)}"
+            f"keytrace diff {shlex.quote(shown(st.directory))} --request {shlex.quote(j.req_id)}"
             if st.directory
             else "record a trace (KEYTRACE_DIR) and run keytrace diff on it"
         )

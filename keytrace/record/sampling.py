@@ -42,23 +42,28 @@ IN_FLIGHT_TIER_EVENTS = frozenset(
 `keytrace.analysis.definitions.IN_FLIGHT_TIER_WORK`; a test keeps the two equal, the core's
 recording path does not import the analysis layer)."""
 
-MAX_REQUESTS = 1 << 16
-"""Request decisions remembered (oldest forgotten first): a store's completion can arrive
-after its request finished, so a decision outlives the request by a while."""
+MAX_FINISHED = 1 << 16
+"""Decisions of finished requests remembered (oldest forgotten first): a store's completion
+can arrive after its request finished. A request still running is never forgotten."""
 
 
 class ChainSampler:
     """Which rows a sampled recorder writes (see the module docstring).
 
-    Decisions are made per request at its lookup episode, from its first block hash; a
-    request keyless so far (a prompt shorter than a block) is kept whole. A request never
-    seen at a lookup (its decision forgotten, or a test calling the manager directly) is
-    kept: a sampled trace errs towards more rows, never towards a chain cut in half.
+    Decisions are made per request at each lookup episode, from its first block hash; a
+    request keyless so far (a prompt shorter than a block: nothing of it can be stored
+    yet) is kept, and decided by its hash once it has one. A running request's decision is
+    never forgotten; a finished one's is kept for `MAX_FINISHED` more requests. A request
+    never seen at a lookup (vLLM looks every request up before it stores anything of it:
+    only a test calling the manager directly does this) is kept: a sampled trace errs
+    towards more rows, never towards a chain cut in half.
     """
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
-        self._requests: OrderedDict[str, bool] = OrderedDict()
+        self._requests: dict[str, bool] = {}
+        """Requests not finished yet -> recorded (bounded by what vLLM holds at once)."""
+        self._finished: OrderedDict[str, bool] = OrderedDict()
         self._keys: set[bytes] = set()
         """Keys a sampled chain offered to the store path (so their evictions are kept)."""
         self._prepared_groups: set[bytes] = set()
@@ -71,14 +76,26 @@ class ChainSampler:
         """Decide (again) for ``req_id`` at its lookup episode; True: record it."""
         keep = True if first_hash is None else chain_sampled(first_hash, self.fraction)
         self._requests[req_id] = keep
-        self._requests.move_to_end(req_id)
-        if len(self._requests) > MAX_REQUESTS:
-            self._requests.popitem(last=False)
+        self._finished.pop(req_id, None)
         return keep
+
+    def finished(self, req_id: str) -> None:
+        """``request_finished``: the decision is kept a while for late completions."""
+        keep = self._requests.pop(req_id, None)
+        if keep is None:
+            return
+        self._finished[req_id] = keep
+        if len(self._finished) > MAX_FINISHED:
+            self._finished.popitem(last=False)
 
     def request(self, req_id: str | None) -> bool:
         """Whether rows of ``req_id`` are recorded (an unknown request is)."""
-        return req_id is None or self._requests.get(req_id, True)
+        if req_id is None:
+            return True
+        keep = self._requests.get(req_id)
+        if keep is None:
+            keep = self._finished.get(req_id, True)
+        return keep
 
     def stored(self, req_id: str | None, keys: Iterable[bytes]) -> bool:
         """Keys of ``req_id`` entered the primary (a store's ``prepared``, a promotion's):
@@ -122,7 +139,8 @@ class ChainSampler:
 
 def sample_fraction(raw: str | None) -> float | None:
     """``KEYTRACE_SAMPLE`` as a fraction in (0, 1), or None for a full trace (unset, empty,
-    1 or more). Raises ValueError for anything else (the caller warns and records fully)."""
+    1 or more). Raises ValueError for anything else, 0 and negatives included (the caller
+    warns once and records everything: a typo never turns recording off)."""
     if raw is None or not raw.strip():
         return None
     value = float(raw)

@@ -200,7 +200,9 @@ MAX_RULE_ROWS = 3
 
 def render_fleet(fleet: Any, file: IO[str]) -> None:
     """``keytrace diff --by engine``: the whole trace's verdict, then one line per engine,
-    worst first (mismatches, then RULE tokens lost), its first mismatch and RULE causes."""
+    worst first (findings, then RULE tokens lost), its first finding and RULE causes. The
+    verdict columns are every verdict there is (`BASE_VERDICTS`, `SHORTFALL_VERDICTS`), so
+    they add up to the episodes."""
     partial = " (on INCOMPLETE evidence)" if fleet.evidence_incomplete else ""
     bad = [e for e in fleet.engines if e.mismatches]
     head = "MISMATCH" if fleet.verdict == "mismatch" else "AGREE"
@@ -211,19 +213,23 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
             "prefix chains only\n"
         )
     width = max([len(e.engine) for e in fleet.engines] + [6])
+    columns = ("mismatch", "stalled", "explained", "deferred", "hit", "cold")
     file.write(
-        f"{'engine':<{width}}  {'episodes':>8} {'mismatch':>8} {'explained':>9} "
-        f"{'hit':>8} {'cold':>8}  {'RULE tokens':>11}\n"
+        f"{'engine':<{width}}  {'episodes':>8} "
+        + " ".join(f"{c:>9}" for c in columns)
+        + f"  {'RULE tokens':>11}\n"
     )
     for e in fleet.engines:
         c = e.counts
         file.write(
-            f"{e.engine:<{width}}  {fmt_int(sum(c.values())):>8} {fmt_int(e.mismatches):>8} "
-            f"{fmt_int(c.get('explained', 0)):>9} {fmt_int(c.get('hit', 0)):>8} "
-            f"{fmt_int(c.get('cold', 0)):>8}  {fmt_int(e.rule_tokens):>11}\n"
+            f"{e.engine:<{width}}  {fmt_int(sum(c.values())):>8} "
+            + " ".join(f"{fmt_int(c.get(k, 0)):>9}" for k in columns)
+            + f"  {fmt_int(e.rule_tokens):>11}\n"
         )
         v = e.first_mismatch
-        if v is not None:
+        if v is not None and v.verdict == "stalled":
+            file.write(f"  first: request {v.req_id} STALLED: {v.reason} (E={fmt_int(v.E)})\n")
+        elif v is not None:
             t = v.terminal
             where = "" if t is None or t.chunk is None else f", chunk {t.chunk:,} ({t.result})"
             cause = "" if t is None or t.cause is None else f": {t.cause}"

@@ -80,24 +80,34 @@ def test_a_torn_flush_is_named_and_gets_no_verdict(
     assert code == 0 and json.loads(out)["evidence_incomplete"] is True
 
 
+@pytest.mark.parametrize("gap", ["torn flush", "stores without lookups"])
 @pytest.mark.parametrize(
     "command",
     [["replay"], ["minimize", "-o", "{tmp}/min"], ["report", "-o", "{tmp}/report"]],
 )
-def test_every_command_that_judges_refuses_a_torn_trace(
-    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_every_command_that_judges_refuses_an_incomplete_trace(
+    command: list[str], gap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """replay, minimize and report start from the trace's verdict: on a torn trace they
-    stop before anything runs (no vLLM needed to say so), exit 2, one line."""
+    """replay, minimize and report start from the trace's verdict: on a torn trace, or one
+    whose requests stored without lookups, they stop before anything runs (no vLLM needed
+    to say so), exit 2, one line."""
     d = tmp_path / "t"
-    _two_requests(d)
-    [torn] = [p for p in _parts(d, "lookup") if _flush_of(p) == 2]
-    torn.unlink()
+    if gap == "torn flush":
+        _two_requests(d)
+        [torn] = [p for p in _parts(d, "lookup") if _flush_of(p) == 2]
+        torn.unlink()
+        said = "the trace is incomplete: writer "
+    else:
+        b = new_builder(d)
+        b.prime("r1", "c", 64)
+        b.store("ghost", "g", 0, [0, 1])
+        b.close()
+        said = "the trace is incomplete: 1 request(s) stored keys and have no lookup rows"
     args = [a.format(tmp=tmp_path) for a in command]
     code = main([args[0], str(d), *args[1:]])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
-    assert err.splitlines()[-1].startswith("keytrace: error: the trace is incomplete: writer ")
+    assert err.splitlines()[-1].startswith(f"keytrace: error: {said}"), err
     assert "Traceback" not in err
 
 

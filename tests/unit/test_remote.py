@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 import pytest
@@ -47,6 +48,12 @@ def _wait(cond, timeout: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
             return True
         time.sleep(0.05)
     return bool(cond())
+
+
+def test_a_file_uri_is_its_local_path() -> None:
+    assert open_trace(f"file://{DATA / 'v3'}").rows("store") == open_trace(str(DATA / "v3")).rows(
+        "store"
+    )
 
 
 def test_uri_forms() -> None:
@@ -161,3 +168,82 @@ def test_an_unreachable_store_is_one_line_and_exit_2(s3: Store) -> None:
     s3.proxy.up()
     out = _cli("diff", s3.uri("nothing"))
     assert out.returncode == 2 and "holds no keytrace trace" in out.stderr
+
+
+def test_a_store_that_is_away_is_retried_with_backoff_not_per_part(s3: Store) -> None:
+    uri = s3.uri("backoff")
+    s3.proxy.down()
+    rec = _record(uri, requests=1)
+    up = rec.writer.uploader
+    assert up is not None and _wait(lambda: up.stats.failures >= 1)
+    for i in range(10):  # ten new parts while it backs off: no attempt each
+        k = make_key(bytes([i + 50]) * 8, 0)
+        rec.store_prepared(f"b{i}", [k], {k: 16}, [k], [], i)
+        rec.flush()
+    assert up.pending()[0] == 2 + 10  # the first request's lookup and store parts, then ten
+    assert up.stats.failures < 10, up.stats
+    s3.proxy.up()
+    rec.close()  # a closing writer's drain tries at once, backoff or not
+    assert up.pending() == (0, 0) and len(s3.keys("backoff/")) == 2 + 10
+
+
+def test_a_spool_of_another_user_or_a_link_is_refused(
+    s3: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = s3.uri("foreign")
+    root = spool_root(uri)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root.symlink_to(elsewhere)  # someone points our spool at a folder of theirs
+    with pytest.raises(PermissionError):
+        Uploader(uri)
+    rec = _record(uri, requests=1)  # the writer records nothing, says so once, never raises
+    assert rec.writer.uploader is None and rec.writer.stats.errors >= 1
+    rec.close()
+    assert s3.keys("foreign/") == [] and not list(elsewhere.rglob("*"))
+    assert any(
+        "cannot write trace under s3://traces/foreign" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_only_this_users_orphans_are_adopted_and_own_leftovers_too(s3: Store) -> None:
+    uri = s3.uri("mine")
+    host = os.uname().nodename
+    theirs = spool_root(uri) / f"{host}-{2**22 + 3}" / "kind=store"
+    own = spool_root(uri) / f"{host}-{os.getpid()}" / "kind=store"  # a restarted container
+    for d in (theirs, own):
+        d.mkdir(parents=True)
+        shutil.copy(DATA / "v3" / "store.parquet", d / f"{d.parent.name}-000000.parquet")
+    os.chown(theirs.parent, 65534, 65534)  # another user's: never uploaded by us
+    up = Uploader(uri)
+    assert finish_uploads(up, timeout=60)
+    assert s3.keys("mine/") == [f"mine/kind=store/{own.parent.name}-000000.parquet"]
+
+
+def test_new_parts_do_not_bring_a_retry_forward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a store that fails at once: one attempt, then nothing for the backoff's
+    length however many parts arrive (watched for a second of a 60 s backoff)."""
+    import keytrace.format.remote as remote
+
+    monkeypatch.setenv("KEYTRACE_SPOOL_DIR", str(tmp_path / "spool"))
+    monkeypatch.setattr(remote, "RETRY_SECONDS", (60.0, 60.0))
+    up = Uploader("s3://nowhere/x")
+
+    def unreachable() -> Any:
+        raise OSError("unreachable")
+
+    monkeypatch.setattr(up, "_filesystem", unreachable)
+    part = up.spool / "kind=store" / "p-000000.parquet"
+    part.parent.mkdir(parents=True)
+    shutil.copy(DATA / "v3" / "store.parquet", part)
+    up.submit(part)
+    assert _wait(lambda: up.stats.failures == 1)
+    for i in range(50):
+        more = part.with_name(f"p-{i + 1:06d}.parquet")
+        shutil.copy(part, more)
+        up.submit(more)
+    assert not _wait(lambda: up.stats.failures > 1, timeout=1.0)
+    assert up.pending()[0] == 51

@@ -209,3 +209,20 @@ def test_a_sampled_trace_without_a_sampled_chain_says_so(tmp_path: Path) -> None
     rec.close()
     with pytest.raises(TraceError, match="holds no sampled prefix chain yet"):
         diff(open_trace(str(tmp_path)))
+
+
+def test_a_running_request_is_never_forgotten_a_finished_one_for_a_while() -> None:
+    from keytrace.record.sampling import MAX_FINISHED, ChainSampler
+
+    sm = ChainSampler(0.5)
+    sm.decide("long", OUT)  # unsampled, and running while many others come and go
+    for i in range(MAX_FINISHED + 10):
+        sm.decide(f"r{i}", IN)
+        sm.finished(f"r{i}")
+    assert sm.request("long") is False
+    sm.finished("long")  # its completions after it finished: still unsampled
+    assert sm.request("long") is False
+    for i in range(MAX_FINISHED):
+        sm.decide(f"s{i}", IN)
+        sm.finished(f"s{i}")
+    assert sm.request("long") is True  # forgotten at last: kept, never cut

@@ -276,7 +276,10 @@ def step_end(
 def request_finished(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
-    rec.close_episode(arg(args, kw, 0, "request").request_id)
+    req_id = arg(args, kw, 0, "request").request_id
+    rec.close_episode(req_id)
+    if rec.sampler is not None:
+        rec.sampler.finished(req_id)
 
 
 def flush(

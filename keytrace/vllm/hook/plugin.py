@@ -46,6 +46,7 @@ def startup_line(directory: str | None, alarm: object) -> str:
     """The one WARNING an operator sees in the engine log when keytrace is on (vLLM's
     logging shows WARNING, not keytrace's INFO): where, the disk cap, alarm, metrics, and
     whether this vLLM is a release keytrace's CI ran."""
+    from keytrace.format.remote import shown
     from keytrace.format.writer import process_budget
     from keytrace.record.recorder import env_sample
     from keytrace.vllm.hook.support import vllm_info
@@ -61,7 +62,7 @@ def startup_line(directory: str | None, alarm: object) -> str:
     info = vllm_info()
     if not info.verified:
         what.append(f"vLLM {info.version} ({info.kind}): traces say vllm_verified false")
-    where = f"recording offload keys to {directory}" if directory else "live alarm only"
+    where = f"recording offload keys to {shown(directory)}" if directory else "live alarm only"
     return f"keytrace: {where} ({', '.join(what)})"
 
 
