@@ -14,6 +14,12 @@ row and rows per second. Modes: ``record`` (KEYTRACE_DIR with KEYTRACE_ALARM=0),
 ``record+alarm`` (KEYTRACE_DIR, the default), ``alarm`` (KEYTRACE_ALARM=1 alone),
 ``record 1%`` (KEYTRACE_SAMPLE=0.01, alarm off).
 
+    python tools/bench_recorder.py --instructions [--conversations 8]
+
+counts the instructions each mode's workload executes under valgrind's callgrind instead
+(one process per mode; imports and a warm-up run are not counted): the same number on a
+busy or an idle machine, where the timings below swing by a third.
+
 Two measures beside wall time, because one mode's round times spread by half on a shared
 2-core machine: the ratio *paired by round* (each round's time over that round's ``off``,
 so drift between rounds cancels; median and range), and the CPU time of the thread the
@@ -29,9 +35,10 @@ import shutil
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 
-def spec(seed: int):  # type: ignore[no-untyped-def]
+def spec(seed: int, conversations: int = 24):  # type: ignore[no-untyped-def]
     from keytrace.vllm.lab.workload import WorkloadSpec
 
     # dsv4: A = 256 tokens. System prompts of 8-40 chunks, 2-4 turns of 2-24 chunks: up to
@@ -39,7 +46,7 @@ def spec(seed: int):  # type: ignore[no-untyped-def]
     return WorkloadSpec(
         geometry="dsv4",
         seed=seed,
-        conversations=24,
+        conversations=conversations,
         turns=(2, 4),
         system_chunks=(8.0, 40.0),
         message_chunks=(2.0, 24.0),
@@ -47,11 +54,111 @@ def spec(seed: int):  # type: ignore[no-untyped-def]
     )
 
 
+INSTRUCTION_MODES = ("off", "record", "record 1%")
+_TOGGLE_C = """
+#include <valgrind/callgrind.h>
+void kt_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void kt_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def _toggles():  # type: ignore[no-untyped-def]
+    """callgrind's start/stop client requests, callable from Python: a two-function C
+    library compiled here (gcc and valgrind's header), so only the workload is counted,
+    not the imports and the warm-up run."""
+    import ctypes
+    import subprocess
+
+    folder = tempfile.mkdtemp(prefix="kt-callgrind-lib-")
+    src, lib = os.path.join(folder, "toggle.c"), os.path.join(folder, "toggle.so")
+    Path(src).write_text(_TOGGLE_C)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", lib, src], check=True)
+    return ctypes.CDLL(lib)
+
+
+def one_run(mode: str, seed: int, conversations: int) -> None:
+    """What one process run under callgrind does: imports and a warm-up run uncounted, then
+    one run of the workload in ``mode``, counted."""
+    from keytrace.cli._common import quiet_host_logs
+
+    quiet_host_logs()
+    from keytrace.vllm.lab.workload import run_workload
+
+    toggles = _toggles()
+    s = spec(seed, conversations)
+    run_workload(s, None)
+    if mode.endswith("%"):
+        os.environ["KEYTRACE_SAMPLE"] = "0.01"
+    d = tempfile.mkdtemp(prefix="kt-bench-") if mode.startswith("record") else None
+    toggles.kt_start()
+    run_workload(s, d)  # recording: its final flush included
+    toggles.kt_stop()
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def instructions(seed: int, conversations: int) -> int:
+    """Instructions the workload executes in each mode (valgrind's callgrind, every
+    thread, one process per mode). Counts, not seconds: the same on a busy and an idle
+    machine (perf's counters are not available in this VM)."""
+    import re
+    import subprocess
+    import sys
+
+    counts: dict[str, int] = {}
+    for mode in INSTRUCTION_MODES:
+        with tempfile.TemporaryDirectory(prefix="kt-callgrind-") as tmp:
+            out = os.path.join(tmp, "callgrind.out")
+            t = time.perf_counter()
+            subprocess.run(
+                [
+                    "valgrind",
+                    "--tool=callgrind",
+                    "--instr-atstart=no",
+                    f"--callgrind-out-file={out}",
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    mode,
+                    "--seed",
+                    str(seed),
+                    "--conversations",
+                    str(conversations),
+                ],
+                check=True,
+                capture_output=True,
+            )
+            m = re.search(r"^totals: (\d+)", Path(out).read_text(), re.M)  # all threads
+            if m is None:
+                raise RuntimeError("no instruction total in callgrind's output")
+            counts[mode] = int(m.group(1))
+        print(
+            f"  {mode:10s} {counts[mode]:,} instructions ({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
+    for mode in INSTRUCTION_MODES[1:]:
+        print(f"ratio {mode:10s} {counts[mode] / counts['off']:.4f}  (instructions; goal <= 1.05)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions under valgrind (callgrind) instead of timing: one run per "
+        "mode, repeatable on any machine (several minutes; use --conversations to shrink)",
+    )
+    ap.add_argument("--conversations", type=int, default=24, help=argparse.SUPPRESS)
+    ap.add_argument("--one", choices=INSTRUCTION_MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        one_run(args.one, args.seed, args.conversations)
+        return 0
+    if args.instructions:
+        return instructions(args.seed, args.conversations)
 
     import polars as pl
 
