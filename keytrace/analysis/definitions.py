@@ -52,6 +52,7 @@ from keytrace.analysis.ops import (
     unknown,
 )
 from keytrace.analysis.rules import Group, unit
+from keytrace.format.schema import IN_FLIGHT_TIER_WORK as IN_FLIGHT_TIER_WORK  # re-exported
 from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING
 
 # ------------------------------------------------------------------ F and the ceiling
@@ -278,20 +279,6 @@ def crowded(needed_chunks: Num, primary_chunks: Num, held_by_others: Num) -> Tru
     flight held when its promotion found no room (`held_by_others`): the primary was busy.
     An unknown capacity is never crowded."""
     return gt(needed_chunks + held_by_others, primary_chunks)
-
-
-IN_FLIGHT_TIER_WORK = {
-    "cascade_submitted": 1,
-    "cascade_completed": -1,
-    "cascade_failed": -1,
-    "promotion_prepared": 1,
-    "promotion_completed": -1,
-    "promotion_failed": -1,
-}
-"""Tier events that take (+1) or give back (-1) a primary slot per key while a transfer is
-under way: a write-through job reads its chunk from the primary (a key written through to
-several tiers at once holds one slot: counted while any of its jobs is in flight), a
-promotion fills one."""
 
 
 def held_by_others(cascades: Num, promotions: Num, own_promotions: Num) -> Num:

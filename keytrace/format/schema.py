@@ -309,3 +309,19 @@ def part_metadata(
     if incomplete:
         meta[META_INCOMPLETE] = canonical_json(list(incomplete)).encode()
     return meta
+
+
+IN_FLIGHT_TIER_WORK = {
+    "cascade_submitted": 1,
+    "cascade_completed": -1,
+    "cascade_failed": -1,
+    "promotion_prepared": 1,
+    "promotion_completed": -1,
+    "promotion_failed": -1,
+}
+"""Tier events that take (+1) or give back (-1) a primary slot per key while a transfer is
+under way: a write-through job reads its chunk from the primary (a key written through to
+several tiers at once holds one slot: counted while any of its jobs is in flight), a
+promotion fills one. Here, beside the scan results, because the recorder reads it too (a
+sampled trace keeps these rows for every chain: `keytrace.record.sampling`), and the
+recording path imports no analysis; `keytrace.analysis.definitions` re-exports it."""

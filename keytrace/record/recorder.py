@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from keytrace.format.keys import chunk_ending_at, key_tail, tail_gid
-from keytrace.format.schema import HEAD, SCAN_ENDING, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
+from keytrace.format.schema import (
+    HEAD,
+    IN_FLIGHT_TIER_WORK,
+    SCAN_ENDING,
+    SCAN_EPISODE,
+    SCAN_PROOF,
+    SCAN_UNQUERIED,
+)
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
-from keytrace.record.sampling import IN_FLIGHT_TIER_EVENTS, ChainSampler, sample_fraction
+from keytrace.record.sampling import ChainSampler, sample_fraction
 
 
 class Alarm(Protocol):
@@ -625,7 +632,7 @@ class Recorder:
         assert sm is not None
         if event == "promotion_prepared":  # keys enter this primary from a tier (stored,
             sm.stored(req_id, [k for k in keys if k is not None])  # maybe, by another engine)
-        if event in IN_FLIGHT_TIER_EVENTS:
+        if event in IN_FLIGHT_TIER_WORK:
             return keys
         if req_id is None or event == "promotion_evicted":  # keys of any chain
             return sm.sampled_keys(keys)

@@ -15,7 +15,7 @@ chains (each listed in ``docs/diff.md``):
   whose store made room, often of another chain): kept by key;
 - ``reset`` rows and the keyless tier rows (``promotions_held``/``promotions_released``);
 - the tier rows that count primary slots held by transfers in flight
-  (`keytrace.analysis.definitions.IN_FLIGHT_TIER_WORK`), for every chain: a promotion of a
+  (`keytrace.format.schema.IN_FLIGHT_TIER_WORK`), for every chain: a promotion of a
   sampled request that found no room is judged by what *all* transfers held then;
 - the first ``prepared`` key of each group on the instance, whatever its chain (as a row
   of no request): the ``other_group`` cause reads when a group first reached the store path.
@@ -27,20 +27,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from keytrace.format.keys import chain_sampled, key_tail
-
-IN_FLIGHT_TIER_EVENTS = frozenset(
-    {
-        "cascade_submitted",
-        "cascade_completed",
-        "cascade_failed",
-        "promotion_prepared",
-        "promotion_completed",
-        "promotion_failed",
-    }
-)
-"""Tier events kept on every chain (the keys of
-`keytrace.analysis.definitions.IN_FLIGHT_TIER_WORK`; a test keeps the two equal, the core's
-recording path does not import the analysis layer)."""
 
 MAX_FINISHED = 1 << 16
 """Decisions of finished requests remembered (oldest forgotten first): a store's completion

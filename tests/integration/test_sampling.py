@@ -24,11 +24,9 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
-from keytrace.analysis.definitions import IN_FLIGHT_TIER_WORK  # noqa: E402
 from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.live.alarm import live_totals  # noqa: E402
-from keytrace.record.sampling import IN_FLIGHT_TIER_EVENTS  # noqa: E402
 from keytrace.report.jsonout import to_jsonable  # noqa: E402
 from keytrace.report.text import render_diff  # noqa: E402
 from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402
@@ -135,12 +133,6 @@ def test_sampled_verdicts_equal_full_verdicts_on_the_sampled_chains(
     for req, ks in keys.items():
         if ks & sampled_keys:
             assert req in got, f"{req} shares keys with a sampled chain and was not sampled"
-
-
-def test_the_recorder_keeps_every_in_flight_tier_event_the_differ_counts() -> None:
-    """The recording path keeps its own copy of the events (it does not import the analysis
-    layer); the two lists are the same."""
-    assert set(IN_FLIGHT_TIER_WORK) == IN_FLIGHT_TIER_EVENTS
 
 
 def test_the_startup_line_says_the_trace_is_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
