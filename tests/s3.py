@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,25 +86,31 @@ class Store:
     def uri(self, prefix: str) -> str:
         return f"s3://{self.bucket}/{prefix}"
 
-    def keys(self, prefix: str) -> list[str]:
-        import boto3
+    def client(self) -> Any:
+        """A boto3 client of moto itself (not through the proxy)."""
+        return _client(self.direct)
 
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=self.direct,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        out = s3.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+    def keys(self, prefix: str) -> list[str]:
+        out = self.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
         return sorted(o["Key"] for o in out.get("Contents", []))
+
+
+def _client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
 
 
 @contextlib.contextmanager
 def local_store(tmp: Path) -> Iterator[tuple[Store, dict[str, str]]]:
     """moto on 127.0.0.1 with one bucket ``traces`` and the proxy in front; the environment a
     client needs (the AWS variables, keytrace's spool and cache under ``tmp``)."""
-    import boto3
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -120,13 +127,7 @@ def local_store(tmp: Path) -> Iterator[tuple[Store, dict[str, str]]]:
         "KEYTRACE_CACHE_DIR": str(tmp / "cache"),
     }
     try:
-        boto3.client(
-            "s3",
-            endpoint_url=direct,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        ).create_bucket(Bucket="traces")
+        _client(direct).create_bucket(Bucket="traces")
         yield Store("traces", env["AWS_ENDPOINT_URL"], direct, proxy), env
     finally:
         proxy.close()

@@ -108,15 +108,7 @@ def to_s3(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
             tool.DEFAULT_VENV, tmp / "work", destination=store.uri("served"), extra_env=env
         )
         run.keys = store.keys("served/")
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=store.direct,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
+        client = store.client()
         for key in run.keys:
             dest = tmp / "copy" / key
             dest.parent.mkdir(parents=True, exist_ok=True)
