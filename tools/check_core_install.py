@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_SOURCE = (".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", "mutants")
-TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "duckdb>=1.0", "ruff>=0.5", "moto[server]>=5.0")
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "duckdb>=1.0", "ruff>=0.5", "moto[server]>=5.2.5")
 NEEDS_VLLM = {
     # command line -> what it must say
     "demo --out {tmp}/demo": "pip install 'keytrace[vllm]'",

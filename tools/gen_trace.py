@@ -15,7 +15,13 @@ chunk, each sliding-window group's tail), then is resent with one of these outco
 - retry: a full-attention key answers RETRY (a busy tier): deferred;
 - cold: a new chain, nothing stored;
 - planted mismatch (exactly --planted of them): the MTP group's leftmost needed chunk is
-  never offered, so its window scan fails all the way left and the episode returns 0.
+  never offered, so its window scan fails all the way left and the episode returns 0;
+- with ``--misroute F`` (a fraction of the requests, half each), routing between engines:
+  *misrouted*: the resend goes to the next engine, which holds nothing of the chain (a
+  cold lookup whose prefix another engine stored: the routing account); *split*: the
+  next engine holds the chain's full-attention chunks (a sibling request stored them, its
+  window tails failed to store there) and the resend finds them but not the tails, which
+  only the first engine stored (an explained shortfall: ``other_engine``).
 
 Planted episodes are listed in OUT_DIR.planted.json as [engine_id, req_id] pairs.
 
@@ -64,6 +70,9 @@ def main() -> int:
     ap.add_argument("--planted", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=100_000)
+    ap.add_argument(
+        "--misroute", type=float, default=0.0, help="fraction of requests routed across engines"
+    )
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
@@ -105,13 +114,17 @@ def main() -> int:
         rid = f"req-{req_no}"
         rid2 = f"req-{req_no}-resend"
         E = (P - 1) // fa.tpc * fa.tpc
+        routed = 100 * args.misroute / max(1e-9, 1 - args.misroute)
         outcome = (
             "planted"
             if req_no in planted_at
             else rng.choices(
-                ["hit", "evicted", "pending", "retry", "cold"], weights=[70, 10, 8, 5, 7]
+                ["hit", "evicted", "pending", "retry", "cold", "misrouted", "split"],
+                weights=[70, 10, 8, 5, 7, routed / 2, routed / 2],
             )[0]
         )
+        if outcome in ("misrouted", "split") and len(recs) < 2:
+            outcome = "hit"
         req_no += 1
         if outcome == "cold":
             rec.episode_begin(rid, 0, None, P, P, P // TPH)
@@ -155,6 +168,30 @@ def main() -> int:
             ks = [key(chain, (c + 1) * 4, 3) for c in stored[3]]
             rec.store_prepared(f"other-{req_no}", [], {}, [], ks, None)
             rows += len(ks)
+        if outcome == "misrouted":
+            there = recs[(req_no + 1) % len(recs)]
+            there.episode_begin(rid2, 0, None, P, P, P // TPH)
+            there.begin_scan()
+            there.lookup(key(chain, fa.tpc, 0), rid2, fa.tpc, "MISS", False)
+            there.episode_end(rid2, 0, False)
+            rows += 1
+            continue
+        if outcome == "split":
+            rec = recs[(req_no + 1) % len(recs)]
+            sib = f"req-{req_no}-sibling"
+            rec.episode_begin(sib, 0, None, P, P, P // TPH)
+            rec.begin_scan()
+            rec.lookup(key(chain, fa.tpc, 0), sib, fa.tpc, "MISS", False)
+            rec.episode_end(sib, 0, False)
+            for gid, chunks in stored.items():
+                tpc = tpcs[gid]
+                ks = [key(chain, (c + 1) * tpc, gid) for c in chunks]
+                pos = {k: (c + 1) * tpc for k, c in zip(ks, chunks, strict=True)}
+                rec.store_prepared(sib, ks, pos, ks, [], job)
+                rec.store_completed(sib, ks, pos, job, by_gid[gid].window is None)
+                rows += 2 * len(ks)
+                job += 1
+            stored = {gid: c if by_gid[gid].window is None else [] for gid, c in stored.items()}
         # --- the resend
         rec.episode_begin(rid2, 0, None, P, P, P // TPH)
         rec.begin_scan()

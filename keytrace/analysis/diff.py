@@ -22,8 +22,8 @@ from typing import Any
 import polars as pl
 
 from keytrace.analysis import definitions as d
-from keytrace.analysis import frames, lost, scans, unknown
-from keytrace.analysis.boundaries import anchor, boundary_offers, chain
+from keytrace.analysis import frames, lost, partition, scans, unknown
+from keytrace.analysis.boundaries import anchor, chain
 from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.history import causes, crowding, durable
 from keytrace.analysis.ops import lit
@@ -34,10 +34,11 @@ from keytrace.analysis.results import (
     NeededChunk,
     TerminalKey,
     chunk_ranges,
-    concat_episode_lists,
     episode_list,
+    merge_episode_lists,
 )
 from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range
+from keytrace.analysis.runners import LocalRunner, Runner
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
 from keytrace.format.reader import Trace, raise_unknown_results
@@ -69,6 +70,7 @@ def diff(
     progress: ProgressFn | None = None,
     batch_episodes: int = BATCH_EPISODES,
     maps: int = 0,
+    runner: Runner | None = None,
 ) -> DiffReport:
     """Judge every selected episode; see the module docstring. Returns data, never prints.
 
@@ -78,9 +80,20 @@ def diff(
     ``batch_episodes``: see `BATCH_EPISODES` (the verdicts do not depend on it). ``maps``:
     the report also carries the chunk maps of its first ``maps`` shortfalls, mismatches
     first (`keytrace.analysis.chunkmap`; what ``keytrace diff --html`` draws).
+    ``runner``: who judges the engines (`keytrace.analysis.runners`; default: this
+    process); the report is the same whoever does.
     """
     try:
-        report = _diff(trace, request, engine, rank, all_episodes, progress, batch_episodes)
+        report = _diff(
+            trace,
+            request,
+            engine,
+            rank,
+            all_episodes,
+            progress,
+            batch_episodes,
+            runner or LocalRunner(),
+        )
     except UnknownResultError:
         raise_unknown_results(trace)  # names the part
     if maps <= 0 or not isinstance(report.episodes, EpisodeList):
@@ -109,44 +122,110 @@ def _diff(
     all_episodes: bool,
     progress: ProgressFn | None,
     batch_episodes: int,
+    runner: Runner,
 ) -> DiffReport:
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
-    # whole-trace facts every batch reads: one row per request boundary (not per key row)
-    offers = boundary_offers(trace, groups)
-    routing = lost.routing(frames.stores(trace), offers, groups)
-    runs = _deferral_runs(trace)
-    promotions = lost.promotions(frames.tiers(trace), groups) if frames.is_tiered(trace) else None
+    views = [trace.of_instance(i) for i in trace.instances()]
+    # the facts that cross engines (keytrace.analysis.partition), then each engine alone
+    exported: list[partition.Exports] = runner.map(partition.exports, [(v,) for v in views], groups)
+    cross = _cross_engine(trace, views, exported, runner)
+    total = sum(e.episodes for e in exported)
+    finished = [0]
+    tick("episodes", 0, total)
+
+    def judged(i: int) -> None:
+        finished[0] += exported[i].episodes
+        tick("episodes", finished[0], total)
+
+    options = _Options(groups, (request, engine, rank), all_episodes, batch_episodes)
+    results: list[InstanceResult] = runner.map(
+        judge_instance,
+        [(v, e.offers, options) for v, e in zip(views, exported, strict=True)],
+        cross,
+        done=judged,
+    )
+    return _merge(trace, results, all_episodes)
+
+
+def _cross_engine(
+    trace: Trace, views: list[Trace], exported: list[partition.Exports], runner: Runner
+) -> partition.CrossEngine:
+    """`partition.CrossEngine` with its first-offer table (none on one instance)."""
+    cross = partition.cross_engine(exported)
+    if len(views) < 2:
+        return cross
+    asked = partition.asked_of(exported)
+    firsts = runner.map(partition.first_offers_of, [(v,) for v in views], asked)
+    offers = partition.FirstOffers(partition.first_offers(firsts, asked), asked, fleet=trace)
+    return dataclasses.replace(cross, offers=offers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What every instance's judgement is told (picklable: it travels to workers)."""
+
+    groups: list[Group]
+    selection: tuple[str | None, str | None, int | None]
+    all_episodes: bool
+    batch_episodes: int
+
+
+@dataclasses.dataclass
+class InstanceResult:
+    """One instance's judgement (`judge_instance`): its batches, and its requests that
+    stored keys with no lookup rows (`stores_without_lookups`)."""
+
+    batches: list[_Batch]
+    unlooked: list[str]
+
+
+def judge_instance(
+    view: Trace, offers: pl.DataFrame, options: _Options, cross: partition.CrossEngine
+) -> InstanceResult:
+    """Judge every episode of one recorder instance (``view``: `Trace.of_instance`) from
+    its own rows, its boundary ``offers`` (`partition.Exports.offers`) and the ``cross``
+    engine facts; consecutive batches of episodes (`BATCH_EPISODES`). A top-level function
+    of picklable arguments: a runner may call it in another process or on a cluster."""
+    groups = options.groups
+    routing = lost.routing(frames.stores(view), cross.elsewhere, groups)
+    runs = _deferral_runs(view)
+    tiered = frames.is_tiered(view)
+    promotions = lost.promotions(frames.tiers(view), groups) if tiered else None
     # the primary slots other work held at each promotion that found no room: once, for
     # every batch (a batch's causes read it for its own episodes)
-    crowd = crowding(frames.tiers(trace)) if frames.is_tiered(trace) else None
-    sel = _selection(request, engine, rank)
-    ranges = _episode_ranges(trace, batch_episodes)
-    batches: list[_Batch] = []
-    done, total = 0, sum(n for _, _, n in ranges)
-    tick("episodes", 0, total)
+    crowd = crowding(frames.tiers(view)) if tiered else None
+    sel = _selection(*options.selection)
+    ranges = _episode_ranges(view, options.batch_episodes)
     # every batch's chain first, back to back: this query's memory is the largest of a
     # batch's, and run one after another the allocator hands each the pages of the last
     # (measured at 150M rows: +90 MB for the first, +10 MB for each next one)
-    chains = [_chains(trace.episode_range(lo, hi), groups, offers) for lo, hi, _ in ranges]
+    chains = [_chains(view.episode_range(lo, hi), groups, offers) for lo, hi, _ in ranges]
     del offers  # what the batches need of it is in `routing` and `chains`
-    for (lo, hi, n), chained in zip(ranges, chains, strict=True):
-        batches.append(
-            _judge(
-                trace,
-                lo,
-                hi,
-                groups,
-                (routing, chained, runs, promotions, crowd),
-                sel,
-                all_episodes,
-            )
+    others = cross.offers if cross.instances > 1 else None
+    batches = [
+        _judge(
+            view,
+            lo,
+            hi,
+            groups,
+            (routing, chained, runs, promotions, crowd),
+            sel,
+            options.all_episodes,
+            others,
         )
-        done += n
-        tick("episodes", done, total)
+        for (lo, hi, _), chained in zip(ranges, chains, strict=True)
+    ]
+    return InstanceResult(batches, stores_without_lookups(view))
+
+
+def _merge(trace: Trace, results: list[InstanceResult], all_episodes: bool) -> DiffReport:
+    """One report from every instance's judgement: counts and token accounts added up,
+    reported episodes in sequence order (instance breaking ties), whatever ran them."""
+    batches = [b for r in results for b in r.batches]
     if not any(b.counts for b in batches):
         raise TraceError("no episode matches the given --request/--engine/--rank")
-    verdicts = concat_episode_lists([b.reported for b in batches if b.reported is not None])
+    verdicts = merge_episode_lists([b.reported for b in batches if b.reported is not None])
     # found in the column: iterating the report to it built an object per episode before it
     # (with no mismatch, one per episode of the trace)
     mismatches = verdicts.rows.get_column("verdict").cast(pl.String).is_in(d.FINDINGS).arg_true()
@@ -157,11 +236,11 @@ def _diff(
             counts[k] = counts.get(k, 0) + v
     engine_counts: dict[str, dict[str, int]] = {}
     for b in batches:
-        for engine, by_verdict in b.engine_counts.items():
-            into = engine_counts.setdefault(engine, {})
+        for name, by_verdict in b.engine_counts.items():
+            into = engine_counts.setdefault(name, {})
             for k, v in by_verdict.items():
                 into[k] = into.get(k, 0) + v
-    unlooked = stores_without_lookups(trace)
+    unlooked = sorted({r for res in results for r in res.unlooked})
     warnings = list(trace.warnings)
     if unlooked:
         shown = ", ".join(unlooked[:3]) + (" ..." if len(unlooked) > 3 else "")
@@ -191,7 +270,8 @@ def sample_of(header: Mapping[str, Any]) -> float | None:
 
 
 def stores_without_lookups(trace: Trace) -> list[str]:
-    """Requests that offered keys to the store path and have no lookup row at all, sorted.
+    """Requests that offered keys to the store path and have no lookup row at all on their
+    recorder instance, sorted (their ids; a request is one scheduler's).
 
     Every request is looked up (``get_num_new_matched_tokens``) before anything of it is
     stored, and its lookup rows are buffered with its store rows, so a request with stores
@@ -201,16 +281,18 @@ def stores_without_lookups(trace: Trace) -> list[str]:
     kinds = [k for k in ("lookup", "episode") if trace.parts_of(k)]
     if not trace.parts_of("store"):
         return []
+    who = [pl.col("instance_id"), pl.col("req_id").cast(pl.String)]
     stored = (
         trace.frame("store")
         .filter(pl.col("event").cast(pl.String) == "prepared")
-        .select(pl.col("req_id").cast(pl.String))
+        .select(who)
         .unique()
     )
-    looked = [trace.frame(k).select(pl.col("req_id").cast(pl.String)) for k in kinds]
+    looked = [trace.frame(k).select(who) for k in kinds]
     if looked:
-        stored = stored.join(pl.concat(looked).unique(), on="req_id", how="anti")
-    return sorted(r for r in stored.collect(engine="streaming")["req_id"].to_list() if r)
+        stored = stored.join(pl.concat(looked).unique(), on=["instance_id", "req_id"], how="anti")
+    found = stored.collect(engine="streaming")["req_id"].to_list()
+    return sorted({r for r in found if r})
 
 
 def _judge(
@@ -223,12 +305,14 @@ def _judge(
     ],
     sel: pl.Expr,
     all_episodes: bool,
+    others: partition.FirstOffers | None = None,
 ) -> _Batch:
-    """The episodes ``lo <= s < hi``: their own lookup rows are read from ``view``
-    (`Trace.episode_range`), the store history from ``past`` (the rows before the batch's
-    end), what needs other episodes' lookups (a request's earlier ones) from ``trace``.
-    ``known``: the trace's `lost.Routing`, the batch's `_chains`, the trace's
-    `_deferral_runs` and its `lost.promotions` (None: not tiered)."""
+    """The episodes ``lo <= s < hi`` of one instance (``trace``: `Trace.of_instance`):
+    their own lookup rows are read from ``view`` (`Trace.episode_range`), the store history
+    from ``past`` (the rows before the batch's end), what needs other episodes' lookups (a
+    request's earlier ones) from ``trace``. ``known``: the instance's `lost.Routing`, the
+    batch's `_chains`, the instance's `_deferral_runs` and its `lost.promotions` (None: not
+    tiered). ``others``: what other instances offered (None: the trace has one)."""
     routing, chains, runs, promotions, crowd = known
     view = trace.episode_range(lo, hi)
     eps = _episodes(view, groups, chains, runs, sel)
@@ -238,7 +322,7 @@ def _judge(
     before = _before(hi, t_max if isinstance(t_max, int) else None)
     past = _stores(trace, before)
     sf = eps.filter(pl.col("verdict") == "shortfall")
-    explained = _explain_shortfalls(trace, view, past, groups, sf, crowd)
+    explained = _explain_shortfalls(trace, view, past, groups, sf, crowd, others)
     judged = _with_explanations(eps, explained)
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().iter_rows())
@@ -479,11 +563,13 @@ def _explain_shortfalls(
     groups: list[Group],
     sf: pl.DataFrame,
     crowd: pl.DataFrame | None = None,
+    others: partition.FirstOffers | None = None,
 ) -> pl.DataFrame:
     """Per shortfall episode: the binding scan, needed chunks with causes, the verdict.
     The episodes' own lookup rows are read from ``view``, the store history from ``past``
     (`_judge`), a request's other lookups from ``trace``; ``crowd``: the trace's
-    `keytrace.analysis.history.crowding` (a tiered trace; computed here when None)."""
+    `keytrace.analysis.history.crowding` (a tiered trace; computed here when None);
+    ``others``: `_judge`."""
     empty = pl.DataFrame(
         schema={
             "inst": pl.Int64,
@@ -520,11 +606,12 @@ def _explain_shortfalls(
     )
     bind = _terminal_within_needed(bind, needed)
     needed = _with_unqueried(needed, unqueried)
-    needed = unknown.derive_keys(trace, needed, sf)
-    needed = unknown.settle_offers(trace, needed, sf)
+    fleet = others.fleet if others is not None else None
+    needed = unknown.derive_keys(trace, needed, sf, fleet)
+    needed = unknown.settle_offers(trace, needed, sf, fleet)
     needed = needed.join(proofs, on=[*KEY, "gid", "chunk"], how="left")
     tiers = frames.tiers(trace) if frames.is_tiered(trace) else None
-    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups, tiers, crowd)
+    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups, tiers, crowd, others)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     # decisive causes in (group, chunk) order: the first one names an episode's shortfall
     # tokens in the account, so it must not depend on the order joins left the rows in
@@ -692,6 +779,7 @@ def _with_causes(
     groups: list[Group],
     tiers: pl.LazyFrame | None = None,
     crowd: pl.DataFrame | None = None,
+    others: partition.FirstOffers | None = None,
 ) -> dict[str, pl.DataFrame]:
     """Causes for the needed chunks (HIT: resident; never looked up: not_looked_up) and for
     each episode's terminal key, from one pass over ``stores`` for just those keys' rows.
@@ -751,7 +839,7 @@ def _with_causes(
         probes = probes.join(per_episode, on=KEY, how="left")
     group_ids = [g["group_id"] for g in header["groups"]]
     judged = (
-        causes(probes, stores, group_ids, tiers)
+        causes(probes, stores, group_ids, tiers, others)
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )

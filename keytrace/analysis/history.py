@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
+from keytrace.analysis import frames
 from keytrace.analysis.definitions import (
     DURABLE_EVENTS,
     IN_FLIGHT_TIER_WORK,
@@ -45,6 +46,7 @@ from keytrace.analysis.definitions import (
     unsettled,
 )
 from keytrace.analysis.frames import collect
+from keytrace.analysis.partition import FirstOffers
 from keytrace.analysis.rules import OFFER_EVENTS
 from keytrace.format.keys import key_hash, make_key
 
@@ -214,11 +216,47 @@ def crowding(tiers: pl.LazyFrame) -> pl.DataFrame:
     return at.group_by("inst", c("ep").alias("s")).agg(held.max().alias("held"))
 
 
+def _offered_elsewhere_in(base: pl.DataFrame, rows: pl.DataFrame) -> pl.DataFrame:
+    """(pid, other_engine) of the probes (pid, inst, t, key) whose key another instance
+    offered before the episode's wall clock, read from store ``rows`` of every instance."""
+    return (
+        base.join(rows, on="key")
+        .filter(
+            (pl.col("inst_right") != pl.col("inst"))
+            & (pl.col("ts") < pl.col("t"))
+            & pl.col("event").is_in(OFFER_EVENTS)
+        )
+        .select("pid", pl.lit(True).alias("other_engine"))
+        .unique("pid")
+    )
+
+
+def offered_elsewhere(base: pl.DataFrame, others: FirstOffers) -> pl.DataFrame:
+    """`_offered_elsewhere_in` from the cross-engine first offers
+    (`keytrace.analysis.partition.FirstOffers`): the first offer not on the probe's
+    instance came before its wall clock. A key the table does not answer for (derived from
+    another request's records) is read from the whole trace, when there is one."""
+    base = base.select("pid", "inst", "t", "key")
+    answered = base.join(others.asked, on="key", how="semi")
+    c = pl.col
+    known = (
+        answered.join(others.first, on="key")
+        .filter(((c("inst1") != c("inst")) & (c("ts1") < c("t"))) | (c("ts2") < c("t")))
+        .select("pid", pl.lit(True).alias("other_engine"))
+    )
+    rest = base.join(others.asked, on="key", how="anti")
+    if rest.height == 0 or others.fleet is None:
+        return known.unique("pid")
+    rows = store_rows(frames.stores(others.fleet), rest.get_column("key"))
+    return pl.concat([known, _offered_elsewhere_in(rest, rows)]).unique("pid")
+
+
 def causes(
     probes: pl.DataFrame,
     stores: pl.LazyFrame,
     group_ids: Sequence[int],
     tiers: pl.LazyFrame | None = None,
+    others: FirstOffers | None = None,
 ) -> pl.DataFrame:
     """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys (and
     their block hashes under ``group_ids``): two passes over ``stores``, one for those
@@ -231,6 +269,11 @@ def causes(
     are read from them; probes may then carry ``req_id`` (the episode's request), ``fits``
     (whether its chunks fit the primary; True when absent) and ``result`` (the episode's
     own lookup result for the key).
+
+    ``others``: ``stores`` holds one instance's rows only (the differ's per-engine
+    judgement, `keytrace.analysis.partition`); whether another instance offered a key
+    before the episode is read from this table instead (`offered_elsewhere`). None:
+    ``stores`` holds every instance's rows and is read for it.
     """
     if probes.height == 0:
         return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
@@ -288,14 +331,9 @@ def causes(
     # other instances, before the episode's wall clock: the store path there decided to
     # write the key (whether it is still resident there or not, this engine never had it)
     other = (
-        base.join(stored_hist, on="key")
-        .filter(
-            (pl.col("inst_right") != pl.col("inst"))
-            & (pl.col("ts") < pl.col("t"))
-            & ev.is_in(OFFER_EVENTS)
-        )
-        .select("pid", pl.lit(True).alias("other_engine"))
-        .unique("pid")
+        _offered_elsewhere_in(base, stored_hist)
+        if others is None
+        else offered_elsewhere(base, others)
     )
     # the hash under another group id, while this group id never reached the store path
     skew = (

@@ -304,22 +304,22 @@ class Routing:
     elsewhere: pl.DataFrame
 
 
-def routing(stores: pl.LazyFrame, offers: pl.DataFrame, groups: list[Group]) -> Routing:
-    """`Routing` from the store rows and `keytrace.analysis.boundaries.boundary_offers` (a
-    boundary key: one some request offered for the chunk ending at one of its boundaries).
-    Empty when the anchor group is not full attention (no routing account then)."""
+def routing(stores: pl.LazyFrame, elsewhere: pl.DataFrame, groups: list[Group]) -> Routing:
+    """`Routing` from the store rows (of one instance or several) and ``elsewhere``
+    (other, key, b, first_ts): every instance's boundary keys, the keys some request
+    offered for the chunk ending at one of its boundaries, when each first did
+    (`keytrace.analysis.partition.cross_engine`, from each instance's
+    `keytrace.analysis.boundaries.boundary_offers`). Empty when the anchor group is not
+    full attention (no routing account then)."""
     from keytrace.analysis.boundaries import anchor_offers
     from keytrace.analysis.definitions import anchor
 
-    elsewhere = (
-        offers.group_by("inst", "key", "b").agg(pl.col("first_ts").min()).rename({"inst": "other"})
-    )
-    if offers.height == 0 or not anchor(groups).full_attention:
+    if elsewhere.height == 0 or not anchor(groups).full_attention:
         own = pl.DataFrame(schema={"inst": pl.Int64, "req_id": pl.String, "key": pl.Binary})
         return Routing(own, elsewhere.clear())
     own = frames.collect(
         anchor_offers(stores, groups)
-        .filter(pl.col("key").is_in(offers["key"].unique().implode()))
+        .filter(pl.col("key").is_in(elsewhere["key"].unique().implode()))
         .select("inst", "req_id", "key")
         .unique()
     )

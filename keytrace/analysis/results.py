@@ -3,7 +3,6 @@ and the builders that turn the differ's frames into them (`episode_list`)."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -280,49 +279,55 @@ def episode_list(
     return EpisodeList(rows, _ShortfallDetail(rows, explained, positions, stored, by_gid))
 
 
-def concat_episode_lists(lists: list[EpisodeList]) -> EpisodeList:
-    """The batches' reported episodes as one list, in batch (so sequence) order."""
+def merge_episode_lists(lists: list[EpisodeList]) -> EpisodeList:
+    """Reported episodes of any number of batches (of any instances) as one list, in the
+    report's order: sequence number, then recorder instance (seqs are per process, so two
+    instances' episodes can share one). The same order whatever order the batches came in:
+    a report judged engine by engine, anywhere, is the same bytes."""
     if len(lists) == 1:
         return lists[0]
-    rows = pl.concat([e.rows for e in lists], how="vertical_relaxed", rechunk=False)
-    offsets, start = [], 0
-    for e in lists:
-        offsets.append(start)
-        start += len(e)
-    return EpisodeList(rows, _Pieces(offsets, [e.detailed for e in lists]))
+    tagged = [
+        e.rows.with_columns(
+            pl.lit(b, dtype=pl.Int64).alias("_batch"),
+            pl.int_range(e.rows.height, dtype=pl.Int64).alias("_pos"),
+        )
+        for b, e in enumerate(lists)
+    ]
+    rows = pl.concat(tagged, how="vertical_relaxed").sort(
+        "episode", "instance_id", "_batch", "_pos", maintain_order=True
+    )
+    where = list(zip(rows["_batch"].to_list(), rows["_pos"].to_list(), strict=True))
+    return EpisodeList(rows.drop("_batch", "_pos"), _Placed(where, [e.detailed for e in lists]))
 
 
-class _Pieces(Mapping[int, EpisodeVerdict]):
-    """Consecutive batches' detail mappings as one, by position in the joined report: the
-    batch holding position ``i`` answers for its own position ``i - offset``."""
+class _Placed(Mapping[int, EpisodeVerdict]):
+    """Batches' detail mappings seen through a merged order: position ``i`` of the merged
+    list is position ``where[i][1]`` of batch ``where[i][0]``."""
 
-    def __init__(self, offsets: list[int], pieces: list[Mapping[int, EpisodeVerdict]]) -> None:
-        self._offsets, self._pieces = offsets, pieces
-
-    def _locate(self, i: int) -> tuple[Mapping[int, EpisodeVerdict], int]:
-        k = max(0, bisect.bisect_right(self._offsets, i) - 1)
-        return self._pieces[k], i - self._offsets[k]
+    def __init__(
+        self, where: list[tuple[int, int]], pieces: list[Mapping[int, EpisodeVerdict]]
+    ) -> None:
+        self._where, self._pieces = where, pieces
+        self._of = {w: i for i, w in enumerate(where) if w[1] in pieces[w[0]]}
 
     def __getitem__(self, i: int) -> EpisodeVerdict:
-        piece, j = self._locate(i)
-        return piece[j]
+        b, j = self._where[i]
+        return self._pieces[b][j]
 
     def get(self, i: int, default: Any = None) -> Any:
-        piece, j = self._locate(i)
-        return piece.get(j, default)
+        if not 0 <= i < len(self._where):
+            return default
+        b, j = self._where[i]
+        return self._pieces[b].get(j, default)
 
     def __contains__(self, i: object) -> bool:
-        if not isinstance(i, int):
-            return False
-        piece, j = self._locate(i)
-        return j in piece
+        return isinstance(i, int) and 0 <= i < len(self._where) and self.get(i) is not None
 
     def __iter__(self) -> Iterator[int]:
-        for offset, piece in zip(self._offsets, self._pieces, strict=True):
-            yield from (offset + j for j in piece)
+        return iter(sorted(self._of.values()))
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self._pieces)
+        return len(self._of)
 
 
 class _ShortfallDetail(Mapping[int, EpisodeVerdict]):

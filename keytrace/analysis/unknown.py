@@ -64,7 +64,9 @@ def _sharers(trace: Trace, anchors: pl.DataFrame, keep: list[str]) -> pl.LazyFra
     )
 
 
-def derive_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:
+def derive_keys(
+    trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame, fleet: Trace | None = None
+) -> pl.DataFrame:
     """Keys of needed chunks the episode never looked up (vLLM stopped in another group).
 
     A key is the block hash of the chunk's last hash block plus the group id, and every
@@ -98,9 +100,10 @@ def derive_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Data
         .agg(pl.col("key").sort_by("end_token").first().alias("anchor"))
         .pipe(frames.collect)
     )
-    sharers = _sharers(trace, anchors, [*KEY, "gid", "chunk", "end"]).pipe(frames.collect)
+    everyone = fleet if fleet is not None else trace
+    sharers = _sharers(everyone, anchors, [*KEY, "gid", "chunk", "end"]).pipe(frames.collect)
     theirs = records_of(
-        trace,
+        everyone,
         sharers.select(pl.col("r_inst").alias("inst"), pl.col("r_req").alias("req_id")).lazy(),
     ).select(pl.col("inst").alias("r_inst"), pl.col("req_id").alias("r_req"), "end_token", "key")
     shared = (
@@ -143,7 +146,9 @@ def derive_keys(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Data
     )
 
 
-def settle_offers(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.DataFrame:
+def settle_offers(
+    trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame, fleet: Trace | None = None
+) -> pl.DataFrame:
     """For a needed chunk whose key stays unknown: was it provably never offered?
 
     Any request that can have offered *this* chunk shares the request's prefix through its
@@ -153,7 +158,8 @@ def settle_offers(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Da
     without the key (``never_offered``/``not_keyable``, set by the differ); ``unoffered``
     marks those chunks. If one of them did, the key may be theirs or not, and the chunk
     stays unknown (a request sharing a *later* key of this request would prove it theirs
-    only for requests at least that long, so that shortcut is not taken).
+    only for requests at least that long, so that shortcut is not taken). ``fleet``: as
+    in `derive_keys`.
     """
     unknown = needed.filter(pl.col("key").is_null()).with_columns(
         ((pl.col("chunk") + 1) * pl.col("tpc")).alias("end")
@@ -170,9 +176,10 @@ def settle_offers(trace: Trace, needed: pl.DataFrame, sf: pl.DataFrame) -> pl.Da
         .agg(pl.col("key").sort_by("end_token").last().alias("anchor"))
         .pipe(frames.collect)
     )
-    sharers = _sharers(trace, anchors, [*KEY, "gid", "chunk"])
+    everyone = fleet if fleet is not None else trace
+    sharers = _sharers(everyone, anchors, [*KEY, "gid", "chunk"])
     offers = (
-        frames.stores(trace)
+        frames.stores(everyone)
         .filter(pl.col("event").is_in(STORE_OFFERS))
         .select(
             pl.col("inst").alias("r_inst"),

@@ -9,6 +9,7 @@ import click
 from keytrace.analysis.chunkmap import DEFAULT_LIMIT
 from keytrace.analysis.diff import diff
 from keytrace.analysis.fleet import by_engine
+from keytrace.analysis.runners import LocalRunner, RayRunner, Runner
 from keytrace.cli._common import (
     allow_incomplete_option,
     check_complete,
@@ -17,7 +18,6 @@ from keytrace.cli._common import (
     progress_option,
     refuse_incomplete,
     subcommand,
-    trace_paths,
 )
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
@@ -27,7 +27,7 @@ from keytrace.report.text import render_diff, render_fleet
 
 
 @subcommand("diff")
-@trace_paths
+@click.argument("paths", nargs=-1, required=False, metavar="TRACE...")
 @click.option(
     "--request",
     default=None,
@@ -67,6 +67,27 @@ from keytrace.report.text import render_diff, render_fleet
     "causes (store and lookup paths disagree: rejected, other_group, never_offered, "
     "not_keyable and the tiered ones; docs/diff.md, Causes). With --json: the fleet report.",
 )
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Judge the engines of a fleet trace in this many local processes (each recorder "
+    "instance is judged on its own; the report is the same bytes for any value).",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Judge the engines as Ray tasks on a cluster: ADDRESS as ray.init takes it "
+    "(ray://host:10001, host:6379, auto); without one, the cluster RAY_ADDRESS names, else "
+    "a local one (a path right after --ray is a TRACE, not an address). Needs "
+    "keytrace[ray]; the trace must be readable at the same path (or URI) on every node. "
+    "Same report as without.",
+)
 @allow_incomplete_option
 @progress_option
 def command(
@@ -79,6 +100,8 @@ def command(
     html_path: str | None,
     html_limit: int,
     by: str | None,
+    jobs: int,
+    ray_address: str | None,
     allow_incomplete: bool,
     progress: bool | None,
 ) -> int:
@@ -105,6 +128,11 @@ def command(
     """
     if by is not None and (all_episodes or html_path is not None):
         raise UsageError("--by engine is a table of engines: use it without --all and --html")
+    paths, ray_address = _trace_after_ray(paths, ray_address)
+    if not paths:
+        raise UsageError("missing TRACE: a trace directory, part files or an s3:// URI")
+    if ray_address is not None and jobs != 1:
+        raise UsageError("--ray and --jobs choose who judges the engines: give one of them")
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)
     check_complete(trace, allow_incomplete, unlooked=False)  # the report finds those
@@ -117,6 +145,7 @@ def command(
         all_episodes=all_episodes,
         progress=progress_printer() if show else None,
         maps=html_limit if html_path is not None else 0,
+        runner=_runner(jobs, ray_address),
     )
     for w in report.warnings[len(trace.warnings) :]:  # found while judging
         click.echo(f"keytrace: warning: {w}", err=True)
@@ -139,3 +168,20 @@ def command(
         if not as_json:
             click.echo(f"chunk map: {html_path}")
     return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK
+
+
+def _runner(jobs: int, ray_address: str | None) -> Runner:
+    if ray_address is None:
+        return LocalRunner(jobs)
+    return RayRunner(ray_address or None)
+
+
+def _trace_after_ray(
+    paths: tuple[str, ...], ray_address: str | None
+) -> tuple[tuple[str, ...], str | None]:
+    """``--ray`` takes an optional ADDRESS, so ``--ray TRACE`` hands the trace to it: a
+    value with a slash that is not a ``ray://`` address is a trace (Ray's addresses are
+    ``auto``, ``local``, ``host:port`` or ``ray://host:port``)."""
+    if ray_address and "/" in ray_address and not ray_address.startswith("ray://"):
+        return (ray_address, *paths), ""
+    return paths, ray_address

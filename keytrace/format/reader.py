@@ -82,6 +82,8 @@ class Trace:
     sequence number is in this range (a bound of None: open); see `episode_range`."""
     missing: list[str] = field(default_factory=list)
     """What the parts' flush manifests say was written and is not here (`missing_parts`)."""
+    instance: int | None = None
+    """Only the rows of this recorder instance (``instance_id``); see `of_instance`."""
 
     @property
     def incomplete(self) -> bool:
@@ -116,7 +118,34 @@ class Trace:
             )
         if self.episodes is not None and kind in EPISODE_KINDS:
             frame = frame.filter(_within("episode", *self.episodes))
+        if self.instance is not None and self._mixed(kind):
+            frame = frame.filter(pl.col("instance_id") == self.instance)
         return frame
+
+    def _mixed(self, kind: str) -> bool:
+        """Whether some part of ``kind`` may hold rows of several instances (a compacted
+        file names none in its source), so an instance view must filter rows too."""
+        return any(_instance_of(p) is None for p in self.parts_of(kind))
+
+    def of_instance(self, instance: int) -> Trace:
+        """This trace with only the rows one recorder instance wrote (``instance_id``): the
+        parts another instance wrote are dropped unread (a writer's part names its instance
+        in its source); a part of several (compacted) is filtered row by row. What the
+        differ judges per engine (`keytrace.analysis.partition`)."""
+        parts = [p for p in self.parts if _instance_of(p) in (None, instance)]
+        return dataclasses.replace(self, parts=parts, instance=instance)
+
+    def instances(self) -> list[int]:
+        """The recorder instances whose rows this trace holds, sorted. Read from the parts'
+        sources; only a part that names none (compacted) is scanned for them."""
+        named = {i for p in self.parts if (i := _instance_of(p)) is not None}
+        mixed = [p for p in self.parts if _instance_of(p) is None]
+        for p in mixed:
+            ids = pl.scan_parquet(p.path, hive_partitioning=False).select("instance_id")
+            if p.row_slice is not None:
+                ids = ids.slice(*p.row_slice)
+            named.update(ids.unique().collect().get_column("instance_id").to_list())
+        return sorted(named)
 
     def episode_range(self, lo: int | None, hi: int | None) -> Trace:
         """This trace with only the lookup-side rows of episodes ``lo <= episode < hi``
@@ -149,6 +178,12 @@ class Trace:
     @property
     def kinds(self) -> list[str]:
         return [k for k in KINDS if self.parts_of(k)]
+
+
+def _instance_of(part: Part) -> int | None:
+    """The recorder instance that wrote ``part`` (None: a part of several, or unnamed)."""
+    value = part.source.get("instance_id")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _pieces(part: Part, max_bytes: int) -> list[tuple[Part, int]]:
