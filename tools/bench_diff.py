@@ -1,6 +1,15 @@
 """`keytrace diff` at fleet scale, against a bare polars scan of the same key columns.
 
     python tools/bench_diff.py [--rows 10_000_000 50_000_000] [--huge] [--work /tmp/kt-bench]
+    python tools/bench_diff.py --engines 50 [--rows 2_000_000] [--workers 2]
+
+``--engines N``: a fleet trace of N engines with routing between them (gen_trace.py
+``--misroute 0.2``), judged side by side in one run, each mode in a fresh process, rounds
+interleaved: in this process (one polars process), engine by engine in ``--workers`` local
+processes (``--jobs``), and as Ray tasks on a local Ray cluster of ``--workers`` CPUs (the
+cluster started before the clock; its start-up reported apart). Prints wall times and ratios,
+the peak RSS of the driver and of the largest worker, the cross-engine facts' rows and bytes
+beside the trace's, the per-worker rates, and whether every mode's report is the same bytes.
 
 ``--huge`` adds a 150M-row point (about 3 minutes to generate, 1 GB of disk) and reports how
 the diff's peak memory grew from 50M to 150M rows (the goal: under 25%).
@@ -56,15 +65,184 @@ def timed(cmd: list[str]) -> tuple[float, int, str, int]:
     return wall, rss_kb * 1024, p.stdout, p.returncode
 
 
+FLEET_RUN = r"""
+import hashlib, io, json, resource, sys, time
+from keytrace.analysis.diff import diff
+from keytrace.analysis.runners import LocalRunner, RayRunner
+from keytrace.format.reader import open_trace
+from keytrace.report.jsonout import write_json
+
+def rss_call(fn, *args):
+    out = fn(*args)
+    return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+class Measured:
+    def __init__(self, inner):
+        self.inner, self.name, self.peaks = inner, inner.name, []
+    def map(self, fn, calls, shared, done=None):
+        got = self.inner.map(rss_call, [(fn, *c) for c in calls], shared, done)
+        self.peaks += [p for _, p in got]
+        return [r for r, _ in got]
+
+if __name__ == "__main__":
+    d, mode, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    startup = 0.0
+    if mode == "ray":
+        import ray
+        t = time.perf_counter()
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+        inner = RayRunner()
+        startup = time.perf_counter() - t
+    else:
+        inner = LocalRunner(1 if mode == "single" else workers)
+    runner = Measured(inner)
+    t = time.perf_counter()
+    report = diff(open_trace(d), all_episodes=True, runner=runner)
+    buf = io.StringIO()
+    write_json(report, buf)
+    wall = time.perf_counter() - t
+    me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"wall": wall, "startup": startup, "driver": me,
+        "worker": max(runner.peaks) if mode != "single" else me,
+        "digest": hashlib.sha256(buf.getvalue().encode()).hexdigest(),
+        "episodes": sum(report.counts.values()), "counts": report.counts}))
+"""
+
+FACTS = r"""
+import json, sys
+import polars as pl
+from keytrace.analysis import partition
+from keytrace.analysis.diff import _groups
+from keytrace.format.reader import open_trace
+trace = open_trace(sys.argv[1])
+groups = _groups(trace)
+views = [trace.of_instance(i) for i in trace.instances()]
+ex = [partition.exports(v, groups) for v in views]
+cross = partition.cross_engine(ex)
+asked = partition.asked_of(ex)
+first = partition.first_offers([partition.first_offers_of(v, asked) for v in views], asked)
+print(json.dumps({"elsewhere": [cross.elsewhere.height, cross.elsewhere.estimated_size()],
+    "asked": [asked.height, asked.estimated_size()], "first": [first.height, first.estimated_size()],
+    "engines": len(views)}))
+"""
+
+
+def fleet(args: argparse.Namespace) -> int:
+    """The ``--engines`` benchmark (module doc)."""
+    rows = args.rows[0] if args.rows_given else 2_000_000
+    d = os.path.join(args.work, f"fleet-{args.engines}-{rows}")
+    if not os.path.exists(d + ".planted.json"):
+        print(f"generating {rows:,} rows on {args.engines} engines into {d} ...", file=sys.stderr)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(HERE, "gen_trace.py"),
+                d,
+                "--rows",
+                str(rows),
+                "--engines",
+                str(args.engines),
+                "--misroute",
+                "0.2",
+            ],
+            check=True,
+        )
+    modes = ["single", "local", "ray"]
+    runs: dict[str, list[dict[str, object]]] = {m: [] for m in modes}
+    for r in range(args.repeat):
+        for m in modes[r % 3 :] + modes[: r % 3]:  # order rotates: no mode always first
+            p = subprocess.run(
+                [sys.executable, "-c", FLEET_RUN, d, m, str(args.workers)],
+                capture_output=True,
+                text=True,
+            )
+            if p.returncode != 0:
+                sys.stderr.write(p.stderr[-3000:])
+                return 2
+            runs[m].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    facts = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", FACTS, d], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    trace_bytes = sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(d) for f in fs
+    )
+    import polars as pl
+
+    key_rows = (
+        pl.scan_parquet(os.path.join(d, "kind=lookup", "*.parquet"))
+        .select(pl.col("n_keys").sum())
+        .collect()
+        .item()
+        + pl.scan_parquet(os.path.join(d, "kind=store", "*.parquet"))
+        .select(pl.len())
+        .collect()
+        .item()
+    )
+    episodes = runs["single"][0]["episodes"]
+    print(
+        f"fleet trace: {facts['engines']} engines, {key_rows:,} key rows, {episodes:,} "
+        f"episodes, {trace_bytes / 2**20:.1f} MiB on disk; {args.repeat} rounds, "
+        f"{args.workers} workers"
+    )
+    base = statistics.median(float(x["wall"]) for x in runs["single"])  # type: ignore[arg-type]
+    labels = {
+        "single": "one process",
+        "local": f"{args.workers} local processes (--jobs)",
+        "ray": f"Ray, local cluster of {args.workers} CPUs",
+    }
+    print(f"{'mode':<36} {'wall s':>7} {'ratio':>6} {'driver RSS':>11} {'worker RSS':>11}")
+    for m in modes:
+        wall = statistics.median(float(x["wall"]) for x in runs[m])  # type: ignore[arg-type]
+        drv = max(int(x["driver"]) for x in runs[m])  # type: ignore[call-overload]
+        wrk = max(int(x["worker"]) for x in runs[m])  # type: ignore[call-overload]
+        print(
+            f"{labels[m]:<36} {wall:>7.2f} {wall / base:>6.2f} {drv / 2**20:>10.0f}M "
+            f"{wrk / 2**20:>10.0f}M"
+        )
+    startup = statistics.median(float(x["startup"]) for x in runs["ray"])  # type: ignore[arg-type]
+    print(f"Ray cluster start-up (not in the wall above): {startup:.1f} s")
+    kb = 1024
+    print(
+        "cross-engine facts: boundary offers {:,} rows ({:.0f} KiB), asked keys {:,} "
+        "({:.0f} KiB), first offers {:,} rows ({:.0f} KiB): {:.2%} of the trace's bytes".format(
+            facts["elsewhere"][0],
+            facts["elsewhere"][1] / kb,
+            facts["asked"][0],
+            facts["asked"][1] / kb,
+            facts["first"][0],
+            facts["first"][1] / kb,
+            (facts["elsewhere"][1] + facts["asked"][1] + facts["first"][1]) / trace_bytes,
+        )
+    )
+    print(
+        f"per worker (one process): {key_rows / base:,.0f} key rows/s, "
+        f"{episodes / base:,.0f} episodes/s, {episodes / base / facts['engines']:.2f} engines' "
+        "share/s"
+    )
+    digests = {str(x["digest"]) for m in modes for x in runs[m]}
+    print(f"every report the same bytes: {len(digests) == 1}")
+    return 0 if len(digests) == 1 else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[10_000_000, 50_000_000])
+    ap.add_argument("--rows", type=int, nargs="+", default=None)
+    ap.add_argument("--engines", type=int, default=None, help="the fleet benchmark (module doc)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--huge", action="store_true", help="also 150M rows")
     ap.add_argument("--work", default="/tmp/kt-bench")
     ap.add_argument(
         "--repeat", type=int, default=3, help="runs of each side, interleaved (median wall)"
     )
     args = ap.parse_args()
+    args.rows_given = args.rows is not None
+    if args.engines is not None:
+        args.rows = args.rows or [2_000_000]
+        return fleet(args)
+    args.rows = args.rows or [10_000_000, 50_000_000]
     if args.huge and 150_000_000 not in args.rows:
         args.rows.append(150_000_000)
     os.makedirs(args.work, exist_ok=True)

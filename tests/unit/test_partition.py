@@ -1,0 +1,189 @@
+"""The differ judges a fleet trace engine by engine (`keytrace.analysis.partition`): each
+recorder instance from its own rows and the cross-engine facts. Checked here: the facts'
+rule equals the rule read from every instance's rows (property test), a routed fleet trace
+gets every other_engine cause and no other cause that another engine's offer would have
+changed (checked against the raw store rows, not the differ), any runner gives the same
+bytes, and instance views hold just their instance's rows."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keytrace.analysis import frames
+from keytrace.analysis.diff import diff
+from keytrace.analysis.history import _offered_elsewhere_in, offered_elsewhere
+from keytrace.analysis.partition import FirstOffers, first_offers
+from keytrace.analysis.results import DiffReport
+from keytrace.analysis.rules import OFFER_EVENTS
+from keytrace.analysis.runners import LocalRunner
+from keytrace.format.compact import compact
+from keytrace.format.reader import Trace, open_trace
+from keytrace.report.jsonout import write_json
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINES = 4
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated fleet trace with routing between its engines (misrouted and split
+    requests: cold_routing and other_engine)."""
+    out = tmp_path_factory.mktemp("routed") / "trace"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "gen_trace.py"),
+            str(out),
+            "--rows",
+            "150000",
+            "--engines",
+            str(ENGINES),
+            "--planted",
+            "2",
+            "--seed",
+            "7",
+            "--misroute",
+            "0.3",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+def _json(report: DiffReport) -> str:
+    buf = io.StringIO()
+    write_json(report, buf)
+    return buf.getvalue()
+
+
+EVENTS = [*OFFER_EVENTS, "completed", "evicted"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 2), st.integers(0, 3), st.integers(0, 40), st.sampled_from(EVENTS)
+        ),
+        max_size=30,
+    ),
+    probes=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 4), st.integers(0, 45)), max_size=20
+    ),
+)
+def test_first_offers_give_the_rule_read_from_every_row(
+    rows: list[tuple[int, int, int, str]], probes: list[tuple[int, int, int]]
+) -> None:
+    """``(inst1 != X and ts1 < t) or ts2 < t`` over the per-key first offers says what
+    reading every instance's store rows says: another instance offered the key before t."""
+    stores = pl.DataFrame(
+        [(i, bytes([k]), ts, ev) for i, k, ts, ev in rows],
+        schema={"inst": pl.Int64, "key": pl.Binary, "ts": pl.Int64, "event": pl.String},
+        orient="row",
+    )
+    base = pl.DataFrame(
+        [(n, i, t, bytes([k])) for n, (i, k, t) in enumerate(probes)],
+        schema={"pid": pl.Int64, "inst": pl.Int64, "t": pl.Int64, "key": pl.Binary},
+        orient="row",
+    )
+    asked = base.select("key").unique()
+    per_instance = [
+        stores.filter((pl.col("inst") == i) & pl.col("event").is_in(OFFER_EVENTS))
+        .join(asked, on="key", how="semi")
+        .group_by("key", "inst")
+        .agg(pl.col("ts").min())
+        for i in range(3)
+    ]
+    facts = FirstOffers(first_offers(per_instance, asked), asked)
+    want = set(_offered_elsewhere_in(base, stores)["pid"].to_list())
+    assert set(offered_elsewhere(base, facts)["pid"].to_list()) == want
+
+
+def test_routing_between_engines_is_judged_from_the_cross_engine_facts(routed: Path) -> None:
+    """Every needed chunk's other_engine cause is an offer another instance made before the
+    episode (read from the raw store rows); every chunk another instance had offered before
+    it and that the episode's own instance never held is called other_engine (the cause
+    ranks above store_failed, rejected and the rest)."""
+    trace = open_trace(str(routed))
+    report = diff(trace, all_episodes=True)
+    assert len(trace.instances()) == ENGINES
+    t_of = {
+        (i, s): t
+        for i, s, t in frames.collect(frames.episodes(trace).select("inst", "s", "t")).iter_rows()
+    }
+    offers = frames.collect(
+        frames.stores(trace)
+        .filter(pl.col("event").is_in(OFFER_EVENTS))
+        .select("inst", "ts", "key", pl.col("event").cast(pl.String))
+    )
+    first_elsewhere: dict[tuple[int, bytes], int] = {}
+    for inst, ts, key, _ in offers.iter_rows():
+        for other in trace.instances():
+            if other != inst:
+                k = (other, key)
+                first_elsewhere[k] = min(ts, first_elsewhere.get(k, ts))
+    seen = {"other_engine": 0, "elsewhere_first": 0}
+    held_here = {
+        (i, k)
+        for i, k in frames.collect(
+            frames.stores(trace).filter(pl.col("event") == "completed").select("inst", "key")
+        ).iter_rows()
+    }
+    for ep in report.episodes:
+        t = t_of[(ep.instance_id, ep.episode)]
+        for c in ep.needed or []:
+            if c.key is None or c.lookup_result == "HIT":
+                continue
+            k = bytes.fromhex(c.key)
+            before = first_elsewhere.get((ep.instance_id, k))
+            if c.cause == "other_engine":
+                seen["other_engine"] += 1
+                assert before is not None and before < t, (ep.req_id, c)
+            elif before is not None and before < t and (ep.instance_id, k) not in held_here:
+                seen["elsewhere_first"] += 1
+                assert c.cause in ("in_flight", "evicted", "resident"), (ep.req_id, c)
+    assert seen["other_engine"] > 0
+    rows = report.lost.rows if report.lost else []
+    assert any(r.category == "cold_routing" and r.tokens > 0 for r in rows)
+
+
+def test_any_runner_gives_the_same_report(routed: Path) -> None:
+    trace = open_trace(str(routed))
+    here = _json(diff(trace, all_episodes=True))
+    pooled = _json(diff(trace, all_episodes=True, runner=LocalRunner(jobs=2)))
+    assert pooled == here
+    with pytest.raises(Exception, match="at least 1"):
+        LocalRunner(jobs=0)
+
+
+def test_an_instance_view_holds_its_rows_only(routed: Path, tmp_path: Path) -> None:
+    trace = open_trace(str(routed))
+    ids = trace.instances()
+    view = trace.of_instance(ids[0])
+    assert view.parts and len(view.parts) < len(trace.parts)
+    assert set(view.collect("store")["instance_id"].unique().to_list()) == {ids[0]}
+    # a compacted file holds every instance: the view filters its rows instead
+    out = tmp_path / "compacted"
+    compact([str(routed)], str(out))
+    whole = open_trace(str(out))
+    assert whole.instances() == ids
+    mixed = whole.of_instance(ids[1])
+    assert len(mixed.parts) == len(whole.parts)
+    assert set(mixed.collect("lookup")["instance_id"].unique().to_list()) == {ids[1]}
+    assert mixed.rows("lookup") == whole.rows("lookup")  # part metadata, not the view
+    assert _json(diff(whole, all_episodes=True)) == _json(diff(trace, all_episodes=True))
+
+
+def test_views_are_traces(routed: Path) -> None:
+    view = open_trace(str(routed)).of_instance(1)
+    assert isinstance(view, Trace) and view.instance == 1
+    assert view.collect("store").height == 0  # no such instance: nothing
