@@ -5,9 +5,10 @@
 
 ``--engines N``: a fleet trace of N engines with routing between them (gen_trace.py
 ``--misroute 0.2``), judged side by side in one run, each mode in a fresh process, rounds
-interleaved: in this process (one polars process), engine by engine in ``--workers`` local
-processes (``--jobs``), and as Ray tasks on a local Ray cluster of ``--workers`` CPUs (the
-cluster started before the clock; its start-up reported apart). Prints wall times and ratios,
+interleaved: in this process as one partition (the whole trace at once) and cut one engine
+per partition (the finest split, what each engine's judgement costs alone), in ``--workers``
+local processes (``--jobs``), and as Ray tasks on a local Ray cluster of ``--workers`` CPUs
+(the cluster started before the clock; its start-up reported apart). Prints wall times and ratios,
 the peak RSS of the driver and of the largest worker, the cross-engine facts' rows and bytes
 beside the trace's, the per-worker rates, and whether every mode's report is the same bytes.
 
@@ -79,6 +80,7 @@ def rss_call(fn, *args):
 class Measured:
     def __init__(self, inner):
         self.inner, self.name, self.peaks = inner, inner.name, []
+        self.partitions = inner.partitions
     def map(self, fn, calls, shared, done=None):
         got = self.inner.map(rss_call, [(fn, *c) for c in calls], shared, done)
         self.peaks += [p for _, p in got]
@@ -95,16 +97,18 @@ if __name__ == "__main__":
         inner = RayRunner()
         startup = time.perf_counter() - t
     else:
-        inner = LocalRunner(1 if mode == "single" else workers)
+        inner = LocalRunner(workers if mode == "local" else 1)
     runner = Measured(inner)
     t = time.perf_counter()
-    report = diff(open_trace(d), all_episodes=True, runner=runner)
+    trace = open_trace(d)
+    cut = len(trace.instances()) if mode == "engines" else None
+    report = diff(trace, all_episodes=True, runner=runner, partitions=cut)
     buf = io.StringIO()
     write_json(report, buf)
     wall = time.perf_counter() - t
     me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"wall": wall, "startup": startup, "driver": me,
-        "worker": max(runner.peaks) if mode != "single" else me,
+        "worker": max(runner.peaks) if mode in ("local", "ray") else me,
         "digest": hashlib.sha256(buf.getvalue().encode()).hexdigest(),
         "episodes": sum(report.counts.values()), "counts": report.counts}))
 """
@@ -117,8 +121,8 @@ from keytrace.analysis.diff import _groups
 from keytrace.format.reader import open_trace
 trace = open_trace(sys.argv[1])
 groups = _groups(trace)
-views = [trace.of_instance(i) for i in trace.instances()]
-ex = [partition.exports(v, groups) for v in views]
+views = [trace.of_instances([i]) for i in trace.instances()]
+ex = [partition.exports(v, (groups, len(views) > 1)) for v in views]
 cross = partition.cross_engine(ex)
 asked = partition.asked_of(ex)
 first = partition.first_offers([partition.first_offers_of(v, asked) for v in views], asked)
@@ -148,12 +152,16 @@ def fleet(args: argparse.Namespace) -> int:
             ],
             check=True,
         )
-    modes = ["single", "local", "ray"]
+    # a script file, not -c: spawned pool workers re-import the main module for rss_call
+    script = os.path.join(args.work, "fleet_run.py")
+    with open(script, "w") as fh:
+        fh.write(FLEET_RUN)
+    modes = ["single", "engines", "local", "ray"]
     runs: dict[str, list[dict[str, object]]] = {m: [] for m in modes}
     for r in range(args.repeat):
-        for m in modes[r % 3 :] + modes[: r % 3]:  # order rotates: no mode always first
+        for m in modes[r % 4 :] + modes[: r % 4]:  # order rotates: no mode always first
             p = subprocess.run(
-                [sys.executable, "-c", FLEET_RUN, d, m, str(args.workers)],
+                [sys.executable, script, d, m, str(args.workers)],
                 capture_output=True,
                 text=True,
             )
@@ -189,7 +197,8 @@ def fleet(args: argparse.Namespace) -> int:
     )
     base = statistics.median(float(x["wall"]) for x in runs["single"])  # type: ignore[arg-type]
     labels = {
-        "single": "one process",
+        "single": "one process, whole trace",
+        "engines": "one process, engine by engine",
         "local": f"{args.workers} local processes (--jobs)",
         "ray": f"Ray, local cluster of {args.workers} CPUs",
     }
@@ -217,10 +226,11 @@ def fleet(args: argparse.Namespace) -> int:
             (facts["elsewhere"][1] + facts["asked"][1] + facts["first"][1]) / trace_bytes,
         )
     )
+    each = statistics.median(float(x["wall"]) for x in runs["engines"])  # type: ignore[arg-type]
     print(
-        f"per worker (one process): {key_rows / base:,.0f} key rows/s, "
-        f"{episodes / base:,.0f} episodes/s, {episodes / base / facts['engines']:.2f} engines' "
-        "share/s"
+        f"one process: {key_rows / base:,.0f} key rows/s whole, {key_rows / each:,.0f} key "
+        f"rows/s engine by engine ({each / facts['engines']:.3f} s per engine of "
+        f"{key_rows / facts['engines']:,.0f} key rows)"
     )
     digests = {str(x["digest"]) for m in modes for x in runs[m]}
     print(f"every report the same bytes: {len(digests) == 1}")

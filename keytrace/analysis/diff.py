@@ -71,6 +71,7 @@ def diff(
     batch_episodes: int = BATCH_EPISODES,
     maps: int = 0,
     runner: Runner | None = None,
+    partitions: int | None = None,
 ) -> DiffReport:
     """Judge every selected episode; see the module docstring. Returns data, never prints.
 
@@ -81,7 +82,9 @@ def diff(
     the report also carries the chunk maps of its first ``maps`` shortfalls, mismatches
     first (`keytrace.analysis.chunkmap`; what ``keytrace diff --html`` draws).
     ``runner``: who judges the engines (`keytrace.analysis.runners`; default: this
-    process); the report is the same whoever does.
+    process); ``partitions``: into how many sets of recorder instances the work is cut
+    (`keytrace.analysis.partition.plan`; default: the runner's). The report is the same
+    bytes whoever judges and however the instances are cut.
     """
     try:
         report = _diff(
@@ -93,6 +96,7 @@ def diff(
             progress,
             batch_episodes,
             runner or LocalRunner(),
+            partitions,
         )
     except UnknownResultError:
         raise_unknown_results(trace)  # names the part
@@ -123,12 +127,17 @@ def _diff(
     progress: ProgressFn | None,
     batch_episodes: int,
     runner: Runner,
+    partitions: int | None,
 ) -> DiffReport:
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
-    views = [trace.of_instance(i) for i in trace.instances()]
-    # the facts that cross engines (keytrace.analysis.partition), then each engine alone
-    exported: list[partition.Exports] = runner.map(partition.exports, [(v,) for v in views], groups)
+    plan = partition.plan(trace.instance_rows(), partitions or runner.partitions)
+    views = [trace.of_instances(p) for p in plan]
+    # the facts that cross partitions (keytrace.analysis.partition), then each alone
+    several = len(views) > 1
+    exported: list[partition.Exports] = runner.map(
+        partition.exports, [(v,) for v in views], (groups, several)
+    )
     cross = _cross_engine(trace, views, exported, runner)
     total = sum(e.episodes for e in exported)
     finished = [0]
@@ -139,8 +148,8 @@ def _diff(
         tick("episodes", finished[0], total)
 
     options = _Options(groups, (request, engine, rank), all_episodes, batch_episodes)
-    results: list[InstanceResult] = runner.map(
-        judge_instance,
+    results: list[PartitionResult] = runner.map(
+        judge_partition,
         [(v, e.offers, options) for v, e in zip(views, exported, strict=True)],
         cross,
         done=judged,
@@ -151,7 +160,7 @@ def _diff(
 def _cross_engine(
     trace: Trace, views: list[Trace], exported: list[partition.Exports], runner: Runner
 ) -> partition.CrossEngine:
-    """`partition.CrossEngine` with its first-offer table (none on one instance)."""
+    """`partition.CrossEngine` with its first-offer table (none for one partition)."""
     cross = partition.cross_engine(exported)
     if len(views) < 2:
         return cross
@@ -172,21 +181,22 @@ class _Options:
 
 
 @dataclasses.dataclass
-class InstanceResult:
-    """One instance's judgement (`judge_instance`): its batches, and its requests that
+class PartitionResult:
+    """One partition's judgement (`judge_partition`): its batches, and its requests that
     stored keys with no lookup rows (`stores_without_lookups`)."""
 
     batches: list[_Batch]
     unlooked: list[str]
 
 
-def judge_instance(
+def judge_partition(
     view: Trace, offers: pl.DataFrame, options: _Options, cross: partition.CrossEngine
-) -> InstanceResult:
-    """Judge every episode of one recorder instance (``view``: `Trace.of_instance`) from
-    its own rows, its boundary ``offers`` (`partition.Exports.offers`) and the ``cross``
-    engine facts; consecutive batches of episodes (`BATCH_EPISODES`). A top-level function
-    of picklable arguments: a runner may call it in another process or on a cluster."""
+) -> PartitionResult:
+    """Judge every episode of a partition's instances (``view``: `Trace.of_instances`),
+    each from its own rows, the partition's boundary ``offers``
+    (`partition.Exports.offers`) and the ``cross`` partition facts; consecutive batches of
+    episodes (`BATCH_EPISODES`). A top-level function of picklable arguments: a runner may
+    call it in another process or on a cluster."""
     groups = options.groups
     routing = lost.routing(frames.stores(view), cross.elsewhere, groups)
     runs = _deferral_runs(view)
@@ -202,7 +212,7 @@ def judge_instance(
     # (measured at 150M rows: +90 MB for the first, +10 MB for each next one)
     chains = [_chains(view.episode_range(lo, hi), groups, offers) for lo, hi, _ in ranges]
     del offers  # what the batches need of it is in `routing` and `chains`
-    others = cross.offers if cross.instances > 1 else None
+    others = cross.offers if cross.partitions > 1 else None
     batches = [
         _judge(
             view,
@@ -216,11 +226,11 @@ def judge_instance(
         )
         for (lo, hi, _), chained in zip(ranges, chains, strict=True)
     ]
-    return InstanceResult(batches, stores_without_lookups(view))
+    return PartitionResult(batches, stores_without_lookups(view))
 
 
-def _merge(trace: Trace, results: list[InstanceResult], all_episodes: bool) -> DiffReport:
-    """One report from every instance's judgement: counts and token accounts added up,
+def _merge(trace: Trace, results: list[PartitionResult], all_episodes: bool) -> DiffReport:
+    """One report from every partition's judgement: counts and token accounts added up,
     reported episodes in sequence order (instance breaking ties), whatever ran them."""
     batches = [b for r in results for b in r.batches]
     if not any(b.counts for b in batches):
@@ -307,12 +317,13 @@ def _judge(
     all_episodes: bool,
     others: partition.FirstOffers | None = None,
 ) -> _Batch:
-    """The episodes ``lo <= s < hi`` of one instance (``trace``: `Trace.of_instance`):
+    """The episodes ``lo <= s < hi`` of a partition (``trace``: `Trace.of_instances`):
     their own lookup rows are read from ``view`` (`Trace.episode_range`), the store history
     from ``past`` (the rows before the batch's end), what needs other episodes' lookups (a
-    request's earlier ones) from ``trace``. ``known``: the instance's `lost.Routing`, the
-    batch's `_chains`, the instance's `_deferral_runs` and its `lost.promotions` (None: not
-    tiered). ``others``: what other instances offered (None: the trace has one)."""
+    request's earlier ones) from ``trace``. ``known``: the partition's `lost.Routing`, the
+    batch's `_chains`, its `_deferral_runs` and its `lost.promotions` (None: not tiered).
+    ``others``: what the other partitions' instances offered (None: ``trace`` holds every
+    instance, and is read for it)."""
     routing, chains, runs, promotions, crowd = known
     view = trace.episode_range(lo, hi)
     eps = _episodes(view, groups, chains, runs, sel)

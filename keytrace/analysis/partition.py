@@ -9,11 +9,11 @@ history by sequence number, its tier rows), except three things another engine c
    (one row per request boundary: instance, key, boundary, first wall clock), the
    `keytrace.analysis.lost.Routing` ``elsewhere`` table.
 2. **other_engine** (the cause of a needed key): another instance offered the key before
-   the episode's wall clock. A needed key that did not hit is a key the episode's lookups
-   asked for and did not get, or one the recorder listed for it; so each instance first
-   names those keys (``asked``: its lookups' keys without a HIT, its scans' terminal keys,
-   its listed keys), and every instance then gives, for just those keys, when it first
-   offered each. Per key the table keeps the earliest offer (instance, wall clock) and the
+   the episode's wall clock. A needed key that did not hit is nearly always a key at the
+   head of one of the episode's scans that did not answer HIT, or one the recorder listed
+   for it; so each partition first names those keys (``asked``: `asked_keys`), and every
+   partition then gives, for just those keys, when each of its instances first offered
+   each (a probe key outside them is read from the whole trace). Per key the table keeps the earliest offer (instance, wall clock) and the
    earliest on any *other* instance (`FirstOffers`): an episode on X at t saw another
    engine's offer iff the first offer not on X came before t, i.e. ``(inst1 != X and
    ts1 < t) or ts2 < t`` (`keytrace.analysis.history.offered_elsewhere`).
@@ -23,13 +23,17 @@ history by sequence number, its tier rows), except three things another engine c
    trace (``fleet``); on traces of schema 2 it is rare (vLLM's key lists are recorded).
    A key derived so is looked up in the whole trace too, for (2).
 
-So the work divides into: per instance, its exports (`exports`: boundary offers, asked
-keys); once, their union (`CrossEngine`); per instance, its first offers of the asked keys
-(`first_offers_of`); once, `FirstOffers`; per instance, the judgement
-(`keytrace.analysis.diff.judge_instance`). The runner (`keytrace.analysis.runners`) maps
-the per-instance steps over a process pool or a Ray cluster; what it returns is the same
-whatever runs it, and the report is merged in one order (sequence number, then instance).
-Pure: returns data, never prints.
+The unit of work is a *partition*: a set of instances judged together (`plan`: packed by
+rows, so many small engines do not each pay a judgement's fixed cost). Within one, every
+instance is still judged from its own rows (every join is on the instance) and from the
+facts about the others; a partition of every instance is the whole trace, which needs no
+facts at all. So the work divides into: per partition, its exports (`exports`: boundary
+offers, asked keys); once, their union (`CrossEngine`); per partition, its first offers of
+the asked keys (`first_offers_of`); once, `FirstOffers`; per partition, the judgement
+(`keytrace.analysis.diff.judge_partition`). The runner (`keytrace.analysis.runners`) maps
+the per-partition steps over a process pool or a Ray cluster; the report is the same bytes
+however the instances are partitioned and whoever runs them (merged in one order: sequence
+number, then instance). Pure: returns data, never prints.
 """
 
 from __future__ import annotations
@@ -46,21 +50,29 @@ from keytrace.format.reader import Trace
 from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.shape import lookup_rows
 
-__all__ = ["CrossEngine", "Exports", "FirstOffers", "cross_engine", "exports", "first_offers_of"]
+__all__ = [
+    "CrossEngine",
+    "Exports",
+    "FirstOffers",
+    "cross_engine",
+    "exports",
+    "first_offers_of",
+    "plan",
+]
 
 _KEYS = pl.Schema({"key": pl.Binary})
 
 
 @dataclass(frozen=True)
 class Exports:
-    """What one instance contributes to the cross-engine facts (`exports`)."""
+    """What one partition contributes to the cross-engine facts (`exports`)."""
 
-    instance: int
+    instances: tuple[int, ...]
     offers: pl.DataFrame
-    """`keytrace.analysis.boundaries.boundary_offers` of the instance (its own chains read
-    them whole; the other instances read their ``elsewhere`` projection)."""
+    """`keytrace.analysis.boundaries.boundary_offers` of its instances (their own chains
+    read them whole; the other partitions read their ``elsewhere`` projection)."""
     asked: pl.DataFrame
-    """(key): the keys its episodes asked for and did not get, or listed."""
+    """(key): keys its episodes asked for and did not get, or listed (`asked_keys`)."""
     episodes: int
     """Its lookup episodes (for progress)."""
 
@@ -85,29 +97,48 @@ class CrossEngine:
     elsewhere: pl.DataFrame
     """(other, key, b, first_ts): `keytrace.analysis.lost.Routing` ``elsewhere``."""
     offers: FirstOffers
-    instances: int
+    partitions: int
 
 
-def exports(view: Trace, groups: list[Group]) -> Exports:
-    """One instance's exports; ``view``: `Trace.of_instance` of it."""
+def plan(rows: dict[int, int], partitions: int) -> list[tuple[int, ...]]:
+    """The instances (``rows``: rows per instance) in at most ``partitions`` sets of about
+    equal rows (largest first, each to the lightest set), each sorted, in order of their
+    first instance: the same plan for the same trace and count."""
+    bins: list[list[int]] = [[] for _ in range(max(1, min(partitions, len(rows))))]
+    load = [0] * len(bins)
+    for inst in sorted(rows, key=lambda i: (-rows[i], i)):
+        k = min(range(len(bins)), key=lambda b: (load[b], b))
+        bins[k].append(inst)
+        load[k] += rows[inst]
+    return sorted((tuple(sorted(b)) for b in bins if b), key=lambda b: b[0])
+
+
+def exports(view: Trace, shared: tuple[list[Group], bool]) -> Exports:
+    """One partition's exports; ``view``: `Trace.of_instances` of it; ``shared``: the
+    trace's groups, and whether the trace has other partitions (else nothing is asked)."""
+    groups, several = shared
     offers = boundary_offers(view, groups)
     n = frames.collect(frames.episodes(view).select(pl.len())).item()
-    return Exports(_instance(view), offers, asked_keys(view), int(n))
+    asked = asked_keys(view) if several else pl.DataFrame(schema=_KEYS)
+    return Exports(_instances(view), offers, asked, int(n))
 
 
 def asked_keys(view: Trace) -> pl.DataFrame:
-    """(key), distinct: every key a needed chunk of ``view``'s episodes can be probed
-    under without a derivation: a lookup call's key whose result was not HIT, a scan's
-    terminal key, a key the recorder listed (unqueried groups, proofs). Only the key and
-    result lists are exploded (`keytrace.analysis.frames.lookup_keys` explains the cost)."""
+    """(key), distinct: the keys a needed chunk of ``view``'s episodes is nearly always
+    probed under: a key in a scan's head whose lookup was not HIT (vLLM starts a scan where
+    a hit would end, so the needed chunks are at the head: `keytrace.format.schema.HEAD`;
+    a window scan's long run of misses to chunk 0 is in the tail, never needed), a scan's
+    terminal key, a key the recorder listed (unqueried groups, proofs). Any other probe key
+    (a tail lookup, a derived key) is looked up in the whole trace instead
+    (`keytrace.analysis.history.offered_elsewhere`), so this set decides the cost, never a
+    verdict."""
     rows = lookup_rows(view)
     scanned = rows.filter(pl.col("scan") >= 0)
     called = [
-        scanned.select(pl.col(f"{p}_keys").alias("key"), pl.col(f"{p}_results").alias("r"))
+        scanned.select(pl.col("head_keys").alias("key"), pl.col("head_results").alias("r"))
         .explode("key", "r")
         .filter(pl.col("key").is_not_null() & (pl.col("r").cast(pl.String) != "HIT"))
         .select("key")
-        for p in ("head", "tail")
     ]
     terminal = scanned.select(pl.col("term_key").alias("key")).drop_nulls()
     listed = (
@@ -145,7 +176,7 @@ def asked_of(every: Sequence[Exports]) -> pl.DataFrame:
 
 
 def first_offers_of(view: Trace, asked: pl.DataFrame) -> pl.DataFrame:
-    """(key, inst, ts): when ``view``'s instance first offered each of ``asked``."""
+    """(key, inst, ts): when each of ``view``'s instances first offered each of ``asked``."""
     return frames.collect(
         frames.stores(view)
         .filter(pl.col("event").is_in(OFFER_EVENTS) & pl.col("key").is_in(asked["key"].implode()))
@@ -178,7 +209,7 @@ def _first_schema() -> pl.DataFrame:
     )
 
 
-def _instance(view: Trace) -> int:
-    if view.instance is None:
-        raise ValueError("exports() takes a Trace.of_instance view")
-    return view.instance
+def _instances(view: Trace) -> tuple[int, ...]:
+    if view.only is None:
+        raise ValueError("exports() takes a Trace.of_instances view")
+    return tuple(sorted(view.only))

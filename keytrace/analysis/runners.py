@@ -21,9 +21,12 @@ DoneFn = Callable[[int], None]
 
 
 class Runner(Protocol):
-    """Maps ``fn(*args, shared)`` over ``calls``; results in the order of ``calls``."""
+    """Maps ``fn(*args, shared)`` over ``calls``; results in the order of ``calls``.
+    ``partitions``: into how many sets of engines it would have a trace cut (enough to keep
+    its workers busy; one: the whole trace at once, in this process)."""
 
     name: str
+    partitions: int
 
     def map(
         self,
@@ -44,6 +47,9 @@ class LocalRunner:
             raise UsageError(f"--jobs must be at least 1, not {jobs}")
         self.jobs = jobs
         self.name = "local" if jobs == 1 else f"{jobs} local processes"
+        # polars uses every core within one query: one process judges the whole trace at
+        # once; a pool gets a few partitions per process, so the last ones even out
+        self.partitions = 1 if jobs == 1 else 2 * jobs
 
     def map(
         self,
@@ -120,6 +126,8 @@ class RayRunner:
                 **(init_args or {}),
             )
         self.name = f"Ray ({address or 'local'})"
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        self.partitions = 2 * max(1, cpus)
         self._max_retries = max_retries
         self._before_each = before_each
 

@@ -82,8 +82,8 @@ class Trace:
     sequence number is in this range (a bound of None: open); see `episode_range`."""
     missing: list[str] = field(default_factory=list)
     """What the parts' flush manifests say was written and is not here (`missing_parts`)."""
-    instance: int | None = None
-    """Only the rows of this recorder instance (``instance_id``); see `of_instance`."""
+    only: frozenset[int] | None = None
+    """Only the rows of these recorder instances (``instance_id``); see `of_instances`."""
 
     @property
     def incomplete(self) -> bool:
@@ -118,8 +118,8 @@ class Trace:
             )
         if self.episodes is not None and kind in EPISODE_KINDS:
             frame = frame.filter(_within("episode", *self.episodes))
-        if self.instance is not None and self._mixed(kind):
-            frame = frame.filter(pl.col("instance_id") == self.instance)
+        if self.only is not None and self._mixed(kind):
+            frame = frame.filter(pl.col("instance_id").is_in(sorted(self.only)))
         return frame
 
     def _mixed(self, kind: str) -> bool:
@@ -127,25 +127,36 @@ class Trace:
         file names none in its source), so an instance view must filter rows too."""
         return any(_instance_of(p) is None for p in self.parts_of(kind))
 
-    def of_instance(self, instance: int) -> Trace:
-        """This trace with only the rows one recorder instance wrote (``instance_id``): the
-        parts another instance wrote are dropped unread (a writer's part names its instance
-        in its source); a part of several (compacted) is filtered row by row. What the
-        differ judges per engine (`keytrace.analysis.partition`)."""
-        parts = [p for p in self.parts if _instance_of(p) in (None, instance)]
-        return dataclasses.replace(self, parts=parts, instance=instance)
+    def of_instances(self, instances: Iterable[int]) -> Trace:
+        """This trace with only the rows these recorder instances wrote (``instance_id``):
+        the parts other instances wrote are dropped unread (a writer's part names its
+        instance in its source); a part of several (compacted) is filtered row by row. What
+        the differ judges at once (`keytrace.analysis.partition`)."""
+        keep = frozenset(instances)
+        parts = [p for p in self.parts if (i := _instance_of(p)) is None or i in keep]
+        return dataclasses.replace(self, parts=parts, only=keep)
 
     def instances(self) -> list[int]:
-        """The recorder instances whose rows this trace holds, sorted. Read from the parts'
-        sources; only a part that names none (compacted) is scanned for them."""
-        named = {i for p in self.parts if (i := _instance_of(p)) is not None}
-        mixed = [p for p in self.parts if _instance_of(p) is None]
-        for p in mixed:
+        """The recorder instances whose rows this trace holds, sorted."""
+        return sorted(self.instance_rows())
+
+    def instance_rows(self) -> dict[int, int]:
+        """Rows per recorder instance, from the parts' sources; only a part that names none
+        (compacted) is scanned for them."""
+        rows: dict[int, int] = {}
+        for p in self.parts:
+            i = _instance_of(p)
+            if i is not None:
+                rows[i] = rows.get(i, 0) + p.rows
+                continue
             ids = pl.scan_parquet(p.path, hive_partitioning=False).select("instance_id")
             if p.row_slice is not None:
                 ids = ids.slice(*p.row_slice)
-            named.update(ids.unique().collect().get_column("instance_id").to_list())
-        return sorted(named)
+            for inst, n in ids.group_by("instance_id").len().collect().iter_rows():
+                rows[inst] = rows.get(inst, 0) + n
+        if self.only is not None:
+            rows = {i: n for i, n in rows.items() if i in self.only}
+        return rows
 
     def episode_range(self, lo: int | None, hi: int | None) -> Trace:
         """This trace with only the lookup-side rows of episodes ``lo <= episode < hi``

@@ -61,7 +61,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(ROOT / "tools" / "gen_trace.py"),
             str(out),
             "--rows",
-            "400000",
+            "250000",
             "--engines",
             str(ENGINES),
             "--planted",
@@ -102,6 +102,8 @@ def test_ray_is_byte_identical_on_a_fleet_of_50_engines(cluster: None, fleet: Pa
     assert here.counts.get("mismatch") == 3
     on_ray = diff(trace, all_episodes=True, runner=RayRunner())
     assert _outputs(on_ray) == _outputs(here)
+    each = diff(trace, all_episodes=True, runner=RayRunner(), partitions=ENGINES)
+    assert _outputs(each) == _outputs(here)
     shortfalls = diff(trace, runner=RayRunner())
     assert _outputs(shortfalls) == _outputs(diff(trace))
 
@@ -190,4 +192,6 @@ def test_ray_is_byte_identical_on_recorded_workloads(
     assert len(trace.instances()) == 2
     here = diff(trace, all_episodes=True)
     assert sum(here.counts.values()) > 0
-    assert _outputs(diff(trace, all_episodes=True, runner=RayRunner())) == _outputs(here)
+    assert _outputs(diff(trace, all_episodes=True, runner=RayRunner(), partitions=2)) == _outputs(
+        here
+    )

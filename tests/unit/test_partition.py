@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from keytrace.analysis import frames
 from keytrace.analysis.diff import diff
 from keytrace.analysis.history import _offered_elsewhere_in, offered_elsewhere
-from keytrace.analysis.partition import FirstOffers, first_offers
+from keytrace.analysis.partition import FirstOffers, first_offers, plan
 from keytrace.analysis.results import DiffReport
 from keytrace.analysis.rules import OFFER_EVENTS
 from keytrace.analysis.runners import LocalRunner
@@ -114,7 +114,7 @@ def test_routing_between_engines_is_judged_from_the_cross_engine_facts(routed: P
     it and that the episode's own instance never held is called other_engine (the cause
     ranks above store_failed, rejected and the rest)."""
     trace = open_trace(str(routed))
-    report = diff(trace, all_episodes=True)
+    report = diff(trace, all_episodes=True, partitions=ENGINES)  # one engine per partition
     assert len(trace.instances()) == ENGINES
     t_of = {
         (i, s): t
@@ -156,19 +156,32 @@ def test_routing_between_engines_is_judged_from_the_cross_engine_facts(routed: P
     assert any(r.category == "cold_routing" and r.tokens > 0 for r in rows)
 
 
-def test_any_runner_gives_the_same_report(routed: Path) -> None:
+def test_any_partitioning_and_runner_gives_the_same_report(routed: Path) -> None:
+    """One partition is the whole trace at once (no cross-engine facts at all); every other
+    cut reads the facts instead: the same bytes."""
     trace = open_trace(str(routed))
     here = _json(diff(trace, all_episodes=True))
+    for k in (2, 3, ENGINES):
+        assert _json(diff(trace, all_episodes=True, partitions=k)) == here, k
     pooled = _json(diff(trace, all_episodes=True, runner=LocalRunner(jobs=2)))
     assert pooled == here
+    assert _json(diff(trace, partitions=3)) == _json(diff(trace))
     with pytest.raises(Exception, match="at least 1"):
         LocalRunner(jobs=0)
+
+
+def test_plan_packs_instances_by_rows() -> None:
+    rows = {10: 100, 11: 90, 12: 10, 13: 5, 14: 1}
+    assert plan(rows, 1) == [(10, 11, 12, 13, 14)]
+    assert plan(rows, 2) == [(10, 13), (11, 12, 14)]  # each next to the lightest set
+    assert plan(rows, 9) == [(10,), (11,), (12,), (13,), (14,)]
+    assert plan(rows, 3) == [(10,), (11,), (12, 13, 14)]
 
 
 def test_an_instance_view_holds_its_rows_only(routed: Path, tmp_path: Path) -> None:
     trace = open_trace(str(routed))
     ids = trace.instances()
-    view = trace.of_instance(ids[0])
+    view = trace.of_instances([ids[0]])
     assert view.parts and len(view.parts) < len(trace.parts)
     assert set(view.collect("store")["instance_id"].unique().to_list()) == {ids[0]}
     # a compacted file holds every instance: the view filters its rows instead
@@ -176,14 +189,42 @@ def test_an_instance_view_holds_its_rows_only(routed: Path, tmp_path: Path) -> N
     compact([str(routed)], str(out))
     whole = open_trace(str(out))
     assert whole.instances() == ids
-    mixed = whole.of_instance(ids[1])
+    mixed = whole.of_instances([ids[1]])
     assert len(mixed.parts) == len(whole.parts)
     assert set(mixed.collect("lookup")["instance_id"].unique().to_list()) == {ids[1]}
     assert mixed.rows("lookup") == whole.rows("lookup")  # part metadata, not the view
-    assert _json(diff(whole, all_episodes=True)) == _json(diff(trace, all_episodes=True))
+    assert whole.instance_rows() == trace.instance_rows()
+    assert _json(diff(whole, all_episodes=True, partitions=ENGINES)) == _json(
+        diff(trace, all_episodes=True)
+    )
 
 
 def test_views_are_traces(routed: Path) -> None:
-    view = open_trace(str(routed)).of_instance(1)
-    assert isinstance(view, Trace) and view.instance == 1
+    view = open_trace(str(routed)).of_instances([1])
+    assert isinstance(view, Trace) and view.only == {1}
     assert view.collect("store").height == 0  # no such instance: nothing
+
+
+def test_ray_option_takes_an_address_and_hands_a_trace_back() -> None:
+    from keytrace.cli.diff import _trace_after_ray
+
+    assert _trace_after_ray(("t",), None) == (("t",), None)
+    assert _trace_after_ray(("t",), "") == (("t",), "")
+    assert _trace_after_ray(("t",), "auto") == (("t",), "auto")
+    assert _trace_after_ray(("t",), "head:6379") == (("t",), "head:6379")
+    assert _trace_after_ray(("t",), "ray://head:10001") == (("t",), "ray://head:10001")
+    assert _trace_after_ray((), "/data/trace") == (("/data/trace",), "")
+    assert _trace_after_ray(("b",), "s3://bucket/t") == (("s3://bucket/t", "b"), "")
+
+
+def test_ray_missing_is_one_line_and_exit_2(
+    routed: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from keytrace.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert main(["diff", "--ray", str(routed)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'keytrace[ray]'" in err
+    assert main(["diff", "--jobs", "2"]) == 2
+    assert "missing TRACE" in capsys.readouterr().err
