@@ -132,13 +132,14 @@ def _diff(
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
     plan = partition.plan(trace.instance_rows(), partitions or runner.partitions)
-    views = [trace.of_instances(p) for p in plan]
+    shipped = trace.absolute()  # what workers are handed: any working directory reads it
+    views = [shipped.of_instances(p) for p in plan]
     # the facts that cross partitions (keytrace.analysis.partition), then each alone
     several = len(views) > 1
     exported: list[partition.Exports] = runner.map(
         partition.exports, [(v,) for v in views], (groups, several)
     )
-    cross = _cross_engine(trace, views, exported, runner)
+    cross = _cross_engine(shipped, views, exported, runner)
     total = sum(e.episodes for e in exported)
     finished = [0]
     tick("episodes", 0, total)
@@ -494,7 +495,10 @@ def _episodes(
         runs.lazy(), on=KEY, how="left"
     )
     return (
-        out.with_columns(base_verdict().alias("verdict")).filter(sel).sort("s").pipe(frames.collect)
+        out.with_columns(base_verdict().alias("verdict"))
+        .filter(sel)
+        .sort("s", "inst")  # the report's order (`merge_episode_lists`)
+        .pipe(frames.collect)
     )
 
 

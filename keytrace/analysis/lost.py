@@ -233,8 +233,10 @@ def summarize(partials: list[Partial]) -> LostTokens:
     tokens and the number of episodes with any; ``short`` rows per cause and group."""
     if not partials:
         return LostTokens(prompt_tokens={}, episodes={}, rows=[])
+    # diagonal: a tiered trace's partials have a promoted_<tier> column per tier their own
+    # episodes promoted from (a partition of engines that never promoted has none)
     per_cause = (
-        pl.concat([p.per_cause for p in partials], how="vertical_relaxed")
+        pl.concat([p.per_cause for p in partials], how="diagonal_relaxed")
         .group_by("engine", "cause", "bind_gid")
         .agg(pl.all().sum())
         .lazy()

@@ -4,6 +4,7 @@ and the builders that turn the differ's frames into them (`episode_list`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -282,10 +283,18 @@ def episode_list(
 def merge_episode_lists(lists: list[EpisodeList]) -> EpisodeList:
     """Reported episodes of any number of batches (of any instances) as one list, in the
     report's order: sequence number, then recorder instance (seqs are per process, so two
-    instances' episodes can share one). The same order whatever order the batches came in:
-    a report judged engine by engine, anywhere, is the same bytes."""
+    instances' episodes can share one; each batch is in that order already). The same
+    order whatever order the batches came in: a report judged in any partitions, anywhere,
+    is the same bytes. Batches that follow one another (one partition's, cut by sequence
+    number) are joined end to end."""
     if len(lists) == 1:
         return lists[0]
+    ends = [(_first(e), _last(e)) for e in lists if len(e)]
+    if all(a[1] < b[0] for a, b in itertools.pairwise(ends)):
+        kept = [e for e in lists if len(e)]
+        rows = pl.concat([e.rows for e in lists], how="vertical_relaxed", rechunk=False)
+        where = [(b, j) for b, e in enumerate(kept) for j in range(len(e))]
+        return EpisodeList(rows, _Placed(where, [e.detailed for e in kept]))
     tagged = [
         e.rows.with_columns(
             pl.lit(b, dtype=pl.Int64).alias("_batch"),
@@ -300,15 +309,24 @@ def merge_episode_lists(lists: list[EpisodeList]) -> EpisodeList:
     return EpisodeList(rows.drop("_batch", "_pos"), _Placed(where, [e.detailed for e in lists]))
 
 
+def _first(e: EpisodeList) -> tuple[int, int]:
+    return (int(e.rows["episode"][0]), int(e.rows["instance_id"][0]))
+
+
+def _last(e: EpisodeList) -> tuple[int, int]:
+    return (int(e.rows["episode"][-1]), int(e.rows["instance_id"][-1]))
+
+
 class _Placed(Mapping[int, EpisodeVerdict]):
     """Batches' detail mappings seen through a merged order: position ``i`` of the merged
-    list is position ``where[i][1]`` of batch ``where[i][0]``."""
+    list is position ``where[i][1]`` of batch ``where[i][0]``. Lookups are direct; only
+    iterating (which positions are detailed) walks the batches, once."""
 
     def __init__(
         self, where: list[tuple[int, int]], pieces: list[Mapping[int, EpisodeVerdict]]
     ) -> None:
         self._where, self._pieces = where, pieces
-        self._of = {w: i for i, w in enumerate(where) if w[1] in pieces[w[0]]}
+        self._detailed: list[int] | None = None
 
     def __getitem__(self, i: int) -> EpisodeVerdict:
         b, j = self._where[i]
@@ -321,13 +339,19 @@ class _Placed(Mapping[int, EpisodeVerdict]):
         return self._pieces[b].get(j, default)
 
     def __contains__(self, i: object) -> bool:
-        return isinstance(i, int) and 0 <= i < len(self._where) and self.get(i) is not None
+        return isinstance(i, int) and self.get(i) is not None
+
+    def _positions(self) -> list[int]:
+        if self._detailed is None:
+            at = {w: i for i, w in enumerate(self._where)}
+            self._detailed = sorted(at[(b, j)] for b, p in enumerate(self._pieces) for j in p)
+        return self._detailed
 
     def __iter__(self) -> Iterator[int]:
-        return iter(sorted(self._of.values()))
+        return iter(self._positions())
 
     def __len__(self) -> int:
-        return len(self._of)
+        return len(self._positions())
 
 
 class _ShortfallDetail(Mapping[int, EpisodeVerdict]):

@@ -118,13 +118,18 @@ class RayRunner:
             ) from exc
         self._ray = ray
         if not ray.is_initialized():
-            ray.init(
-                address=address,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                **(init_args or {}),
-            )
+            try:
+                ray.init(
+                    address=address,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    **(init_args or {}),
+                )
+            except Exception as exc:  # Ray's own: ConnectionError, ValueError, RuntimeError
+                where = address or "RAY_ADDRESS or a local cluster"
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UsageError(f"cannot start or reach Ray ({where}): {first}") from exc
         self.name = f"Ray ({address or 'local'})"
         cpus = int(ray.cluster_resources().get("CPU", 1))
         self.partitions = 2 * max(1, cpus)
@@ -147,7 +152,12 @@ class RayRunner:
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1)
             for r in ready:
-                results[pending[r]] = ray.get(r)
+                try:
+                    results[pending[r]] = ray.get(r)
+                except ray.exceptions.RayTaskError as exc:
+                    # the task's own exception, not Ray's wrapper with its remote traceback:
+                    # a trace problem stays one line (keytrace.errors)
+                    raise exc.cause from None
                 if done is not None:
                     done(pending[r])
         return [results[i] for i in range(len(calls))]

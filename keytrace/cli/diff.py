@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -180,8 +181,10 @@ def _trace_after_ray(
     paths: tuple[str, ...], ray_address: str | None
 ) -> tuple[tuple[str, ...], str | None]:
     """``--ray`` takes an optional ADDRESS, so ``--ray TRACE`` hands the trace to it: a
-    value with a slash that is not a ``ray://`` address is a trace (Ray's addresses are
-    ``auto``, ``local``, ``host:port`` or ``ray://host:port``)."""
-    if ray_address and "/" in ray_address and not ray_address.startswith("ray://"):
+    value that exists here, or has a slash and is not a ``ray://`` address, is a trace
+    (Ray's addresses are ``auto``, ``local``, ``host:port`` or ``ray://host:port``)."""
+    if not ray_address or ray_address.startswith("ray://"):
+        return paths, ray_address
+    if "/" in ray_address or os.path.exists(ray_address):
         return (ray_address, *paths), ""
     return paths, ray_address

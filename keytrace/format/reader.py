@@ -136,6 +136,12 @@ class Trace:
         parts = [p for p in self.parts if (i := _instance_of(p)) is None or i in keep]
         return dataclasses.replace(self, parts=parts, only=keep)
 
+    def absolute(self) -> Trace:
+        """This trace with every part's path absolute: what a worker in another working
+        directory (a process pool, a Ray task) is handed."""
+        parts = [dataclasses.replace(p, path=os.path.abspath(p.path)) for p in self.parts]
+        return dataclasses.replace(self, parts=parts)
+
     def instances(self) -> list[int]:
         """The recorder instances whose rows this trace holds, sorted."""
         return sorted(self.instance_rows())

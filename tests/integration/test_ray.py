@@ -136,6 +136,21 @@ def test_a_worker_killed_mid_run_is_retried_and_the_report_is_the_same(
     assert _outputs(report) == _outputs(diff(trace, all_episodes=True))
 
 
+def _fails(_x: int, _shared: None) -> None:
+    from keytrace.errors import TraceError
+
+    raise TraceError("part x.parquet: torn")
+
+
+def test_an_error_in_a_task_is_the_error_itself(cluster: None) -> None:
+    """Not Ray's wrapper with its remote traceback: the CLI says one line."""
+    from keytrace.errors import TraceError
+
+    with pytest.raises(TraceError) as got:
+        RayRunner().map(_fails, [(1,)], None)
+    assert str(got.value) == "part x.parquet: torn"
+
+
 def test_the_cli_runs_on_ray_and_says_the_same(fleet: Path) -> None:
     """``keytrace diff --ray TRACE`` in a fresh process (it starts its own local Ray: the
     trace right after --ray is a TRACE, not an address)."""
@@ -145,7 +160,6 @@ def test_the_cli_runs_on_ray_and_says_the_same(fleet: Path) -> None:
             [sys.executable, "-m", "keytrace", "diff", "--json", "--by", "engine", *extra],
             capture_output=True,
             text=True,
-            env={**os.environ, "RAY_num_cpus": "2"},
         )
 
     local = run(str(fleet))

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keytrace.analysis import frames
+from keytrace.analysis import frames, partition
 from keytrace.analysis.diff import diff
 from keytrace.analysis.history import _offered_elsewhere_in, offered_elsewhere
+from keytrace.analysis.lost import Partial, summarize
 from keytrace.analysis.partition import FirstOffers, first_offers, plan
 from keytrace.analysis.results import DiffReport
 from keytrace.analysis.rules import OFFER_EVENTS
@@ -132,12 +133,11 @@ def test_routing_between_engines_is_judged_from_the_cross_engine_facts(routed: P
                 k = (other, key)
                 first_elsewhere[k] = min(ts, first_elsewhere.get(k, ts))
     seen = {"other_engine": 0, "elsewhere_first": 0}
-    held_here = {
-        (i, k)
-        for i, k in frames.collect(
-            frames.stores(trace).filter(pl.col("event") == "completed").select("inst", "key")
-        ).iter_rows()
-    }
+    completed: dict[tuple[int, bytes], int] = {}  # first completion on each instance
+    for i, k, ts in frames.collect(
+        frames.stores(trace).filter(pl.col("event") == "completed").select("inst", "key", "ts")
+    ).iter_rows():
+        completed[(i, k)] = min(ts, completed.get((i, k), ts))
     for ep in report.episodes:
         t = t_of[(ep.instance_id, ep.episode)]
         for c in ep.needed or []:
@@ -148,9 +148,14 @@ def test_routing_between_engines_is_judged_from_the_cross_engine_facts(routed: P
             if c.cause == "other_engine":
                 seen["other_engine"] += 1
                 assert before is not None and before < t, (ep.req_id, c)
-            elif before is not None and before < t and (ep.instance_id, k) not in held_here:
+            elif (
+                before is not None
+                and before < t
+                and completed.get((ep.instance_id, k), t) >= t  # never held here before
+            ):
                 seen["elsewhere_first"] += 1
-                assert c.cause in ("in_flight", "evicted", "resident"), (ep.req_id, c)
+                # never held here before t: only a store still in flight ranks above
+                assert c.cause == "in_flight", (ep.req_id, c)
     assert seen["other_engine"] > 0
     rows = report.lost.rows if report.lost else []
     assert any(r.category == "cold_routing" and r.tokens > 0 for r in rows)
@@ -200,9 +205,47 @@ def test_an_instance_view_holds_its_rows_only(routed: Path, tmp_path: Path) -> N
 
 
 def test_views_are_traces(routed: Path) -> None:
-    view = open_trace(str(routed)).of_instances([1])
-    assert isinstance(view, Trace) and view.only == {1}
-    assert view.collect("store").height == 0  # no such instance: nothing
+    trace = open_trace(str(routed))
+    absent = max(trace.instances()) + 1
+    view = trace.of_instances([absent])
+    assert isinstance(view, Trace) and view.only == {absent}
+    assert view.collect("store").height == 0 and view.instance_rows() == {}
+
+
+def test_probe_keys_outside_the_asked_set_are_read_from_the_whole_trace(
+    routed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The asked set sets the cost only: with none asked, every probe key is read from the
+    whole trace (`offered_elsewhere`'s fallback), and the report is the same."""
+    trace = open_trace(str(routed))
+    want = _json(diff(trace, all_episodes=True))
+    monkeypatch.setattr(
+        partition, "asked_keys", lambda view: pl.DataFrame(schema={"key": pl.Binary})
+    )
+    assert _json(diff(trace, all_episodes=True, partitions=ENGINES)) == want
+
+
+def test_token_accounts_of_partitions_with_different_tiers_add_up() -> None:
+    """A tiered trace's partition whose engines never promoted has no promoted_<tier>
+    column: the partials still add up (as if it had one of zeros)."""
+    by = {"engine": ["e0"], "cause": [None], "bind_gid": [None]}
+    promoted = Partial(
+        pl.DataFrame(
+            {**by, "offload": [5], "promoted_1": [3], "n_offload": [1], "n_promoted_1": [1]}
+        ),
+        pl.DataFrame({"engine": ["e0"], "N": [10], "episodes": [1]}),
+    )
+    plain = Partial(
+        pl.DataFrame({**by, "engine": ["e1"], "offload": [4], "n_offload": [1]}),
+        pl.DataFrame({"engine": ["e1"], "N": [7], "episodes": [1]}),
+    )
+    zeros = Partial(
+        plain.per_cause.with_columns(
+            pl.lit(0, pl.Int64).alias("promoted_1"), pl.lit(0, pl.Int64).alias("n_promoted_1")
+        ),
+        plain.prompts,
+    )
+    assert summarize([promoted, plain]) == summarize([promoted, zeros])
 
 
 def test_ray_option_takes_an_address_and_hands_a_trace_back() -> None:
