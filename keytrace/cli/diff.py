@@ -73,8 +73,9 @@ from keytrace.report.text import render_diff, render_fleet
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="Judge the engines of a fleet trace in this many local processes (each recorder "
-    "instance is judged on its own; the report is the same bytes for any value).",
+    help="Judge the engines of a fleet trace in this many local processes (2 sets of "
+    "engines each). On a few cores one process is fastest: polars already uses them all. "
+    "The report is the same bytes for any value.",
 )
 @click.option(
     "--ray",
@@ -85,9 +86,9 @@ from keytrace.report.text import render_diff, render_fleet
     metavar="[ADDRESS]",
     help="Judge the engines as Ray tasks on a cluster: ADDRESS as ray.init takes it "
     "(ray://host:10001, host:6379, auto); without one, the cluster RAY_ADDRESS names, else "
-    "a local one (a path right after --ray is a TRACE, not an address). Needs "
-    "keytrace[ray]; the trace must be readable at the same path (or URI) on every node. "
-    "Same report as without.",
+    "one running here, else a new local one (a path right after --ray is a TRACE, not an "
+    "address). Needs keytrace[ray] on every node, and the trace at the same path there (a "
+    "shared filesystem). Same report as without.",
 )
 @allow_incomplete_option
 @progress_option

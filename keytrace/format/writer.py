@@ -642,12 +642,24 @@ class NullWriter(_Identity):
         """Nothing to close."""
 
 
+def _import_now() -> None:
+    """Make pyarrow import now what it imports on its first conversion. ``pa.array`` asks
+    whether its input is a pandas object, importing pandas the first time when it is
+    installed; pandas imports ``concurrent.futures.thread``, which registers an atexit hook,
+    and during interpreter shutdown that raises "can't register atexit after shutdown". A
+    writer whose first flush is the one at exit (vLLM's SIGTERM, a short run) then lost
+    every row. Once per process, when the first writer starts."""
+    with contextlib.suppress(Exception):
+        pa.array([0], type=pa.int64())
+
+
 def _register_for_shutdown(writer: TraceWriter) -> None:
     global _HOOKS_INSTALLED, _PREV_SIGTERM
     _LIVE.add(writer)
     if _HOOKS_INSTALLED:
         return
     _HOOKS_INSTALLED = True
+    _import_now()
     atexit.register(close_all)
     if threading.current_thread() is threading.main_thread():
         # Chain, never replace: whoever installed a handler before us still runs after
