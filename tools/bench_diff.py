@@ -52,6 +52,18 @@ print(a.height + b.height)
 """
 
 
+def count_key_rows(d: str) -> int:
+    """Key rows of a trace: every key its scans looked up, and every store row."""
+    import polars as pl
+
+    lookups = pl.scan_parquet(os.path.join(d, "kind=lookup", "*.parquet"))
+    stores = pl.scan_parquet(os.path.join(d, "kind=store", "*.parquet"))
+    return int(
+        lookups.select(pl.col("n_keys").sum()).collect().item()
+        + stores.select(pl.len()).collect().item()
+    )
+
+
 def timed(cmd: list[str]) -> tuple[float, int, str, int]:
     wrapped = ["/usr/bin/time", "-f", "__RSS_KB__ %M", *cmd]
     t = time.perf_counter()
@@ -177,18 +189,7 @@ def fleet(args: argparse.Namespace) -> int:
     trace_bytes = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(d) for f in fs
     )
-    import polars as pl
-
-    key_rows = (
-        pl.scan_parquet(os.path.join(d, "kind=lookup", "*.parquet"))
-        .select(pl.col("n_keys").sum())
-        .collect()
-        .item()
-        + pl.scan_parquet(os.path.join(d, "kind=store", "*.parquet"))
-        .select(pl.len())
-        .collect()
-        .item()
-    )
+    key_rows = count_key_rows(d)
     episodes = runs["single"][0]["episodes"]
     print(
         f"fleet trace: {facts['engines']} engines, {key_rows:,} key rows, {episodes:,} "
@@ -285,18 +286,7 @@ def main() -> int:
         found = {
             (e["engine_id"], e["req_id"]) for e in report["episodes"] if e["verdict"] == "mismatch"
         }
-        import polars as pl
-
-        key_rows = (
-            pl.scan_parquet(os.path.join(d, "kind=lookup", "*.parquet"))
-            .select(pl.col("n_keys").sum())
-            .collect()
-            .item()
-            + pl.scan_parquet(os.path.join(d, "kind=store", "*.parquet"))
-            .select(pl.len())
-            .collect()
-            .item()
-        )
+        key_rows = count_key_rows(d)
         results.append(
             (
                 n,

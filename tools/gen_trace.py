@@ -62,6 +62,14 @@ def window_tail(tpc: int, sliding_window: int, eagle: bool, E: int) -> list[int]
     return list(range(E // tpc - w, E // tpc + (1 if eagle else 0)))
 
 
+def cold_lookup(rec: Recorder, rid: str, chain: int, tpc: int, P: int) -> None:
+    """One lookup episode that finds nothing: its first full-attention key misses."""
+    rec.episode_begin(rid, 0, None, P, P, P // TPH)
+    rec.begin_scan()
+    rec.lookup(key(chain, tpc, 0), rid, tpc, "MISS", False)
+    rec.episode_end(rid, 0, False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -127,17 +135,11 @@ def main() -> int:
             outcome = "hit"
         req_no += 1
         if outcome == "cold":
-            rec.episode_begin(rid, 0, None, P, P, P // TPH)
-            rec.begin_scan()
-            rec.lookup(key(chain, fa.tpc, 0), rid, fa.tpc, "MISS", False)
-            rec.episode_end(rid, 0, False)
+            cold_lookup(rec, rid, chain, fa.tpc, P)
             rows += 1
             continue
         # --- prime: a cold lookup, then the store path of vLLM 0.33.0 for boundary E
-        rec.episode_begin(rid, 0, None, P, P, P // TPH)
-        rec.begin_scan()
-        rec.lookup(key(chain, fa.tpc, 0), rid, fa.tpc, "MISS", False)
-        rec.episode_end(rid, 0, False)
+        cold_lookup(rec, rid, chain, fa.tpc, P)
         need = {
             g.gid: window_tail(g.tpc, g.sliding_window, g.eagle, E)
             for g in groups
@@ -170,19 +172,13 @@ def main() -> int:
             rows += len(ks)
         if outcome == "misrouted":
             there = recs[(req_no + 1) % len(recs)]
-            there.episode_begin(rid2, 0, None, P, P, P // TPH)
-            there.begin_scan()
-            there.lookup(key(chain, fa.tpc, 0), rid2, fa.tpc, "MISS", False)
-            there.episode_end(rid2, 0, False)
+            cold_lookup(there, rid2, chain, fa.tpc, P)
             rows += 1
             continue
         if outcome == "split":
             rec = recs[(req_no + 1) % len(recs)]
             sib = f"req-{req_no}-sibling"
-            rec.episode_begin(sib, 0, None, P, P, P // TPH)
-            rec.begin_scan()
-            rec.lookup(key(chain, fa.tpc, 0), sib, fa.tpc, "MISS", False)
-            rec.episode_end(sib, 0, False)
+            cold_lookup(rec, sib, chain, fa.tpc, P)
             for gid, chunks in stored.items():
                 tpc = tpcs[gid]
                 ks = [key(chain, (c + 1) * tpc, gid) for c in chunks]

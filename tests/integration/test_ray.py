@@ -23,9 +23,9 @@ from keytrace.analysis.runners import RayRunner
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff, render_fleet
+from tests.generated import fleet_trace
 
 REQUIRE_RAY = os.environ.get("KEYTRACE_REQUIRE_RAY") == "1"
-ROOT = Path(__file__).resolve().parents[2]
 ENGINES = 50
 
 try:
@@ -54,27 +54,14 @@ def cluster() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fleet") / "trace"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "gen_trace.py"),
-            str(out),
-            "--rows",
-            "250000",
-            "--engines",
-            str(ENGINES),
-            "--planted",
-            "3",
-            "--seed",
-            "5",
-            "--misroute",
-            "0.2",
-        ],
-        check=True,
-        capture_output=True,
+    return fleet_trace(
+        tmp_path_factory.mktemp("fleet") / "trace",
+        rows=250_000,
+        engines=ENGINES,
+        planted=3,
+        seed=5,
+        misroute=0.2,
     )
-    return out
 
 
 def _outputs(report: DiffReport) -> dict[str, str]:

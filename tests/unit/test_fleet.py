@@ -14,6 +14,7 @@ import pytest
 from keytrace.analysis.diff import diff
 from keytrace.analysis.fleet import by_engine
 from keytrace.format.reader import open_trace
+from tests.generated import fleet_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = 5
@@ -21,23 +22,8 @@ ENGINES = 5
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[str]]]:
-    out = tmp_path_factory.mktemp("fleet") / "trace"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "gen_trace.py"),
-            str(out),
-            "--rows",
-            "150000",
-            "--engines",
-            str(ENGINES),
-            "--planted",
-            "3",
-            "--seed",
-            "4",
-        ],
-        check=True,
-        capture_output=True,
+    out = fleet_trace(
+        tmp_path_factory.mktemp("fleet") / "trace", rows=150_000, engines=ENGINES, planted=3, seed=4
     )
     planted = json.loads(Path(f"{out}.planted.json").read_text())
     return out, planted

@@ -8,7 +8,6 @@ bytes, and instance views hold just their instance's rows."""
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from keytrace.analysis.runners import LocalRunner
 from keytrace.format.compact import compact
 from keytrace.format.reader import Trace, open_trace
 from keytrace.report.jsonout import write_json
+from tests.generated import fleet_trace
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINES = 4
 
 
@@ -37,27 +36,14 @@ ENGINES = 4
 def routed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated fleet trace with routing between its engines (misrouted and split
     requests: cold_routing and other_engine)."""
-    out = tmp_path_factory.mktemp("routed") / "trace"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "gen_trace.py"),
-            str(out),
-            "--rows",
-            "150000",
-            "--engines",
-            str(ENGINES),
-            "--planted",
-            "2",
-            "--seed",
-            "7",
-            "--misroute",
-            "0.3",
-        ],
-        check=True,
-        capture_output=True,
+    return fleet_trace(
+        tmp_path_factory.mktemp("routed") / "trace",
+        rows=150_000,
+        engines=ENGINES,
+        planted=2,
+        seed=7,
+        misroute=0.3,
     )
-    return out
 
 
 def _json(report: DiffReport) -> str:
