@@ -137,7 +137,7 @@ views = [trace.of_instances([i]) for i in trace.instances()]
 ex = [partition.exports(v, (groups, len(views) > 1)) for v in views]
 cross = partition.cross_engine(ex)
 asked = partition.asked_of(ex)
-first = partition.first_offers([partition.first_offers_of(v, asked) for v in views], asked)
+first = partition.first_offers([partition.first_offers_of(v, asked) for v in views])
 print(json.dumps({"elsewhere": [cross.elsewhere.height, cross.elsewhere.estimated_size()],
     "asked": [asked.height, asked.estimated_size()], "first": [first.height, first.estimated_size()],
     "engines": len(views)}))

@@ -131,9 +131,14 @@ def _diff(
 ) -> DiffReport:
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
-    plan = partition.plan(trace.instance_rows(), partitions or runner.partitions)
+    cut = partitions or runner.partitions
     shipped = trace.absolute()  # what workers are handed: any working directory reads it
-    views = [shipped.of_instances(p) for p in plan]
+    # one partition is the whole trace: no instance is counted, no row filtered
+    views = (
+        [shipped.of_instances(p) for p in partition.plan(trace.instance_rows(), cut)]
+        if cut > 1
+        else [shipped]
+    )
     # the facts that cross partitions (keytrace.analysis.partition), then each alone
     several = len(views) > 1
     exported: list[partition.Exports] = runner.map(
@@ -167,7 +172,7 @@ def _cross_engine(
         return cross
     asked = partition.asked_of(exported)
     firsts = runner.map(partition.first_offers_of, [(v,) for v in views], asked)
-    offers = partition.FirstOffers(partition.first_offers(firsts, asked), asked, fleet=trace)
+    offers = partition.FirstOffers(partition.first_offers(firsts), asked, fleet=trace)
     return dataclasses.replace(cross, offers=offers)
 
 

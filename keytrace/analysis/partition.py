@@ -13,10 +13,11 @@ history by sequence number, its tier rows), except three things another engine c
    head of one of the episode's scans that did not answer HIT, or one the recorder listed
    for it; so each partition first names those keys (``asked``: `asked_keys`), and every
    partition then gives, for just those keys, when each of its instances first offered
-   each (a probe key outside them is read from the whole trace). Per key the table keeps the earliest offer (instance, wall clock) and the
-   earliest on any *other* instance (`FirstOffers`): an episode on X at t saw another
-   engine's offer iff the first offer not on X came before t, i.e. ``(inst1 != X and
-   ts1 < t) or ts2 < t`` (`keytrace.analysis.history.offered_elsewhere`).
+   each (a probe key outside them is read from the whole trace). Per key the table keeps
+   the earliest offer (instance, wall clock) and the earliest on any *other* instance
+   (`FirstOffers`): an episode on X at t saw another engine's offer iff the first offer
+   not on X came before t, i.e. ``(inst1 != X and ts1 < t) or ts2 < t``
+   (`keytrace.analysis.history.offered_elsewhere`).
 3. **keyless chunks** (`keytrace.analysis.unknown`): a needed chunk whose key the episode
    never recorded is derived from, or settled by, requests that share its prefix, on any
    engine. This reads other engines' rows of just the keys concerned, from the whole
@@ -67,7 +68,6 @@ _KEYS = pl.Schema({"key": pl.Binary})
 class Exports:
     """What one partition contributes to the cross-engine facts (`exports`)."""
 
-    instances: tuple[int, ...]
     offers: pl.DataFrame
     """`keytrace.analysis.boundaries.boundary_offers` of its instances (their own chains
     read them whole; the other partitions read their ``elsewhere`` projection)."""
@@ -83,7 +83,7 @@ class FirstOffers:
     offer (recorder instance, wall clock), and ``ts2``, the earliest on an instance other
     than ``inst1`` (null: none). ``asked``: every key the table answers for (a key no
     instance offered has no row); ``fleet``: the whole trace, read for a key outside
-    ``asked`` (a derived key). None of it is read on a trace of one instance."""
+    ``asked`` (a derived key). None of it is read when the trace is one partition."""
 
     first: pl.DataFrame
     asked: pl.DataFrame
@@ -114,13 +114,14 @@ def plan(rows: dict[int, int], partitions: int) -> list[tuple[int, ...]]:
 
 
 def exports(view: Trace, shared: tuple[list[Group], bool]) -> Exports:
-    """One partition's exports; ``view``: `Trace.of_instances` of it; ``shared``: the
+    """One partition's exports; ``view``: `Trace.of_instances` of it (or the whole trace, the
+    one partition); ``shared``: the
     trace's groups, and whether the trace has other partitions (else nothing is asked)."""
     groups, several = shared
     offers = boundary_offers(view, groups)
     n = frames.collect(frames.episodes(view).select(pl.len())).item()
     asked = asked_keys(view) if several else pl.DataFrame(schema=_KEYS)
-    return Exports(_instances(view), offers, asked, int(n))
+    return Exports(offers, asked, int(n))
 
 
 def asked_keys(view: Trace) -> pl.DataFrame:
@@ -185,7 +186,7 @@ def first_offers_of(view: Trace, asked: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def first_offers(per_instance: Sequence[pl.DataFrame], asked: pl.DataFrame) -> pl.DataFrame:
+def first_offers(per_instance: Sequence[pl.DataFrame]) -> pl.DataFrame:
     """`FirstOffers.first` from every instance's `first_offers_of`."""
     parts = [f for f in per_instance if f.height]
     if not parts:
@@ -207,9 +208,3 @@ def _first_schema() -> pl.DataFrame:
     return pl.DataFrame(
         schema={"key": pl.Binary, "inst1": pl.Int64, "ts1": pl.Int64, "ts2": pl.Int64}
     )
-
-
-def _instances(view: Trace) -> tuple[int, ...]:
-    if view.only is None:
-        raise ValueError("exports() takes a Trace.of_instances view")
-    return tuple(sorted(view.only))

@@ -144,7 +144,14 @@ class RayRunner:
         done: DoneFn | None = None,
     ) -> list[Any]:
         ray = self._ray
-        task = ray.remote(num_cpus=1, max_retries=self._max_retries, retry_exceptions=False)(_call)
+        # one CPU per task, so one polars thread: Ray packs tasks by the CPUs they ask for,
+        # and a polars pool of every core in each would oversubscribe the node
+        task = ray.remote(
+            num_cpus=1,
+            max_retries=self._max_retries,
+            retry_exceptions=False,
+            runtime_env={"env_vars": {"POLARS_MAX_THREADS": "1"}},
+        )(_call)
         ref = ray.put(shared)
         pending = {task.remote(fn, args, ref, self._before_each): i for i, args in enumerate(calls)}
         results: dict[int, Any] = {}

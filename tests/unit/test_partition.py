@@ -90,7 +90,7 @@ def test_first_offers_give_the_rule_read_from_every_row(
         .agg(pl.col("ts").min())
         for i in range(3)
     ]
-    facts = FirstOffers(first_offers(per_instance, asked), asked)
+    facts = FirstOffers(first_offers(per_instance), asked)
     want = set(_offered_elsewhere_in(base, stores)["pid"].to_list())
     assert set(offered_elsewhere(base, facts)["pid"].to_list()) == want
 
