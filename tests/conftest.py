@@ -4,12 +4,11 @@ import os
 
 import pytest
 
+# What vLLM needs on a CPU-only machine, set where the lab sets it for every user (importing
+# keytrace.vllm.lab: keytrace/vllm/lab/environment.py), before any test imports vLLM. Tests
+# of a user's clean environment run commands in a fresh interpreter (tests/isolation.py).
+import keytrace.vllm.lab  # noqa: F401
 from tests.s3 import s3  # noqa: F401  (fixture: a local S3-compatible store, tests/s3.py)
-
-# What vLLM needs on a CPU-only machine; set before any test imports vLLM.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 
 REQUIRE_VLLM = os.environ.get("KEYTRACE_REQUIRE_VLLM") == "1"
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import require_vllm
+from tests.isolation import foreign_lines, run_keytrace_clean
 
 require_vllm()
 
@@ -18,20 +17,13 @@ from keytrace.cli import main  # noqa: E402
 
 
 def test_demo_whole_loop(tmp_path: Path) -> None:
-    # a fresh process, as a user runs it: vLLM's logging is configured at its first import
+    # a fresh process in a clean environment, as a user runs it: nothing exported (vLLM
+    # resolves its platform and configures its logging at its first import)
     out = tmp_path / "demo"
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "TORCH_LOGS")}
-    r = subprocess.run(
-        [sys.executable, "-m", "keytrace", "demo", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    r = run_keytrace_clean("demo", "--out", str(out), cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     # only keytrace's own lines on stderr: vLLM's and torch's start-up chatter is routed away
-    foreign = [line for line in r.stderr.splitlines() if not line.startswith("keytrace: ")]
-    assert len(foreign) <= 3, foreign
+    assert foreign_lines(r.stderr) == [], r.stderr
     assert len(r.stderr.splitlines()) <= 10, r.stderr
     text = r.stdout
     blocks = text.split("\n== ")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.isolation import clean_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -15,6 +17,7 @@ def test_synthetic_example_is_a_mismatch(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "examples" / "synthetic_trace.py"), str(out)],
         capture_output=True,
         text=True,
+        env=clean_env(),  # as a user runs it: nothing exported
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
@@ -22,6 +25,7 @@ def test_synthetic_example_is_a_mismatch(tmp_path: Path) -> None:
         [sys.executable, "-m", "keytrace.cli", "diff", str(out)],
         capture_output=True,
         text=True,
+        env=clean_env(),
         timeout=120,
     )
     assert d.returncode == 1, d.stderr

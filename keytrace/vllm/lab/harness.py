@@ -19,15 +19,11 @@ Importing this module imports vLLM (and torch). The CLI imports it lazily.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import dataclasses
 import functools
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -72,7 +68,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from keytrace.analysis.geometry import REPLAYABLE_TIERS, Geometry, GroupGeom
+from keytrace.errors import VllmUnavailableError
 from keytrace.vllm import require_vllm
+from keytrace.vllm.lab import environment
 
 _VOCAB = 32_000
 _TINY_MODEL = {
@@ -402,6 +400,9 @@ class Harness:
         request_prefix: str = "r",
     ) -> None:
         require_vllm()
+        too_early = environment.resolved_too_early()
+        if too_early:
+            raise VllmUnavailableError(too_early)
         geometry = self._with_tier_dirs(geometry)
         self.geometry = geometry
         self.seed = seed
