@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from keytrace.analysis import definitions as d
 from keytrace.analysis import frames
 from keytrace.analysis.diff import diff
 from keytrace.analysis.results import DiffReport, EpisodeVerdict
 from keytrace.format.reader import Trace, open_trace
+from keytrace.judge import definitions as d
 from keytrace.live.alarm import Alarm, AlarmSettings, Judged
 
 SETTINGS = AlarmSettings(keep_judged=True, interval=1e9)

@@ -27,7 +27,7 @@ Planted episodes are listed in OUT_DIR.planted.json as [engine_id, req_id] pairs
 
 The planted truth does not come from the differ: the tails are `window_tail` below, vLLM
 0.33.0's rule written out for this geometry from its source (`vllm-offload-notes.md`), not
-`keytrace.analysis.rules`. If the two ever disagree the benchmark reports planted episodes
+`keytrace.judge.rules`. If the two ever disagree the benchmark reports planted episodes
 missed or hits called mismatches.
 """
 
@@ -40,7 +40,7 @@ import sys
 import time
 
 from keytrace.analysis.geometry import DSV4, synthetic_header
-from keytrace.analysis.rules import groups_from_header as _groups
+from keytrace.judge.rules import groups_from_header as _groups
 from keytrace.record.recorder import Recorder
 
 TPH = DSV4.tokens_per_hash  # 4 tokens per hash block

@@ -1,5 +1,5 @@
-"""Layer 3, analysis: pure functions of a trace (diff, replay plan, summary, geometry, rules).
+"""Layer 4, analysis: pure functions of a trace (diff, replay plan, summary, geometry).
 
-Returns data and never prints; imports no vLLM, no reporter and no CLI code.
-``rules`` holds vLLM 0.33.0's lookup/store arithmetic, once.
+Returns data and never prints; imports no vLLM, no reporter and no CLI code. The rules it
+judges by are `keytrace.judge`'s, evaluated here over polars columns.
 """

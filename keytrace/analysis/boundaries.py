@@ -19,9 +19,9 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import anchor, boundary_chunk
-from keytrace.analysis.rules import STORE_OFFERS, Group, align_down, store_boundary
 from keytrace.format.reader import Trace
+from keytrace.judge.definitions import anchor, boundary_chunk
+from keytrace.judge.rules import STORE_OFFERS, Group, align_down, store_boundary
 
 __all__ = ["anchor", "anchor_offers", "boundary_offers", "chain", "request_boundaries"]
 

@@ -36,8 +36,8 @@ from keytrace.analysis.results import (
     MapLane,
     hex_key,
 )
-from keytrace.analysis.rules import Group
 from keytrace.format.reader import Trace
+from keytrace.judge.rules import Group
 
 DEFAULT_LIMIT = 200
 """Episodes drawn at most (the first mismatch always among them): a fleet trace has

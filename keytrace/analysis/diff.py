@@ -21,12 +21,10 @@ from typing import Any
 
 import polars as pl
 
-from keytrace.analysis import definitions as d
 from keytrace.analysis import frames, lost, partition, scans, unknown
 from keytrace.analysis.boundaries import anchor, chain
 from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.history import causes, crowding, durable
-from keytrace.analysis.ops import lit
 from keytrace.analysis.results import (
     DiffReport,
     EpisodeList,
@@ -37,13 +35,15 @@ from keytrace.analysis.results import (
     episode_list,
     merge_episode_lists,
 )
-from keytrace.analysis.rules import Group, groups_from_header, lookup_cap, needed_range
 from keytrace.analysis.runners import LocalRunner, Runner
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
 from keytrace.format.reader import Trace, raise_unknown_results
 from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.shape import has_episodes
+from keytrace.judge import definitions as d
+from keytrace.judge.ops import lit
+from keytrace.judge.rules import Group, groups_from_header, lookup_cap, needed_range
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
 
@@ -537,7 +537,7 @@ def _tiered_leads(trace: Trace, groups: list[Group]) -> pl.LazyFrame:
 def _deferral_runs(trace: Trace) -> pl.DataFrame:
     """(inst, s, deferrals, waited) of every deferred episode: how many of its request's
     lookups in a row on its instance were deferred, this one included, and the nanoseconds
-    since the first of them (`keytrace.analysis.definitions.stalled`). Of the whole trace:
+    since the first of them (`keytrace.judge.definitions.stalled`). Of the whole trace:
     a run of deferrals crosses batches."""
     eps = frames.collect(frames.episodes(trace).select("inst", "req_id", "s", "t", "X"))
     deferred = pl.col("X").is_null()
@@ -556,7 +556,7 @@ def _deferral_runs(trace: Trace) -> pl.DataFrame:
 def _expected_boundary(
     eps: pl.LazyFrame, groups: list[Group], header: dict[str, Any]
 ) -> pl.LazyFrame:
-    """E (`keytrace.analysis.definitions.expected_boundary`): the largest intended boundary
+    """E (`keytrace.judge.definitions.expected_boundary`): the largest intended boundary
     in (S, top], top = min(L, F)."""
     S, top = pl.col("S"), pl.col("top")
     chained = (
@@ -662,7 +662,7 @@ def _explain_shortfalls(
 
 def _proof_if_better() -> list[pl.Expr]:
     """``key`` and ``cause`` of a needed chunk, from its proof where the proof's cause is
-    better (`keytrace.analysis.definitions.proof_is_better`): a chunk the lookup may find
+    better (`keytrace.judge.definitions.proof_is_better`): a chunk the lookup may find
     under its own key or its proof is as available as the better of the two, and the
     evidence names the key that decided."""
     better = d.proof_is_better(pl.col("cause"), pl.col("proof_cause"))
@@ -710,7 +710,7 @@ def _recorded(trace: Trace, keys: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFr
     pass: (unqueried, proofs), each KEY, gid, chunk and its key (``ukey``, ``proof``).
     Unqueried: needed keys taken from vLLM's own key lists for groups it never scanned,
     exact. Proofs: under the candidate fix ``eagle_proof_key`` only, the proof key of
-    each needed peek (`keytrace.analysis.definitions.better_cause`)."""
+    each needed peek (`keytrace.judge.definitions.better_cause`)."""
     got = (
         frames.listed(trace)
         .join(keys.lazy(), on=KEY, how="semi")
@@ -746,7 +746,7 @@ def _needed(
     on a ``tiered`` manager they are resident *or on a tier*, and a promotion can fail,
     so they are listed too. ``proofs`` (`_recorded`): a proof of the chunk just past a
     group's keyed ones was in the lookup's key list too
-    (`keytrace.analysis.rules.needed_range`)."""
+    (`keytrace.judge.rules.needed_range`)."""
     parts = []
     for g in groups:
         if g.full_attention and not tiered:
@@ -904,7 +904,7 @@ def _fits(
     capacity: int | None,
     crowd: pl.DataFrame,
 ) -> pl.DataFrame:
-    """(inst, s, fits, crowded): `keytrace.analysis.definitions.fits_primary` of each
+    """(inst, s, fits, crowded): `keytrace.judge.definitions.fits_primary` of each
     shortfall episode's needed chunks (every windowed group's, ``needed``, and every
     full-attention group's ``[S, E)``) and `~.crowded` beside the slots other work held
     (``crowd``: `keytrace.analysis.history.crowding`)."""

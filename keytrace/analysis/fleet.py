@@ -4,7 +4,7 @@ returns data, never prints.
 An operator with offload on many engines asks which engines show write-only mismatches,
 in which groups, and what they cost. Each engine's row has its verdict counts, its first
 mismatch, and the rows of the lost-token table whose cause is a RULE (the store and lookup
-paths disagree: `keytrace.analysis.definitions.RULE_CAUSES`), worst engines first.
+paths disagree: `keytrace.judge.definitions.RULE_CAUSES`), worst engines first.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from keytrace.analysis import definitions as d
 from keytrace.analysis.lost import LostRow
 from keytrace.analysis.results import DiffReport, EpisodeVerdict
+from keytrace.judge import definitions as d
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class EngineVerdict:
     counts: dict[str, int]
     """Verdict -> episodes."""
     mismatches: int
-    """Episodes whose verdict is a finding (`keytrace.analysis.definitions.FINDINGS`)."""
+    """Episodes whose verdict is a finding (`keytrace.judge.definitions.FINDINGS`)."""
     rule_tokens: int
     """Prompt tokens its lookups fell short of E for RULE causes."""
     first_mismatch: EpisodeVerdict | None = None

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from keytrace.analysis.rules import group_label, window_chunks
+from keytrace.judge.rules import group_label, window_chunks
 
 GROUP_KINDS = ("full_attention", "mla", "sliding_window")
 

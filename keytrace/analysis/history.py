@@ -6,8 +6,8 @@ and its group, the token its chunk ends at, and how far the earlier requests on 
 episode's chain reached (a chunk ending beyond that was never keyable by them).
 
 `causes` adds ``cause`` to every probe: it gathers, per probe, the facts
-`keytrace.analysis.definitions.KeyFacts` names from the store rows, and the one definition
-(`keytrace.analysis.definitions.cause`, the table ``CAUSES``) turns them into a cause, with
+`keytrace.judge.definitions.KeyFacts` names from the store rows, and the one definition
+(`keytrace.judge.definitions.cause`, the table ``CAUSES``) turns them into a cause, with
 this precedence (docs/diff.md):
 
 ``resident``      completed on the instance before s, not evicted or reset since (nor
@@ -35,7 +35,10 @@ from collections.abc import Sequence
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import (
+from keytrace.analysis.frames import collect
+from keytrace.analysis.partition import FirstOffers
+from keytrace.format.keys import key_hash, make_key
+from keytrace.judge.definitions import (
     DURABLE_EVENTS,
     IN_FLIGHT_TIER_WORK,
     PROMOTION_AS_STORE,
@@ -45,10 +48,7 @@ from keytrace.analysis.definitions import (
     resident,
     unsettled,
 )
-from keytrace.analysis.frames import collect
-from keytrace.analysis.partition import FirstOffers
-from keytrace.analysis.rules import OFFER_EVENTS
-from keytrace.format.keys import key_hash, make_key
+from keytrace.judge.rules import OFFER_EVENTS
 
 __all__ = ["causes", "store_rows", "wanted_keys"]
 
@@ -108,7 +108,7 @@ def durable(at: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
 
 def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
     """Per probe (pid): ``durable``, ``held``, ``no_room``, ``own_promotion_evicted``,
-    ``evicted_now`` (the `keytrace.analysis.definitions.KeyFacts` a tiered manager adds)."""
+    ``evicted_now`` (the `keytrace.judge.definitions.KeyFacts` a tiered manager adds)."""
     ev = pl.col("event")
     keys = probes.get_column("key").unique().implode()
     rows = collect(
@@ -167,7 +167,7 @@ def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
 def crowding(tiers: pl.LazyFrame) -> pl.DataFrame:
     """(inst, s, held) for each episode whose promotions found no room in the primary: the
     most primary slots other work in flight held at such a moment
-    (`keytrace.analysis.definitions.held_by_others`, over the tier rows before it)."""
+    (`keytrace.judge.definitions.held_by_others`, over the tier rows before it)."""
     c = pl.col
     ev = c("event").cast(pl.String)
     work = collect(

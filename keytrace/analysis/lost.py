@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import ASKED_AGAIN, EXPLAINED_CAUSES, served, short_of_E
-from keytrace.analysis.rules import Group
+from keytrace.judge.definitions import ASKED_AGAIN, EXPLAINED_CAUSES, served, short_of_E
+from keytrace.judge.rules import Group
 
 CATEGORIES = (
     "gpu_prefix",
@@ -147,7 +147,7 @@ def promotions(tiers: pl.LazyFrame, groups: list[Group]) -> pl.DataFrame:
     (``tiers``: `keytrace.analysis.frames.tiers`). The anchor group stands for the chunk's
     tokens, as it does for boundaries: a promotion of another group's chunk alone moves
     no token from one row to another."""
-    from keytrace.analysis.definitions import anchor
+    from keytrace.judge.definitions import anchor
 
     a = anchor(groups)
     return frames.collect(
@@ -314,7 +314,7 @@ def routing(stores: pl.LazyFrame, elsewhere: pl.DataFrame, groups: list[Group]) 
     `keytrace.analysis.boundaries.boundary_offers`). Empty when the anchor group is not
     full attention (no routing account then)."""
     from keytrace.analysis.boundaries import anchor_offers
-    from keytrace.analysis.definitions import anchor
+    from keytrace.judge.definitions import anchor
 
     if elsewhere.height == 0 or not anchor(groups).full_attention:
         own = pl.DataFrame(schema={"inst": pl.Int64, "req_id": pl.String, "key": pl.Binary})

@@ -46,10 +46,10 @@ import polars as pl
 
 from keytrace.analysis import frames
 from keytrace.analysis.boundaries import boundary_offers
-from keytrace.analysis.rules import OFFER_EVENTS, Group
 from keytrace.format.reader import Trace
 from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.shape import lookup_rows
+from keytrace.judge.rules import OFFER_EVENTS, Group
 
 __all__ = [
     "CrossEngine",

@@ -16,12 +16,12 @@ import polars as pl
 
 from keytrace._version import __version__
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import ASKED_AGAIN, FINDINGS, is_request
 from keytrace.analysis.diff import EpisodeVerdict, diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.errors import TraceError
 from keytrace.format.reader import Trace
 from keytrace.format.schema import SCHEMA_VERSION
+from keytrace.judge.definitions import ASKED_AGAIN, FINDINGS, is_request
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Any, overload
 import polars as pl
 
 from keytrace.analysis.lost import LostTokens
-from keytrace.analysis.rules import Group
 from keytrace.analysis.verdict import reason
+from keytrace.judge.rules import Group
 
 KEY = ["inst", "s"]
 

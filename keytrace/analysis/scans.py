@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from keytrace.analysis import definitions
-from keytrace.analysis.rules import Group
+from keytrace.judge import definitions
+from keytrace.judge.rules import Group
 
 SCAN_COLUMNS = (
     "inst",
@@ -49,7 +49,7 @@ def resident_prefix(
     groups: list[Group],
     leads: pl.LazyFrame | None = None,
 ) -> pl.LazyFrame:
-    """F per episode (`keytrace.analysis.definitions.resident_prefix`), from the leading
+    """F per episode (`keytrace.judge.definitions.resident_prefix`), from the leading
     HITs of each full-attention group's first scan in the episode: one column per group,
     null where the episode never scanned it; F is null with no full-attention group.
     ``leads`` (inst, s, gid, lead_hits), for a tiered trace: the leading keys resident in

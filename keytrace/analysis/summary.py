@@ -8,8 +8,8 @@ from typing import Any
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.rules import group_label
 from keytrace.format.reader import Trace
+from keytrace.judge.rules import group_label
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.rules import STORE_OFFERS
 from keytrace.format.keys import key_gid, key_hash, make_key
 from keytrace.format.reader import Trace
+from keytrace.judge.rules import STORE_OFFERS
 
 KEY = ["inst", "s"]
 

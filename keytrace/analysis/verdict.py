@@ -1,4 +1,4 @@
-"""Verdicts over polars frames: `keytrace.analysis.definitions`' verdict rules, evaluated
+"""Verdicts over polars frames: `keytrace.judge.definitions`' verdict rules, evaluated
 for every episode at once. Both work on frames held in memory (no Parquet), so every branch
 is unit-testable:
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from keytrace.analysis import definitions as d
-from keytrace.analysis.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN
+from keytrace.judge import definitions as d
+from keytrace.judge.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN
 
 CAUSE_TEXT = {
     "resident": "resident",
@@ -46,7 +46,7 @@ CAUSE_TEXT = {
 
 def base_verdict() -> pl.Expr:
     """Over columns S, X (external; null = deferred), E (null = none), and for deferred
-    episodes deferrals and waited: `keytrace.analysis.definitions.base_verdict`."""
+    episodes deferrals and waited: `keytrace.judge.definitions.base_verdict`."""
     c = pl.col
     numbers = d.EpisodeNumbers(
         S=c("S"),

@@ -8,8 +8,8 @@ import tempfile
 
 import click
 
-from keytrace.analysis.rules import groups_from_header
 from keytrace.cli._common import subcommand
+from keytrace.judge.rules import groups_from_header
 from keytrace.report.text import render_diff
 
 

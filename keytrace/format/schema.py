@@ -69,10 +69,10 @@ LOOKUP_RESULTS: tuple[str, ...] = ("MISS", "HIT", "HIT_PENDING", "RETRY")
 SCAN_ENDING: tuple[str, ...] = ("MISS", "RETRY")
 """Results that end a scan's run of hits: a scan's *terminal* key is its first of these,
 else its first non-HIT (the recorder's ``term_*`` summary; the differ and the alarm rank a
-binding scan's keys the same way, `keytrace.analysis.definitions.terminal_order`)."""
+binding scan's keys the same way, `keytrace.judge.definitions.terminal_order`)."""
 NOT_SETTLED: tuple[str, ...] = ("HIT_PENDING", "RETRY")
 """Results that say the store had not finished: a shortfall whose binding key was one is
-timing, not a rule bug (`keytrace.analysis.definitions.unsettled`)."""
+timing, not a rule bug (`keytrace.judge.definitions.unsettled`)."""
 
 STORE_EVENTS: tuple[str, ...] = (
     "prepared",  # offered to prepare_store and newly allocated: the key will be written
@@ -324,4 +324,4 @@ under way: a write-through job reads its chunk from the primary (a key written t
 several tiers at once holds one slot: counted while any of its jobs is in flight), a
 promotion fills one. Here, beside the scan results, because the recorder reads it too (a
 sampled trace keeps these rows for every chain: `keytrace.record.sampling`), and the
-recording path imports no analysis; `keytrace.analysis.definitions` re-exports it."""
+recording path imports no analysis; `keytrace.judge.definitions` re-exports it."""

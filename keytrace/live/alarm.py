@@ -13,8 +13,8 @@ lookup episode `Alarm.judge` gives the episode the verdict `keytrace diff` would
   episodes that look the same keys up (the chain).
 
 Every rule comes from where the differ takes it: vLLM's arithmetic from
-`keytrace.analysis.rules`, keytrace's definitions (F, E, residency, the cause table, the
-binding scan, verdicts, shortfall tokens) from `keytrace.analysis.definitions`, the key
+`keytrace.judge.rules`, keytrace's definitions (F, E, residency, the cause table, the
+binding scan, verdicts, shortfall tokens) from `keytrace.judge.definitions`, the key
 layout from `keytrace.format.keys`; the differ evaluates them over polars columns, this
 module with the values it kept. What is here is only how those values are kept and
 gathered. The agreement (every field of every episode) is tested against the offline differ
@@ -42,17 +42,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from keytrace.analysis import definitions as d
-from keytrace.analysis.definitions import FINDINGS, RULE_CAUSES, UNSEEN
-from keytrace.analysis.rules import (
-    OFFER_EVENTS,
-    STORE_OFFERS,
-    Group,
-    align_down,
-    lookup_cap,
-    needed_range,
-    store_boundary,
-)
 from keytrace.format.keys import (
     chunk_ending_at,
     gid_tail,
@@ -62,6 +51,17 @@ from keytrace.format.keys import (
     tail_gid,
 )
 from keytrace.format.remote import shown
+from keytrace.judge import definitions as d
+from keytrace.judge.definitions import FINDINGS, RULE_CAUSES, UNSEEN
+from keytrace.judge.rules import (
+    OFFER_EVENTS,
+    STORE_OFFERS,
+    Group,
+    align_down,
+    lookup_cap,
+    needed_range,
+    store_boundary,
+)
 
 log = logging.getLogger("keytrace")
 
@@ -124,12 +124,12 @@ class _Instance:
     """episode -> keys its own lookup's promotions evicted during it (until it is judged)"""
     cascading: dict[bytes, int] = field(default_factory=dict)
     """key -> its write-through jobs in flight, to any tier (zero counts are dropped; each
-    key above zero holds one primary slot, `keytrace.analysis.definitions.IN_FLIGHT_TIER_WORK`)"""
+    key above zero holds one primary slot, `keytrace.judge.definitions.IN_FLIGHT_TIER_WORK`)"""
     promoting: dict[str, int] = field(default_factory=dict)
     """req -> its promotions in flight (requests with none are dropped)"""
     crowd: dict[int, int] = field(default_factory=dict)
     """episode -> the most primary slots other work held when its promotions found no room
-    (`keytrace.analysis.definitions.held_by_others`; until it is judged)"""
+    (`keytrace.judge.definitions.held_by_others`; until it is judged)"""
     open: int | None = None
     """The episode in progress (its sequence number), if any."""
     pending: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
@@ -185,7 +185,7 @@ class Alarm:
         warn: bool = True,
         keep_judged: bool = False,
     ) -> None:
-        from keytrace.analysis.rules import groups_from_header
+        from keytrace.judge.rules import groups_from_header
 
         self.groups: list[Group] = groups_from_header(dict(header))
         self.by_gid = {g.gid: g for g in self.groups}
@@ -752,7 +752,7 @@ class Alarm:
     def _needed_chunks(self, S: int, E: int, listed: int) -> int:
         """The chunks an episode needs for a hit at E, every group's (``listed`` of them in
         its needed list: full attention's too on a tiered manager), as
-        `keytrace.analysis.definitions.fits_primary` and `~.crowded` count them."""
+        `keytrace.judge.definitions.fits_primary` and `~.crowded` count them."""
         fa = (
             0
             if self.tiered
@@ -761,7 +761,7 @@ class Alarm:
         return listed + fa
 
     def _cause(self, at: _Moment, key: bytes, gid: int, token_end: int, result: str | None) -> str:
-        """`keytrace.analysis.definitions.cause` for one key at an episode, from its record
+        """`keytrace.judge.definitions.cause` for one key at an episode, from its record
         (``result``: the episode's own lookup result for it)."""
         st, s, t, keyable_end = at.st, at.s, at.t, at.keyable_end
         rec = self._keys.get(key + st.tag)

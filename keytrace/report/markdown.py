@@ -126,7 +126,7 @@ class StalledPage:
 
 def render_stalled_report(page: StalledPage) -> str:
     """``report.md``'s text for a stalled request (``templates/report_stalled.md.j2``)."""
-    from keytrace.analysis.definitions import STALL_EPISODES
+    from keytrace.judge.definitions import STALL_EPISODES
 
     header = page.header
     tiers = header.get("secondary_tiers") or []

@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from keytrace.analysis.definitions import STALL_EPISODES
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan
+from keytrace.judge.definitions import STALL_EPISODES
 from keytrace.report.templates import render
 
 

@@ -249,7 +249,7 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
 def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
     """Where the prompt tokens came from: one row per category, one column per engine
     (up to four, then only the total; --json has them all), tokens and share."""
-    from keytrace.analysis.rules import groups_from_header
+    from keytrace.judge.rules import groups_from_header
 
     labels = {g.gid: g.label for g in groups_from_header(header)}
     tier_types = {t.get("index"): t.get("type") for t in header.get("secondary_tiers") or []}

@@ -381,7 +381,7 @@ def test_unqueried_keys_cover_every_windowed_group_vllm_did_not_scan(tmp_path: P
     """For each episode and each sliding-window group whose chunks it never looked up, the
     recorder lists the keys a hit at min(L, F) needs (vLLM keyed them: ``c < H·tph/tpc``).
     dsv4 has four windowed groups, so every group after the first is checked too."""
-    from keytrace.analysis.rules import groups_from_header, lookup_cap, needed_range
+    from keytrace.judge.rules import groups_from_header, lookup_cap, needed_range
     from keytrace.vllm.lab.workload import WorkloadSpec, run_workload
 
     d = str(tmp_path / "t")

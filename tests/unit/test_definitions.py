@@ -1,4 +1,4 @@
-"""keytrace's definitions (keytrace.analysis.definitions) are written once and evaluated two
+"""keytrace's definitions (keytrace.judge.definitions) are written once and evaluated two
 ways: by the live alarm on plain values, by the differ on polars columns. For random facts,
 both evaluations of every definition give the same answer; the tables say what
 docs/diff.md says, in its order; and the precedences the tables encode are pinned by worked
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keytrace.analysis import definitions as d
-from keytrace.analysis.ops import cases, known
-from keytrace.analysis.rules import Group
+from keytrace.judge import definitions as d
+from keytrace.judge.ops import cases, known
+from keytrace.judge.rules import Group
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "diff.md"
 SEQ = st.one_of(st.none(), st.integers(0, 40))

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from keytrace.analysis.diff import EpisodeVerdict, _before, diff
 from keytrace.analysis.geometry import GroupGeom
-from keytrace.analysis.rules import Group, needed_chunks
 from keytrace.cli import main
 from keytrace.format.reader import open_trace
+from keytrace.judge.rules import Group, needed_chunks
 from tests.factories import TINY, TraceBuilder, new_builder
 
 FA_ALL = [(c, "HIT") for c in range(6)]

@@ -22,10 +22,10 @@ from keytrace.analysis.history import _offered_elsewhere_in, offered_elsewhere
 from keytrace.analysis.lost import Partial, summarize
 from keytrace.analysis.partition import FirstOffers, first_offers, plan
 from keytrace.analysis.results import DiffReport
-from keytrace.analysis.rules import OFFER_EVENTS
 from keytrace.analysis.runners import LocalRunner
 from keytrace.format.compact import compact
 from keytrace.format.reader import Trace, open_trace
+from keytrace.judge.rules import OFFER_EVENTS
 from keytrace.report.jsonout import write_json
 from tests.generated import fleet_trace
 

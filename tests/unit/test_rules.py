@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's arithmetic (keytrace.analysis.rules): worked values, and the int and polars
+"""vLLM 0.33.0's arithmetic (keytrace.judge.rules): worked values, and the int and polars
 evaluations of the same duck-typed function agreeing on random inputs."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import polars as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keytrace.analysis.definitions import CAUSE_ORDER, EXPLAINED_CAUSES, RULE_CAUSES, better_cause
-from keytrace.analysis.ops import greatest, least
-from keytrace.analysis.rules import (
+from keytrace.judge.definitions import CAUSE_ORDER, EXPLAINED_CAUSES, RULE_CAUSES, better_cause
+from keytrace.judge.ops import greatest, least
+from keytrace.judge.rules import (
     Group,
     align_down,
     cdiv,

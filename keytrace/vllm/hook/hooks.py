@@ -137,8 +137,8 @@ def record_unqueried(
     vLLM stops at the first group that returns 0, so later groups' needed keys are never
     looked up; the differ then cannot tell whether they were stored. They are in vLLM's own
     per-request key lists, so the recorder copies the few it needs (read only, no manager
-    call). F (`keytrace.analysis.definitions.resident_prefix`): how far every full-attention
-    group hit from S in this episode; the window is `keytrace.analysis.rules.needed_range`
+    call). F (`keytrace.judge.definitions.resident_prefix`): how far every full-attention
+    group hit from S in this episode; the window is `keytrace.judge.rules.needed_range`
     at min(L, F), where the expected boundary lies unless an earlier boundary is the largest
     intended one.
 
@@ -146,8 +146,8 @@ def record_unqueried(
     past the scan's hits: the full-attention keys from where its scan stopped up to L are
     listed as well, and the windowed ones for a hit at L.
     """
-    from keytrace.analysis.definitions import match_ceiling, resident_prefix
-    from keytrace.analysis.rules import groups_from_header, lookup_cap, needed_range
+    from keytrace.judge.definitions import match_ceiling, resident_prefix
+    from keytrace.judge.rules import groups_from_header, lookup_cap, needed_range
 
     groups = rec.groups or groups_from_header(rec.writer.header)
     rec.groups = groups

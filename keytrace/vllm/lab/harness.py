@@ -243,7 +243,7 @@ TIER_TYPES = REPLAYABLE_TIERS
 
 ABORT_DEFERRALS = 64
 """Deferred lookups in a row after which `Harness.abort_stalled` aborts a request: past
-keytrace's stalled rule (`keytrace.analysis.definitions.STALL_EPISODES`), so the trace
+keytrace's stalled rule (`keytrace.judge.definitions.STALL_EPISODES`), so the trace
 holds the stalled verdict first."""
 """Secondary tiers the harness builds: vLLM's in-memory ``example`` tier (synchronous: a
 run is exactly repeatable) and its ``fs`` tier (files under a directory; asynchronous

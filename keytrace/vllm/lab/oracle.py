@@ -48,12 +48,12 @@ from dataclasses import dataclass
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.analysis.definitions import TIER_TIMING_CAUSES
 from keytrace.analysis.diff import diff
 from keytrace.analysis.geometry import geometry_from_header
 from keytrace.analysis.results import EpisodeVerdict
 from keytrace.format.keys import key_gid
 from keytrace.format.reader import Trace, open_trace
+from keytrace.judge.definitions import TIER_TIMING_CAUSES
 
 ProgressFn = Callable[[str, int, int], None]
 AMPLE_CPU_CHUNKS = 2_000_000
@@ -336,9 +336,9 @@ def _case(
 
 
 def _decisive(v: EpisodeVerdict) -> list[str]:
-    """The shortfall's decisive causes (`keytrace.analysis.definitions.decisive`) from its
+    """The shortfall's decisive causes (`keytrace.judge.definitions.decisive`) from its
     needed chunks."""
-    from keytrace.analysis import definitions as d
+    from keytrace.judge import definitions as d
 
     causes = [(n.group_id, n.cause) for n in v.needed]
     return list(d.decisive(d.candidates_of(causes, v.binding_group)))

@@ -16,13 +16,13 @@ from typing import Any
 
 import polars as pl
 
-from keytrace.analysis.definitions import FINDINGS
 from keytrace.analysis.diff import CAUSE_TEXT, diff
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan, plan_from_trace
 from keytrace.errors import TraceError
 from keytrace.format.keys import key_gid, make_key
 from keytrace.format.reader import Trace, open_trace
+from keytrace.judge.definitions import FINDINGS
 from keytrace.vllm import require_vllm
 
 

@@ -8,10 +8,10 @@ path's intended boundary. Sources: ``OffloadingConnectorScheduler`` (``SCH`` in
 The integer functions are *duck-typed*: called with Python ints they return ints (the
 live alarm, the hooks, reporters, tests); called with polars expressions they return
 expressions (the differ evaluates them over millions of episodes in one pass). The few
-operations where the two worlds differ go through `keytrace.analysis.ops`, which imports
+operations where the two worlds differ go through `keytrace.judge.ops`, which imports
 polars lazily, so this module stays importable on the plugin path without polars.
 keytrace's own definitions built on these (F, E, causes, verdicts) are in
-`keytrace.analysis.definitions`.
+`keytrace.judge.definitions`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keytrace.analysis.ops import Num, greatest, least
+from keytrace.judge.ops import Num, greatest, least
 
 OFFER_EVENTS = ("prepared", "rejected", "failed")
 """Store events by which the store path decided about a key (a completion follows one)."""

@@ -1,7 +1,7 @@
 """The few operators a definition needs, for plain values and for polars expressions alike.
 
-keytrace writes each rule once (`keytrace.analysis.rules` for vLLM's arithmetic,
-`keytrace.analysis.definitions` for its own): the live alarm calls a rule with ints, bools
+keytrace writes each rule once (`keytrace.judge.rules` for vLLM's arithmetic,
+`keytrace.judge.definitions` for its own): the live alarm calls a rule with ints, bools
 and None, the differ with polars expressions over millions of rows, and gets back the same
 kind. Arithmetic and comparisons are Python's own operators, which both kinds share; what
 the two worlds spell differently goes through here:

@@ -2,8 +2,8 @@
 
 The offline differ evaluates these over polars columns (millions of episodes and keys in one
 pass); the live alarm in the serving process calls the very same functions with ints, bools
-and None (`keytrace.analysis.ops` makes one spelling serve both). vLLM's own arithmetic (the
-lookup cap, load windows, needed chunks) is in `keytrace.analysis.rules`; the OffloadKey
+and None (`keytrace.judge.ops` makes one spelling serve both). vLLM's own arithmetic (the
+lookup cap, load windows, needed chunks) is in `keytrace.judge.rules`; the OffloadKey
 layout in `keytrace.format.keys`; which lookup results end a scan in
 `keytrace.format.schema`.
 
@@ -32,7 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keytrace.analysis.ops import (
+from keytrace.format.schema import IN_FLIGHT_TIER_WORK as IN_FLIGHT_TIER_WORK  # re-exported
+from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING
+from keytrace.judge.ops import (
     Num,
     Truth,
     cases,
@@ -51,9 +53,7 @@ from keytrace.analysis.ops import (
     negate,
     unknown,
 )
-from keytrace.analysis.rules import Group, unit
-from keytrace.format.schema import IN_FLIGHT_TIER_WORK as IN_FLIGHT_TIER_WORK  # re-exported
-from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING
+from keytrace.judge.rules import Group, unit
 
 # ------------------------------------------------------------------ F and the ceiling
 
