@@ -42,7 +42,8 @@ from keytrace.format.reader import Trace, raise_unknown_results
 from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.shape import has_episodes
 from keytrace.judge import definitions as d
-from keytrace.judge.ops import lit
+from keytrace.judge.definitions import Verdict
+from keytrace.judge.ops import lit, plain
 from keytrace.judge.rules import Group, groups_from_header, lookup_cap, needed_range
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
@@ -352,7 +353,7 @@ def _judge(
     reported = (
         judged
         if all_episodes
-        else judged.filter(pl.col("verdict").is_in(["explained", *d.FINDINGS]))
+        else judged.filter(pl.col("verdict").is_in(plain([Verdict.EXPLAINED, *d.FINDINGS])))
     )
     by_gid = {g.gid: g for g in groups}
     stored = _stored_near(trace, before, reported, explained, by_gid) if explained.height else {}
@@ -441,7 +442,9 @@ def _lost_tokens(
     # whole frame copies every column of the rows it keeps
     cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(pl.col("verdict") == "cold")
     boundaries = lost.routing_boundaries(cold, routing)
-    counted = j.select("engine", "N", "verdict").filter(~pl.col("verdict").is_in(d.ASKED_AGAIN))
+    counted = j.select("engine", "N", "verdict").filter(
+        ~pl.col("verdict").is_in(plain(d.ASKED_AGAIN))
+    )
     per_episode = j.select(
         *KEY, "req_id", "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid"
     )

@@ -24,7 +24,13 @@ import pyarrow as pa
 
 from keytrace.errors import UnknownResultError
 from keytrace.format.reader import Trace
-from keytrace.format.schema import LOOKUP_RESULTS, SCAN_EPISODE, SCAN_PROOF, SCAN_UNQUERIED
+from keytrace.format.schema import (
+    LOOKUP_RESULTS,
+    SCAN_EPISODE,
+    SCAN_PROOF,
+    SCAN_UNQUERIED,
+    LookupResult,
+)
 from keytrace.format.shape import lookup_rows, tier_rows
 
 
@@ -291,7 +297,7 @@ def _explode(
         .rename({f"{prefix}_{c}": _FLAT[c] for c in _RAW})
         # strict: the reader checks heads and counts at open, the raw rows are checked here,
         # where a verdict reads them (see `keytrace.format.reader._check_values`)
-        .with_columns(pl.col("result").cast(pl.Enum(LOOKUP_RESULTS)).cast(pl.String))
+        .with_columns(pl.col("result").cast(pl.Enum(LookupResult)).cast(pl.String))
         .select(
             "inst",
             "s",

@@ -38,6 +38,7 @@ from keytrace.analysis import frames
 from keytrace.analysis.frames import collect
 from keytrace.analysis.partition import FirstOffers
 from keytrace.format.keys import key_hash, make_key
+from keytrace.format.schema import TierEvent
 from keytrace.judge.definitions import (
     DURABLE_EVENTS,
     IN_FLIGHT_TIER_WORK,
@@ -48,6 +49,7 @@ from keytrace.judge.definitions import (
     resident,
     unsettled,
 )
+from keytrace.judge.ops import plain
 from keytrace.judge.rules import OFFER_EVENTS
 
 __all__ = ["causes", "store_rows", "wanted_keys"]
@@ -84,7 +86,7 @@ def durable(at: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
         tiers.filter(
             pl.col("key").is_in(keys)
             & (
-                ev.is_in([*DURABLE_EVENTS, "tier_evicted"])
+                ev.is_in(plain([*DURABLE_EVENTS, TierEvent.TIER_EVICTED]))
                 | ((ev == "lookup") & (pl.col("result") == "HIT"))
             )
         ).select("inst", "seq", "ep", "tier", pl.col("event").cast(pl.String), "key")
@@ -171,13 +173,17 @@ def crowding(tiers: pl.LazyFrame) -> pl.DataFrame:
     c = pl.col
     ev = c("event").cast(pl.String)
     work = collect(
-        tiers.filter(ev.is_in(list(IN_FLIGHT_TIER_WORK)) & c("key").is_not_null()).select(
+        tiers.filter(ev.is_in(plain(IN_FLIGHT_TIER_WORK)) & c("key").is_not_null()).select(
             "inst",
             "seq",
             "req_id",
             "key",
             ev.str.starts_with("cascade").alias("cascade"),
-            ev.replace_strict(IN_FLIGHT_TIER_WORK, default=0, return_dtype=pl.Int64).alias("d"),
+            ev.replace_strict(
+                dict(zip(plain(IN_FLIGHT_TIER_WORK), IN_FLIGHT_TIER_WORK.values(), strict=True)),
+                default=0,
+                return_dtype=pl.Int64,
+            ).alias("d"),
         )
     ).sort("seq")
     # a key written through to several tiers at once pins one primary slot: a write-through
@@ -224,7 +230,7 @@ def _offered_elsewhere_in(base: pl.DataFrame, rows: pl.DataFrame) -> pl.DataFram
         .filter(
             (pl.col("inst_right") != pl.col("inst"))
             & (pl.col("ts") < pl.col("t"))
-            & pl.col("event").is_in(OFFER_EVENTS)
+            & pl.col("event").is_in(plain(OFFER_EVENTS))
         )
         .select("pid", pl.lit(True).alias("other_engine"))
         .unique("pid")
@@ -291,12 +297,22 @@ def causes(
         promoted = collect(
             tiers.filter(
                 pl.col("key").is_in(keys["key"].implode())
-                & pl.col("event").is_in(list(PROMOTION_AS_STORE))
+                & pl.col("event").is_in(plain(PROMOTION_AS_STORE))
             ).select(
                 "inst",
                 "seq",
                 "ts",
-                pl.col("event").cast(pl.String).replace_strict(PROMOTION_AS_STORE),
+                pl.col("event")
+                .cast(pl.String)
+                .replace_strict(
+                    dict(
+                        zip(
+                            plain(PROMOTION_AS_STORE),
+                            plain(PROMOTION_AS_STORE.values()),
+                            strict=True,
+                        )
+                    )
+                ),
                 "key",
             )
         )

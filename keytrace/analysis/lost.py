@@ -31,6 +31,7 @@ import polars as pl
 
 from keytrace.analysis import frames
 from keytrace.judge.definitions import ASKED_AGAIN, EXPLAINED_CAUSES, served, short_of_E
+from keytrace.judge.ops import plain
 from keytrace.judge.rules import Group
 
 CATEGORIES = (
@@ -101,7 +102,7 @@ def account(
     gpu, offload = served(pl.col("S"), pl.col("N"), pl.col("A"), pl.col("X"))
     ep = (
         judged.lazy()
-        .filter(~pl.col("verdict").is_in(ASKED_AGAIN))
+        .filter(~pl.col("verdict").is_in(plain(ASKED_AGAIN)))
         .join(routing.lazy(), on=["inst", "s"], how="left")
         .with_columns(gpu.alias("gpu_prefix"), offload.alias("offload"))
         .with_columns((pl.col("gpu_prefix") + pl.col("offload")).alias("served"))

@@ -21,7 +21,7 @@ from keytrace.analysis.geometry import geometry_from_header
 from keytrace.errors import TraceError
 from keytrace.format.reader import Trace
 from keytrace.format.schema import SCHEMA_VERSION
-from keytrace.judge.definitions import ASKED_AGAIN, FINDINGS, is_request
+from keytrace.judge.definitions import ASKED_AGAIN, FINDINGS, Verdict, is_request
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _choose(report_all: Sequence[EpisodeVerdict], request: str | None) -> Episod
                 f"request {request!r} has no non-deferred lookup episode in this trace"
             )
         return mine[-1]
-    for want in ("explained", "hit"):
+    for want in (Verdict.EXPLAINED, Verdict.HIT):
         pick = [v for v in eps if v.verdict == want]
         if pick:
             return pick[0]

@@ -21,6 +21,7 @@ import polars as pl
 
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN
+from keytrace.judge.ops import plain
 
 CAUSE_TEXT = {
     "resident": "resident",
@@ -69,7 +70,7 @@ def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.Data
     names = [f"c{i}" for i in range(len(d.DECISIVE_ORDER))]
     lists = [
         cause.filter(
-            (cause.is_in(kind) if kind is not None else d.absent(cause))
+            (cause.is_in(plain(kind)) if kind is not None else d.absent(cause))
             & (pl.col("binding") if bound else pl.lit(True))
         ).alias(name)
         for (kind, bound), name in zip(d.DECISIVE_ORDER, names, strict=True)

@@ -8,7 +8,11 @@ Imports no polars: it is on the recording path of every serving process.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NewType
+
+OffloadKey = NewType("OffloadKey", bytes)
+"""One chunk's key: a block hash followed by the 4-byte big-endian KV-cache group id (vLLM's
+``OffloadKey``, ``make_offload_key``)."""
 
 GID_BYTES = 4
 """Bytes of the group id at the end of every key."""
@@ -50,9 +54,9 @@ def key_hash(key: Any) -> Any:
     return key[:-GID_BYTES]
 
 
-def make_key(block_hash: bytes, gid: int) -> bytes:
+def make_key(block_hash: bytes, gid: int) -> OffloadKey:
     """The key of ``block_hash`` under group ``gid`` (vLLM's ``make_offload_key``)."""
-    return bytes(block_hash) + gid_tail(gid)
+    return OffloadKey(bytes(block_hash) + gid_tail(gid))
 
 
 def chunk_ending_at(end: int | None, tpc: int) -> int | None:

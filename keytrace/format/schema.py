@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from typing import Any
 
 import pyarrow as pa
@@ -64,48 +65,92 @@ KINDS: tuple[str, ...] = ("store", "lookup", "episode", "load", "step", "tier")
 """Every kind any version uses (v2 has no ``episode`` kind: episodes are lookup rows; only
 v3 has ``tier``)."""
 
-LOOKUP_RESULTS: tuple[str, ...] = ("MISS", "HIT", "HIT_PENDING", "RETRY")
-"""vLLM's ``LookupResult`` names. Recorded verbatim: a HIT_PENDING is never a MISS."""
-SCAN_ENDING: tuple[str, ...] = ("MISS", "RETRY")
+
+class LookupResult(StrEnum):
+    """vLLM's ``LookupResult`` names. Recorded verbatim: a HIT_PENDING is never a MISS.
+    Members are strings (``LookupResult.HIT == "HIT"``): traces and JSON carry the names."""
+
+    MISS = "MISS"
+    HIT = "HIT"
+    HIT_PENDING = "HIT_PENDING"
+    RETRY = "RETRY"
+
+
+LOOKUP_RESULTS: tuple[LookupResult, ...] = tuple(LookupResult)
+"""Every lookup result, in the order of the trace's enum type."""
+SCAN_ENDING: tuple[LookupResult, ...] = (LookupResult.MISS, LookupResult.RETRY)
 """Results that end a scan's run of hits: a scan's *terminal* key is its first of these,
 else its first non-HIT (the recorder's ``term_*`` summary; the differ and the alarm rank a
-binding scan's keys the same way, `keytrace.judge.definitions.terminal_order`)."""
-NOT_SETTLED: tuple[str, ...] = ("HIT_PENDING", "RETRY")
+binding scan's keys the same way, `keytrace.judge.definitions.terminal_rank`)."""
+NOT_SETTLED: tuple[LookupResult, ...] = (LookupResult.HIT_PENDING, LookupResult.RETRY)
 """Results that say the store had not finished: a shortfall whose binding key was one is
 timing, not a rule bug (`keytrace.judge.definitions.unsettled`)."""
 
-STORE_EVENTS: tuple[str, ...] = (
-    "prepared",  # offered to prepare_store and newly allocated: the key will be written
-    "rejected",  # offered, prepare_store returned an output without it (already present,
-    #              pending elsewhere, or filtered by store_threshold)
-    "failed",  # offered, prepare_store returned None (allocation failure), or the
-    #            store job was completed with success=False
-    "completed",  # complete_store(success=True): the key is resident and ready
-    "evicted",  # returned in PrepareStoreOutput.evicted_keys: the key left the tier
-    "reset",  # manager.reset_cache(): every key left the tier (key is null)
+
+class StoreEvent(StrEnum):
+    """What the store path did with a key (the ``store`` kind's ``event``)."""
+
+    PREPARED = "prepared"
+    """Offered to prepare_store and newly allocated: the key will be written."""
+    REJECTED = "rejected"
+    """Offered; prepare_store returned an output without it (already present, pending
+    elsewhere, or filtered by store_threshold)."""
+    FAILED = "failed"
+    """Offered; prepare_store returned None (allocation failure), or the store job was
+    completed with success=False."""
+    COMPLETED = "completed"
+    """complete_store(success=True): the key is resident and ready."""
+    EVICTED = "evicted"
+    """Returned in PrepareStoreOutput.evicted_keys: the key left the tier."""
+    RESET = "reset"
+    """manager.reset_cache(): every key left the tier (key is null)."""
+
+
+STORE_EVENTS: tuple[StoreEvent, ...] = tuple(StoreEvent)
+OFFERED_EVENTS: tuple[StoreEvent, ...] = (
+    StoreEvent.PREPARED,
+    StoreEvent.REJECTED,
+    StoreEvent.FAILED,
 )
-OFFERED_EVENTS: tuple[str, ...] = ("prepared", "rejected", "failed")
 """Each offered key gets exactly one outcome row; "offered" is the union of outcomes."""
 
 LOAD_EVENTS: tuple[str, ...] = ("prepared", "completed")
 
-TIER_EVENTS: tuple[str, ...] = (
-    "lookup",  # a secondary tier answered a lookup the primary missed (``result``)
-    "peer_lookup",  # a lookup a secondary tier made for a peer, through its parent
-    "promotion_prepared",  # a primary slot taken for a key found on ``tier``
-    "promotion_no_room",  # the primary had no slot: the lookup answered MISS
-    "promotion_evicted",  # a key the primary evicted to make room for a promotion
-    "promotion_completed",  # the promoted key is readable in the primary
-    "promotion_failed",  # the load from ``tier`` failed: the slot is freed
-    "cascade_submitted",  # a write-through (or request-level cascade) job to ``tier``
-    "cascade_completed",  # ``tier`` holds the keys
-    "cascade_failed",
-    "cascade_dropped",  # back-pressure dropped the write-through to ``tier``
-    "tier_evicted",  # ``tier`` reported it no longer holds the key
-    "promotions_held",  # reset_cache: lookups answer MISS for secondary keys until released
-    "promotions_released",  # on_reset_flushed
-)
-"""Events of the ``tier`` kind (schema v3), one row per key (none for the last two)."""
+
+class TierEvent(StrEnum):
+    """What a tiered manager did below its public methods (the ``tier`` kind, schema v3):
+    one row per key, none for the promotion hold and release."""
+
+    LOOKUP = "lookup"
+    """A secondary tier answered a lookup the primary missed (``result``)."""
+    PEER_LOOKUP = "peer_lookup"
+    """A lookup a secondary tier made for a peer, through its parent."""
+    PROMOTION_PREPARED = "promotion_prepared"
+    """A primary slot taken for a key found on ``tier``."""
+    PROMOTION_NO_ROOM = "promotion_no_room"
+    """The primary had no slot: the lookup answered MISS."""
+    PROMOTION_EVICTED = "promotion_evicted"
+    """A key the primary evicted to make room for a promotion."""
+    PROMOTION_COMPLETED = "promotion_completed"
+    """The promoted key is readable in the primary."""
+    PROMOTION_FAILED = "promotion_failed"
+    """The load from ``tier`` failed: the slot is freed."""
+    CASCADE_SUBMITTED = "cascade_submitted"
+    """A write-through (or request-level cascade) job to ``tier``."""
+    CASCADE_COMPLETED = "cascade_completed"
+    """``tier`` holds the keys."""
+    CASCADE_FAILED = "cascade_failed"
+    CASCADE_DROPPED = "cascade_dropped"
+    """Back-pressure dropped the write-through to ``tier``."""
+    TIER_EVICTED = "tier_evicted"
+    """``tier`` reported it no longer holds the key."""
+    PROMOTIONS_HELD = "promotions_held"
+    """reset_cache: lookups answer MISS for secondary keys until released."""
+    PROMOTIONS_RELEASED = "promotions_released"
+    """on_reset_flushed."""
+
+
+TIER_EVENTS: tuple[TierEvent, ...] = tuple(TierEvent)
 
 _STR = pa.dictionary(pa.int32(), pa.string())
 
@@ -311,13 +356,13 @@ def part_metadata(
     return meta
 
 
-IN_FLIGHT_TIER_WORK = {
-    "cascade_submitted": 1,
-    "cascade_completed": -1,
-    "cascade_failed": -1,
-    "promotion_prepared": 1,
-    "promotion_completed": -1,
-    "promotion_failed": -1,
+IN_FLIGHT_TIER_WORK: dict[str, int] = {
+    TierEvent.CASCADE_SUBMITTED: 1,
+    TierEvent.CASCADE_COMPLETED: -1,
+    TierEvent.CASCADE_FAILED: -1,
+    TierEvent.PROMOTION_PREPARED: 1,
+    TierEvent.PROMOTION_COMPLETED: -1,
+    TierEvent.PROMOTION_FAILED: -1,
 }
 """Tier events that take (+1) or give back (-1) a primary slot per key while a transfer is
 under way: a write-through job reads its chunk from the primary (a key written through to

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from keytrace.format.schema import IN_FLIGHT_TIER_WORK as IN_FLIGHT_TIER_WORK  # re-exported
-from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING
+from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING, StoreEvent, TierEvent
 from keytrace.judge.ops import (
     Num,
     Truth,
@@ -54,6 +55,55 @@ from keytrace.judge.ops import (
     unknown,
 )
 from keytrace.judge.rules import Group, unit
+
+
+class Cause(StrEnum):
+    """Why a needed key was (not) there (``docs/diff.md``, "Causes"; `CAUSES` holds the
+    precedence). Members are strings: reports and JSON carry the names."""
+
+    RESIDENT = "resident"
+    ON_TIER = "on_tier"
+    IN_FLIGHT = "in_flight"
+    PROMOTING = "promoting"
+    PROMOTIONS_HELD = "promotions_held"
+    PROMOTION_NO_ROOM = "promotion_no_room"
+    PROMOTION_EVICTED = "promotion_evicted"
+    PRIMARY_BUSY = "primary_busy"
+    PROMOTION_STARVED = "promotion_starved"
+    SECONDARY_RESIDENT = "secondary_resident"
+    EVICTED = "evicted"
+    OTHER_ENGINE = "other_engine"
+    STORE_FAILED = "store_failed"
+    REJECTED = "rejected"
+    OTHER_GROUP = "other_group"
+    NEVER_OFFERED = "never_offered"
+    NOT_KEYABLE = "not_keyable"
+    NOT_LOOKED_UP = "not_looked_up"
+    """A needed chunk whose key the episode never had (its scan stopped in another group)."""
+    ALL_RESIDENT = "all_resident"
+    """Not a key's cause: what names a shortfall's tokens when every needed chunk was
+    resident (`shortfall_cause`)."""
+
+
+class Verdict(StrEnum):
+    """An episode's verdict (``docs/diff.md``, "Verdicts"). Members are strings."""
+
+    STALLED = "stalled"
+    DEFERRED = "deferred"
+    COLD = "cold"
+    HIT = "hit"
+    SHORTFALL = "shortfall"
+    """Before its explanation: external tokens short of E (`base_verdict`), then
+    `EXPLAINED` or `MISMATCH` (`shortfall_verdict`)."""
+    EXPLAINED = "explained"
+    MISMATCH = "mismatch"
+    UNDETERMINED = "undetermined"
+    """The live alarm only: a shortfall it cannot decide from what it kept (a forgotten
+    record, a key it never saw); counted, never warned about."""
+
+
+SHORTFALLS: tuple[Verdict, ...] = (Verdict.EXPLAINED, Verdict.MISMATCH)
+"""The verdicts a judged shortfall gets (`shortfall_verdict`)."""
 
 # ------------------------------------------------------------------ F and the ceiling
 
@@ -204,27 +254,27 @@ def last_removal(f: KeyFacts) -> Num:
     return removal(f.evicted, f.reset, cases([(f.evicted_now, f.s)], None))
 
 
-CAUSES: tuple[tuple[str, Callable[[KeyFacts], Truth]], ...] = (
-    ("resident", lambda f: resident(f.completed, last_removal(f))),
-    ("on_tier", lambda f: f.durable & f.unasked),
-    ("in_flight", lambda f: in_flight(f.prepared, last_removal(f), f.failed)),
-    ("promoting", lambda f: f.durable & f.unsettled),
-    ("promotions_held", lambda f: f.durable & f.held),
-    ("promotion_no_room", lambda f: f.durable & negate(f.fits)),
-    ("promotion_evicted", lambda f: f.durable & f.own_promotion_evicted),
-    ("primary_busy", lambda f: f.durable & f.no_room & f.crowded),
-    ("promotion_starved", lambda f: f.durable & f.no_room),
-    ("secondary_resident", lambda f: f.durable),
-    ("evicted", lambda f: known(f.completed)),
-    ("other_engine", lambda f: f.other_engine),
-    ("store_failed", lambda f: known(f.failed)),
-    ("rejected", lambda f: f.rejected),
-    ("other_group", lambda f: f.sibling_stored & negate(lt(f.own_first_prepared, f.s))),
-    ("never_offered", lambda f: le(f.token_end, f.keyable_end)),
+CAUSES: tuple[tuple[Cause, Callable[[KeyFacts], Truth]], ...] = (
+    (Cause.RESIDENT, lambda f: resident(f.completed, last_removal(f))),
+    (Cause.ON_TIER, lambda f: f.durable & f.unasked),
+    (Cause.IN_FLIGHT, lambda f: in_flight(f.prepared, last_removal(f), f.failed)),
+    (Cause.PROMOTING, lambda f: f.durable & f.unsettled),
+    (Cause.PROMOTIONS_HELD, lambda f: f.durable & f.held),
+    (Cause.PROMOTION_NO_ROOM, lambda f: f.durable & negate(f.fits)),
+    (Cause.PROMOTION_EVICTED, lambda f: f.durable & f.own_promotion_evicted),
+    (Cause.PRIMARY_BUSY, lambda f: f.durable & f.no_room & f.crowded),
+    (Cause.PROMOTION_STARVED, lambda f: f.durable & f.no_room),
+    (Cause.SECONDARY_RESIDENT, lambda f: f.durable),
+    (Cause.EVICTED, lambda f: known(f.completed)),
+    (Cause.OTHER_ENGINE, lambda f: f.other_engine),
+    (Cause.STORE_FAILED, lambda f: known(f.failed)),
+    (Cause.REJECTED, lambda f: f.rejected),
+    (Cause.OTHER_GROUP, lambda f: f.sibling_stored & negate(lt(f.own_first_prepared, f.s))),
+    (Cause.NEVER_OFFERED, lambda f: le(f.token_end, f.keyable_end)),
 )
 """The cause of a key's state at an episode, in precedence order: the first that holds
 (``docs/diff.md``, "Causes"); none holding is `LAST_CAUSE`."""
-LAST_CAUSE = "not_keyable"
+LAST_CAUSE = Cause.NOT_KEYABLE
 """No earlier request on the chain was long enough to key it."""
 
 
@@ -233,37 +283,43 @@ def cause(facts: KeyFacts) -> Any:
     return cases([(lambda t=test: t(facts), name) for name, test in CAUSES], LAST_CAUSE)
 
 
-CAUSE_ORDER: tuple[str, ...] = (*(name for name, _ in CAUSES), LAST_CAUSE)
+CAUSE_ORDER: tuple[Cause, ...] = (*(name for name, _ in CAUSES), LAST_CAUSE)
 """Every cause `cause` can give, most available first (`better_cause` ranks by it)."""
-CAUSE_RANK = {c: i for i, c in enumerate(CAUSE_ORDER)}
+CAUSE_RANK: dict[str, int] = {c: i for i, c in enumerate(CAUSE_ORDER)}
 """A cause's position in `CAUSE_ORDER`; a cause outside it ranks after all of them."""
-BLOCKING_CAUSES = ("in_flight", "promotion_no_room", "evicted", "other_engine", "store_failed")
+BLOCKING_CAUSES = (
+    Cause.IN_FLIGHT,
+    Cause.PROMOTION_NO_ROOM,
+    Cause.EVICTED,
+    Cause.OTHER_ENGINE,
+    Cause.STORE_FAILED,
+)
 """Timing, capacity or routing that no tiered manager could have overcome: the key was not
 there to serve (being written, evicted and on no tier, elsewhere, never written) or the
 request does not fit the primary."""
-TIER_TIMING_CAUSES = ("promoting", "promotions_held", "primary_busy")
+TIER_TIMING_CAUSES = (Cause.PROMOTING, Cause.PROMOTIONS_HELD, Cause.PRIMARY_BUSY)
 """A key on a tier, on its way: a promotion or a tier's lookup under way, promotions held
 after a reset, or a primary whose slots other transfers held (vLLM answers MISS rather than
 wait when the primary is full: a choice upstream made on purpose, vllm #40020)."""
 EXPLAINED_CAUSES = tuple(c for c in CAUSE_ORDER if c in (*BLOCKING_CAUSES, *TIER_TIMING_CAUSES))
 """Causes of an absent key that are timing, capacity or routing: a shortfall with only
 these is not a rule bug (in `CAUSE_ORDER`'s order)."""
-STORE_RULE_CAUSES = ("rejected", "other_group", "never_offered", "not_keyable")
+STORE_RULE_CAUSES = (Cause.REJECTED, Cause.OTHER_GROUP, Cause.NEVER_OFFERED, Cause.NOT_KEYABLE)
 """The store path and the lookup path disagree about a key: with perfect timing, capacity
 and routing the lookup would still fall short."""
-TIER_RULE_CAUSES = ("promotion_evicted", "promotion_starved", "secondary_resident")
+TIER_RULE_CAUSES = (Cause.PROMOTION_EVICTED, Cause.PROMOTION_STARVED, Cause.SECONDARY_RESIDENT)
 """A tiered manager did not serve a key a tier held, though the request fits its primary:
 alone, with nothing blocking, it would have served it."""
 RULE_CAUSES = (*TIER_RULE_CAUSES, *STORE_RULE_CAUSES)
 """Causes where vLLM's paths disagree about a key (in `CAUSE_ORDER`'s order)."""
 TIER_CAUSES = (
-    "promoting",
-    "promotions_held",
-    "promotion_evicted",
-    "promotion_no_room",
-    "primary_busy",
-    "promotion_starved",
-    "secondary_resident",
+    Cause.PROMOTING,
+    Cause.PROMOTIONS_HELD,
+    Cause.PROMOTION_EVICTED,
+    Cause.PROMOTION_NO_ROOM,
+    Cause.PRIMARY_BUSY,
+    Cause.PROMOTION_STARVED,
+    Cause.SECONDARY_RESIDENT,
 )
 """Causes that only a tiered manager gives: the key was on a secondary tier."""
 
@@ -289,7 +345,7 @@ def held_by_others(cascades: Num, promotions: Num, own_promotions: Num) -> Num:
     return cascades + promotions - own_promotions
 
 
-UNSEEN = "not_looked_up"
+UNSEEN = Cause.NOT_LOOKED_UP
 """A needed chunk whose key the episode never had (its scan stopped in another group)."""
 
 
@@ -362,11 +418,11 @@ class EpisodeNumbers:
     waited: Num = 0
 
 
-BASE_VERDICTS: tuple[tuple[str, Callable[[EpisodeNumbers], Truth]], ...] = (
-    ("stalled", lambda e: unknown(e.X) & stalled(e.deferrals, e.waited)),
-    ("deferred", lambda e: unknown(e.X)),
-    ("cold", lambda e: unknown(e.E)),
-    ("hit", lambda e: e.X >= e.E - e.S),
+BASE_VERDICTS: tuple[tuple[Verdict, Callable[[EpisodeNumbers], Truth]], ...] = (
+    (Verdict.STALLED, lambda e: unknown(e.X) & stalled(e.deferrals, e.waited)),
+    (Verdict.DEFERRED, lambda e: unknown(e.X)),
+    (Verdict.COLD, lambda e: unknown(e.E)),
+    (Verdict.HIT, lambda e: e.X >= e.E - e.S),
 )
 """An episode's verdict before its shortfall is explained, first match wins; none holding
 is ``shortfall``. ``stalled`` is never an agreement: the request is deferred again and
@@ -375,7 +431,7 @@ again and served nothing."""
 
 def base_verdict(e: EpisodeNumbers) -> Any:
     """``deferred``, ``cold``, ``hit`` or ``shortfall`` (`BASE_VERDICTS`)."""
-    return cases([(lambda t=test: t(e), name) for name, test in BASE_VERDICTS], "shortfall")
+    return cases([(lambda t=test: t(e), name) for name, test in BASE_VERDICTS], Verdict.SHORTFALL)
 
 
 @dataclass(frozen=True)
@@ -391,12 +447,12 @@ class Shortfall:
     any_absent: Truth
 
 
-SHORTFALL_VERDICTS: tuple[tuple[str, Callable[[Shortfall], Truth]], ...] = (
-    ("mismatch", lambda f: f.any_store_rule),
-    ("explained", lambda f: f.unsettled),
-    ("explained", lambda f: f.any_blocking),
-    ("mismatch", lambda f: f.any_tier_rule),
-    ("explained", lambda f: f.any_absent),
+SHORTFALL_VERDICTS: tuple[tuple[Verdict, Callable[[Shortfall], Truth]], ...] = (
+    (Verdict.MISMATCH, lambda f: f.any_store_rule),
+    (Verdict.EXPLAINED, lambda f: f.unsettled),
+    (Verdict.EXPLAINED, lambda f: f.any_blocking),
+    (Verdict.MISMATCH, lambda f: f.any_tier_rule),
+    (Verdict.EXPLAINED, lambda f: f.any_absent),
 )
 """A shortfall's verdict, first match wins; none holding (every needed chunk was resident
 and lookup still fell short) is ``mismatch``. A tier rule cause is a mismatch only where
@@ -454,27 +510,29 @@ def candidates_of(causes: Sequence[tuple[int, str]], binding_group: int | None) 
 
 def shortfall_verdict(f: Shortfall) -> Any:
     """``mismatch`` or ``explained`` (`SHORTFALL_VERDICTS`)."""
-    return cases([(lambda t=test: t(f), name) for name, test in SHORTFALL_VERDICTS], "mismatch")
+    return cases(
+        [(lambda t=test: t(f), name) for name, test in SHORTFALL_VERDICTS], Verdict.MISMATCH
+    )
 
 
-PROMOTION_AS_STORE = {
-    "promotion_prepared": "prepared",
-    "promotion_completed": "completed",
-    "promotion_failed": "failed",
+PROMOTION_AS_STORE: dict[str, StoreEvent] = {
+    TierEvent.PROMOTION_PREPARED: StoreEvent.PREPARED,
+    TierEvent.PROMOTION_COMPLETED: StoreEvent.COMPLETED,
+    TierEvent.PROMOTION_FAILED: StoreEvent.FAILED,
 }
 """A promotion into the primary tier is a store into it (its slot taken, filled, or freed):
 residency and in-flight read both alike (tier event -> store event)."""
-DURABLE_EVENTS = ("cascade_completed",)
+DURABLE_EVENTS = (TierEvent.CASCADE_COMPLETED,)
 """Tier events that leave the key on that tier (a tier lookup answering HIT says so too)."""
 
-ASKED_AGAIN = ("stalled", "deferred")
+ASKED_AGAIN = (Verdict.STALLED, Verdict.DEFERRED)
 """Verdicts of an episode vLLM deferred: its request is looked up again, so it accounts for
 no token (`keytrace.analysis.lost`)."""
-FINDINGS = ("mismatch", "stalled")
+FINDINGS = (Verdict.MISMATCH, Verdict.STALLED)
 """Verdicts that are findings (exit 1): a disagreement, or a request that is never served."""
 
 
-AVAILABLE = ("resident", "on_tier")
+AVAILABLE = (Cause.RESIDENT, Cause.ON_TIER)
 """Causes that say a key was there to serve: in the primary, or on a tier (and the
 lookup never got to it)."""
 
@@ -506,7 +564,7 @@ def shortfall_cause(decisive_causes: Any, term_result: Any) -> Any:
     else:
         some = bool(decisive_causes)
         first = (lambda: decisive_causes[0]) if some else None
-    return cases([(some, first), (unsettled(term_result), "in_flight")], "all_resident")
+    return cases([(some, first), (unsettled(term_result), Cause.IN_FLIGHT)], Cause.ALL_RESIDENT)
 
 
 # -------------------------------------------------------------------- shortfall tokens

@@ -24,7 +24,8 @@ process and never loads it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from enum import Enum
 from typing import Any, TypeAlias
 
 Num: TypeAlias = Any
@@ -47,8 +48,10 @@ def _pl() -> Any:
 
 
 def lit(x: Any) -> Any:
-    """``x`` as an expression (None: a null)."""
-    return x if is_expr(x) else _pl().lit(x)
+    """``x`` as an expression (None: a null; an enum member: its value)."""
+    if is_expr(x):
+        return x
+    return _pl().lit(x.value if isinstance(x, Enum) else x)
 
 
 def known(x: Num) -> Truth:
@@ -92,10 +95,17 @@ def negate(a: Truth) -> Truth:
     return ~a if is_expr(a) else not a
 
 
+def plain(values: Iterable[Any]) -> list[Any]:
+    r"""``values`` with every enum member as its value: what polars gets. keytrace's
+    vocabularies are `enum.StrEnum`\ s, and polars reads a list that starts with an enum
+    member as its own Enum type, which a Categorical column then refuses to compare with."""
+    return [v.value if isinstance(v, Enum) else v for v in values]
+
+
 def member(x: Any, values: Sequence[Any]) -> Truth:
     """``x in values`` (False for an unknown ``x``)."""
     if is_expr(x):
-        return x.is_in(list(values)).fill_null(False)
+        return x.is_in(plain(values)).fill_null(False)
     return x in values
 
 
