@@ -686,8 +686,8 @@ def _terminal_within_needed(bind: pl.DataFrame, needed: pl.DataFrame) -> pl.Data
     """
     res = pl.col("result")
     inside = (
-        needed.filter(pl.col("binding") & res.is_not_null() & (res != "HIT"))
-        .sort(d.terminal_order(res), "seq")
+        needed.filter(d.terminal_candidate(pl.col("binding"), res))
+        .sort(d.terminal_rank(res, pl.col("seq")))
         .group_by(KEY, maintain_order=True)
         .agg(
             pl.col("seq").first().alias("n_seq"),
@@ -744,28 +744,26 @@ def _needed(
     proofs: pl.DataFrame | None = None,
     tiered: bool = False,
 ) -> pl.DataFrame:
-    """One row per (episode, windowed group, needed chunk). Full-attention chunks in
-    [S, E) are resident by construction (E <= F), so only windowed groups are listed;
-    on a ``tiered`` manager they are resident *or on a tier*, and a promotion can fail,
-    so they are listed too. ``proofs`` (`_recorded`): a proof of the chunk just past a
-    group's keyed ones was in the lookup's key list too
-    (`keytrace.judge.rules.needed_range`)."""
+    """One row per (episode, group, needed chunk) of the groups
+    `keytrace.judge.definitions.lists_needed` names (`~.needed_range` over
+    `~.keyed_chunks`). ``proofs`` (`_recorded`): a proof of the chunk just past a group's
+    keyed ones was in the lookup's key list too."""
     parts = []
     for g in groups:
-        if g.full_attention and not tiered:
+        if not d.lists_needed(g, tiered):
             continue
-        keyed = pl.col("H") * tph // g.tpc
-        frame = sf
+        frame = sf.with_columns(pl.lit(False).alias("tail_proof"))
         if g.eagle and proofs is not None and proofs.height:
+            plain_keyed = d.keyed_chunks(g, pl.col("H"), tph)
             tail = (
                 proofs.filter(pl.col("gid") == g.gid)
                 .join(sf.select(*KEY, "H"), on=KEY)
-                .filter(pl.col("chunk") == keyed)
-                .select(*KEY, pl.lit(1).alias("tail_proof"))
+                .filter(pl.col("chunk") == plain_keyed)
+                .select(*KEY, pl.lit(True).alias("tail_proof"))
                 .unique(KEY)
             )
             frame = sf.join(tail, on=KEY, how="left")
-            keyed = keyed + pl.col("tail_proof").fill_null(0)
+        keyed = d.keyed_chunks(g, pl.col("H"), tph, pl.col("tail_proof").fill_null(False))
         lo, hi = needed_range(g, pl.col("S"), pl.col("E"), keyed)
         parts.append(
             frame.select(
@@ -866,22 +864,14 @@ def _with_causes(
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )
-    keyable = (pl.col("chunk") + 1) * pl.col("tpc") <= pl.col("keyable_end").fill_null(0)
+    keyable = d.chunk_keyable(pl.col("chunk"), pl.col("tpc"), pl.col("keyable_end"))
+    cause = d.chunk_cause(
+        pl.col("result"), pl.col("key").is_not_null(), pl.col("unoffered"), keyable, pl.col("cause")
+    )
     needed = (
         needed.join(judged, on=[*KEY, "key", "gid"], how="left")
         .join(ep.select(*KEY, "keyable_end"), on=KEY, how="left")
-        .with_columns(
-            pl.when(pl.col("result") == "HIT")
-            .then(pl.lit("resident"))
-            .when(pl.col("key").is_null() & pl.col("unoffered") & keyable)
-            .then(pl.lit("never_offered"))
-            .when(pl.col("key").is_null() & pl.col("unoffered"))
-            .then(pl.lit("not_keyable"))
-            .when(pl.col("key").is_null())
-            .then(pl.lit("not_looked_up"))
-            .otherwise(pl.col("cause"))
-            .alias("cause")
-        )
+        .with_columns(cause.alias("cause"))
         .drop("keyable_end")
         .join(
             judged.rename({"key": "proof", "cause": "proof_cause"}),
@@ -907,18 +897,12 @@ def _fits(
     capacity: int | None,
     crowd: pl.DataFrame,
 ) -> pl.DataFrame:
-    """(inst, s, fits, crowded): `keytrace.judge.definitions.fits_primary` of each
-    shortfall episode's needed chunks (every windowed group's, ``needed``, and every
-    full-attention group's ``[S, E)``) and `~.crowded` beside the slots other work held
-    (``crowd``: `keytrace.analysis.history.crowding`)."""
-    listed = needed.get_column("gid").unique().to_list()
+    """(inst, s, fits, crowded) of a tiered trace's shortfall episodes:
+    `keytrace.judge.definitions.fits_primary` of their needed chunks (`~.needed_total`:
+    ``needed`` lists every group's on a tiered manager) and `~.crowded` beside the slots
+    other work held (``crowd``: `keytrace.analysis.history.crowding`)."""
     counted = needed.group_by(KEY).agg(pl.len().cast(pl.Int64).alias("w"))
-    fa = [
-        (pl.col("E") // g.tpc - pl.col("S") // g.tpc)
-        for g in groups
-        if g.full_attention and g.gid not in listed
-    ]
-    total = pl.sum_horizontal(pl.col("w").fill_null(0), *fa)
+    total = d.needed_total(pl.col("w").fill_null(0), pl.col("S"), pl.col("E"), groups, True)
     return (
         sf.select(*KEY, "S", "E")
         .join(counted, on=KEY, how="left")

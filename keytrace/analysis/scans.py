@@ -96,7 +96,7 @@ def tiered_leads(cells: pl.DataFrame, durable: pl.DataFrame, starts: pl.DataFram
     first, the chunk S falls in) were resident in some tier, in a row: HIT in the primary,
     or held by a secondary tier (``durable``: inst, s, key, durable, as
     `keytrace.analysis.history.durable` says). ``cells``: `tiered_cells`."""
-    ok = (pl.col("result") == "HIT") | pl.col("durable").fill_null(False)
+    ok = definitions.lead_ok(pl.col("result"), pl.col("durable").fill_null(False))
     in_row = pl.col("chunk") == pl.col("first") + pl.int_range(pl.len()).over("inst", "s", "gid")
     return (
         cells.join(durable, on=["inst", "s", "key"], how="left")
@@ -110,24 +110,15 @@ def tiered_leads(cells: pl.DataFrame, durable: pl.DataFrame, starts: pl.DataFram
 
 
 def binding(scans: pl.LazyFrame) -> pl.LazyFrame:
-    """Per episode: the binding scan and its terminal row.
-
-    The binding scan is the last scan (in call order) that saw a non-HIT result; its
-    terminal row is the first MISS or RETRY, else its first non-HIT. An episode whose
-    every lookup was a HIT binds on the group of its last scan, with no terminal key.
-    """
-    last_bad = (
-        scans.filter(definitions.binds(pl.col("n_hit"), pl.col("n")))
-        .sort("scan")
-        .group_by("inst", "s")
-        .agg(
-            pl.col("gid").last().alias("bind_gid"),
-            pl.col("term_seq", "term_chunk", "term_key", "term_result").last(),
-        )
-    )
-    last_any = scans.sort("scan").group_by("inst", "s").agg(pl.col("gid").last().alias("last_gid"))
-    return (
-        last_any.join(last_bad, on=["inst", "s"], how="left")
-        .with_columns(pl.coalesce("bind_gid", "last_gid").alias("bind_gid"))
-        .drop("last_gid")
+    """Per episode: the binding scan (`keytrace.judge.definitions.binding_rank`: the last
+    scan in call order that saw a non-HIT result, else the last scan) and its terminal row
+    (the first MISS or RETRY, else its first non-HIT; null for a scan that only hit)."""
+    rank = definitions.binding_rank(pl.col("n_hit"), pl.col("n"), pl.col("scan"))
+    bound = definitions.binds(pl.col("n_hit"), pl.col("n"))
+    return scans.group_by("inst", "s").agg(
+        pl.col("gid").sort_by(rank).last().alias("bind_gid"),
+        *(
+            pl.when(bound).then(pl.col(c)).otherwise(None).sort_by(rank).last()
+            for c in ("term_seq", "term_chunk", "term_key", "term_result")
+        ),
     )

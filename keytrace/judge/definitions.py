@@ -34,12 +34,14 @@ from enum import StrEnum
 from typing import Any
 
 from keytrace.format.schema import IN_FLIGHT_TIER_WORK as IN_FLIGHT_TIER_WORK  # re-exported
-from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING, StoreEvent, TierEvent
+from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING, LookupResult, StoreEvent, TierEvent
 from keytrace.judge.ops import (
     Num,
     Truth,
+    as_int,
     cases,
     coalesce,
+    eq,
     ge,
     greatest,
     greatest_known,
@@ -54,7 +56,7 @@ from keytrace.judge.ops import (
     negate,
     unknown,
 )
-from keytrace.judge.rules import Group, unit
+from keytrace.judge.rules import Group, align_down, needed_range, store_boundary, unit
 
 
 class Cause(StrEnum):
@@ -167,6 +169,89 @@ def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
     when nothing is above S: a cold episode."""
     above = [cases([(gt(b, S), b)], None) for b in standing]
     return greatest_known(chain_best, *above)
+
+
+# ------------------------------------------------------------------ needed chunks
+
+
+def request_boundaries(groups: Sequence[Group], prompt: int, junction: int | None) -> list[int]:
+    """The boundaries a request's stores keep sliding-window tails for (``docs/diff.md``,
+    "Intended boundaries"): its own (`store_boundary` of its prompt) and, when the GPU
+    prefix cache reported one, its ``shared_prefix_boundary`` junction aligned down; the
+    positive ones. (The differ builds the same over columns,
+    `keytrace.analysis.boundaries.request_boundaries`.)"""
+    out = [store_boundary(groups, prompt)]
+    if junction:
+        out.append(align_down(junction, groups))
+    return [b for b in dict.fromkeys(out) if b > 0]
+
+
+def lists_needed(g: Group, tiered: bool) -> bool:
+    """Whether a group's needed chunks are listed and judged one by one: every windowed
+    group's; a full-attention group's only on a tiered manager (elsewhere every chunk in
+    ``[S, E)`` is resident by construction, E <= F; on a tiered manager F counts what a
+    secondary tier holds, and a promotion can fail)."""
+    return tiered or not g.full_attention
+
+
+def keyed_chunks(g: Group, hashes: Num, tph: int, tail_proof: Truth = False) -> Num:
+    """How many of ``g``'s keys the lookup had (``needed_range``'s ``keyed_chunks``): the
+    request's block hashes give ``hashes * tph // tpc``; under the candidate fix
+    ``eagle_proof_key`` an EAGLE group's list has one more, the proof of the peek chunk
+    the prompt cannot key, where the recorder listed one (``tail_proof``: a proof of the
+    chunk just past the keyed ones)."""
+    keyed = hashes * tph // g.tpc
+    if not g.eagle:
+        return keyed
+    return keyed + as_int(tail_proof)
+
+
+def listing_boundaries(
+    S: int,
+    top: int,
+    intended: Sequence[int],
+    groups: Sequence[Group],
+    retention: int,
+    tiered: bool,
+) -> list[int]:
+    """The hit ends the recorder lists needed keys for when vLLM did not look them up: the
+    ceiling ``top`` (min(L, F); L on a tiered manager), every intended boundary in
+    ``(S, top)`` and the standing ones. E is always one of them (``docs/diff.md``), so
+    what the differ and the alarm need at E is in the trace, whatever the alarm knows. On a
+    tiered manager F counts what the tiers hold, which the recorder cannot see, so every
+    multiple of the retention interval in ``(S, top]`` stands in for the standing one."""
+    ends = {top, *(b for b in intended if S < b < top)}
+    ends.update(b for b in standing_boundaries(top, groups, retention) if S < b <= top)
+    if tiered and retention > 0:
+        ends.update(range((S // retention + 1) * retention, top + 1, retention))
+    return sorted(ends)
+
+
+def listed_chunks(
+    g: Group, S: int, ends: Sequence[int], keyed: int, cap: int, tiered: bool
+) -> list[int]:
+    """The chunks of ``g`` a hit at any of ``ends`` (`listing_boundaries`) needs, that its
+    lookup may not have asked for: `needed_range` at each end; on a tiered manager a
+    full-attention group's every chunk from S up to the cap (``cap``: L), which F may
+    reach. Only keyed chunks (below ``keyed``) have a key to list."""
+    if g.full_attention:
+        return list(range(S // g.tpc, min(cap // g.tpc, keyed))) if tiered else []
+    chunks: set[int] = set()
+    for end in ends:
+        lo, hi = needed_range(g, S, end, keyed)
+        chunks.update(range(lo, hi))
+    return sorted(c for c in chunks if c < keyed)
+
+
+def needed_total(listed: Num, S: Num, E: Num, groups: Sequence[Group], tiered: bool) -> Num:
+    """The chunks an episode needs for a hit at E, every group's: ``listed`` (its needed
+    chunks of the groups `lists_needed` lists) plus each other full-attention group's
+    ``[S, E)``. What `fits_primary` and `crowded` count."""
+    total = listed
+    for g in groups:
+        if not lists_needed(g, tiered):
+            total = total + (E // g.tpc - S // g.tpc)
+    return total
 
 
 # ------------------------------------------------------------- residency and causes
@@ -372,6 +457,32 @@ def better_cause(a: Any, b: Any) -> Any:
     return cases([(proof_is_better(a, b), b)], a)
 
 
+def chunk_cause(
+    result: Any, key_known: Truth, unoffered: Truth, keyable: Truth, key_cause: Any
+) -> Any:
+    """The cause of one needed chunk of a shortfall: ``resident`` when the episode's own
+    lookup of it answered HIT (the manager's word); for a chunk whose key the episode
+    never had, ``never_offered`` or ``not_keyable`` when no request sharing the prefix
+    offered it (``unoffered``; ``keyable``: the chain reached its end), else
+    ``not_looked_up``; otherwise ``key_cause``, the `cause` of its key."""
+    unseen = negate(key_known)
+    return cases(
+        [
+            (eq(result, LookupResult.HIT), Cause.RESIDENT),
+            (lambda: unseen & unoffered & keyable, Cause.NEVER_OFFERED),
+            (lambda: unseen & unoffered, Cause.NOT_KEYABLE),
+            (unseen, UNSEEN),
+        ],
+        key_cause,
+    )
+
+
+def chunk_keyable(chunk: Num, tpc: int, keyable_end: Num) -> Truth:
+    """A chunk the chain's requests were long enough to key: it ends at or before how far
+    they reached (an unknown reach keys nothing)."""
+    return le((chunk + 1) * tpc, coalesce(keyable_end, 0))
+
+
 # --------------------------------------------------------------- binding and terminal
 
 
@@ -379,6 +490,38 @@ def binds(n_hit: Num, n: Num) -> Truth:
     """A scan that can bind an episode: it saw a non-HIT. The binding scan is the last such
     scan in call order (else the episode's last scan, with no terminal key)."""
     return lt(n_hit, n)
+
+
+RANK_SPAN = 1 << 48
+"""Larger than any scan index or sequence number of one process: a rank's boolean part
+outweighs its ordinal part."""
+
+
+def binding_rank(n_hit: Num, n: Num, scan: Num) -> Num:
+    """The binding scan is the one of greatest rank: the last scan, in call order, that
+    `binds`, else the episode's last scan (it binds with no terminal key)."""
+    return as_int(binds(n_hit, n)) * RANK_SPAN + scan
+
+
+def terminal_candidate(binding: Truth, result: Any) -> Truth:
+    """A needed chunk that can be the terminal key: of the binding group, looked up by the
+    episode, and not a HIT. vLLM starts a window scan at its own candidate end, which can
+    lie right of E's window, so the terminal key is the first *needed* chunk the binding
+    scan did not find; only when there is none does the scan's own terminal row stand."""
+    return binding & known(result) & negate(eq(result, LookupResult.HIT))
+
+
+def terminal_rank(result: Any, seq: Num) -> Num:
+    """Among the candidates (`terminal_candidate`) the terminal key is the one of least rank: a MISS or a
+    RETRY before a HIT_PENDING (`terminal_order`), then in call order."""
+    return as_int(terminal_order(result)) * RANK_SPAN + seq
+
+
+def lead_ok(result: Any, durable: Truth) -> Truth:
+    """A full-attention chunk counts toward F on a tiered manager: the primary answered
+    HIT, or a secondary tier held it (``durable``). F's lead is the run of these from S's
+    chunk on, in a row (`keytrace.analysis.scans.tiered_leads`; the alarm walks it)."""
+    return eq(result, LookupResult.HIT) | durable
 
 
 def terminal_order(result: Any) -> Any:

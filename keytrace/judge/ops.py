@@ -90,14 +90,26 @@ def ge(a: Num, b: Num) -> Truth:
     return _compare(a, b, lambda x, y: x >= y)
 
 
+def eq(a: Num, b: Any) -> Truth:
+    """``a == b``, False when ``a`` is unknown."""
+    if is_expr(a, b):
+        return (lit(a) == lit(b)).fill_null(False)
+    return a is not None and a == b
+
+
+def as_int(a: Truth) -> Num:
+    """A known truth value as 0 or 1 (to rank by it)."""
+    return a.cast(_pl().Int64) if is_expr(a) else int(bool(a))
+
+
 def negate(a: Truth) -> Truth:
     """``not a`` for a known truth value (``~`` on a Python bool is an int, never False)."""
     return ~a if is_expr(a) else not a
 
 
 def plain(values: Iterable[Any]) -> list[Any]:
-    r"""``values`` with every enum member as its value: what polars gets. keytrace's
-    vocabularies are `enum.StrEnum`\ s, and polars reads a list that starts with an enum
+    """``values`` with every enum member as its value: what polars gets. keytrace's
+    vocabularies are StrEnums, and polars reads a list that starts with an enum
     member as its own Enum type, which a Categorical column then refuses to compare with."""
     return [v.value if isinstance(v, Enum) else v for v in values]
 
