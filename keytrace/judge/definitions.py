@@ -477,7 +477,7 @@ def chunk_cause(
     )
 
 
-def chunk_keyable(chunk: Num, tpc: int, keyable_end: Num) -> Truth:
+def chunk_keyable(chunk: Num, tpc: Num, keyable_end: Num) -> Truth:
     """A chunk the chain's requests were long enough to key: it ends at or before how far
     they reached (an unknown reach keys nothing)."""
     return le((chunk + 1) * tpc, coalesce(keyable_end, 0))
