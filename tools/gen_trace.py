@@ -26,7 +26,9 @@ chunk, each sliding-window group's tail), then is resent with one of these outco
 Planted episodes are listed in OUT_DIR.planted.json as [engine_id, req_id] pairs.
 
 The planted truth does not come from the differ: the tails are `window_tail` below, vLLM
-0.33.0's rule written out for this geometry from its source (`vllm-offload-notes.md`), not
+0.33.0's rule written out for this geometry from its source (`_lookup_complete_chunks` and
+its right-to-left `_sliding_window_lookup` with the EAGLE peek, in
+`vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py`), not
 `keytrace.judge.rules`. If the two ever disagree the benchmark reports planted episodes
 missed or hits called mismatches.
 """

@@ -119,7 +119,8 @@ DSV4 = Geometry(
     max_model_len=131_072,
     cpu_chunks=400_000,
 )
-"""DeepSeek-V4-Flash-like 5 groups (UCM PR #1322 table, prior-art.md §1.5): MLA block 256;
+"""DeepSeek-V4-Flash-like 5 groups (the geometry table of
+ModelEngine-Group/unified-cache-management PR #1322): MLA block 256;
 two SWA groups block 64 window 128, the second the MTP draft group; C4 block 4 window 8;
 C128 block 8 window 128."""
 

@@ -1,4 +1,4 @@
-"""Layer 6, the ``keytrace`` command line: thin click commands over library functions.
+"""Layer 8, the ``keytrace`` command line: thin click commands over library functions.
 
 Exit codes are decided here and nowhere else (`main`):
 

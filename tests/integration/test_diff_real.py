@@ -79,7 +79,8 @@ def test_injected_bug_is_named(
 #   dsv4 18,877: E = 18,688 reached (hit). 18,944 = 74 * 256 is an exact multiple of the
 #   full-attention chunk: L = round_down(18,943, 256) = 18,688, so the last chunk is
 #   recomputed by design and 18,688 is a full hit. 30,208: L = round_down(30,207, 256) =
-#   29,952; 30,272: L = 30,208 (the prior-art 30,208/30,272 pair); both reach E.
+#   29,952; 30,272: L = 30,208 (vLLM #51761's 30,208-token prompt and its aligned 30,272
+#   control); both reach E.
 #   small 1,000: L = round_down(999, 64) = 960; 1,088: L = 1,024.
 STOCK_HITS = [
     ("dsv4", 18_877, 18_688),

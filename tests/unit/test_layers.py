@@ -1,8 +1,7 @@
 """The layers of keytrace/, checked over whole folders (every module, nested imports too).
 
-Imports point down: format -> judge -> record -> analysis -> live -> report -> vllm -> cli. Nothing but
-``keytrace/vllm/`` imports vLLM or torch; analysis returns data and never prints; nothing
-in the package imports ``tools/``. A new module is covered the moment it is created.
+docs/architecture.md ("Layers") states the rules; this file checks them, and the two change
+together. A new module is covered the moment it is created.
 """
 
 from __future__ import annotations

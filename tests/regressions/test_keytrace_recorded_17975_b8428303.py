@@ -15,7 +15,8 @@ Chunk 280 ends at token 17,984 > 17,975, so it is never keyed or stored. The res
 lookup has no peek chunk to query, needs the run 277-279 and pops 279: chunk 277 was
 never offered. Every length with (P mod 256) in [1, 63] misses the same way; the
 sweep in docs/findings.md checks the rule over 2,000+ consecutive lengths. Upstream:
-the replay-boundary class of vllm #51761 / #52287 (prior-art.md section 1.5).
+the replay-boundary class of vllm #51761 / #52287 (the EAGLE volatile-tail pop moves
+the lookup boundary below the tail the store retained).
 """
 
 from __future__ import annotations
