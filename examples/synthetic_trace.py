@@ -12,6 +12,7 @@ import hashlib
 import sys
 
 from keytrace.analysis.geometry import Geometry, GroupGeom, synthetic_header
+from keytrace.format.schema import LookupResult
 from keytrace.record.recorder import Recorder
 
 GEO = Geometry(
@@ -39,10 +40,10 @@ def main(out: str) -> None:
     rec.episode_begin("r2", 0, None, 100, 100, 6)
     rec.begin_scan()
     for c in range(6):
-        rec.lookup(key(c, 0), "r2", (c + 1) * 16, "HIT", False)
+        rec.lookup(key(c, 0), "r2", (c + 1) * 16, LookupResult.HIT, False)
     rec.begin_scan()
     for c, result in ((5, "HIT"), (4, "MISS"), (3, "MISS"), (2, "MISS"), (1, "MISS"), (0, "MISS")):
-        rec.lookup(key(c, 1), "r2", (c + 1) * 16, result, False)
+        rec.lookup(key(c, 1), "r2", (c + 1) * 16, LookupResult(result), False)
     rec.episode_end("r2", 0, False)
     rec.close()
     print(f"wrote {out}; now run: keytrace diff {out}")

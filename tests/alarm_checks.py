@@ -11,7 +11,8 @@ from keytrace.analysis.diff import diff
 from keytrace.analysis.results import DiffReport, EpisodeVerdict
 from keytrace.format.reader import Trace, open_trace
 from keytrace.judge import definitions as d
-from keytrace.live.alarm import Alarm, AlarmSettings, Judged
+from keytrace.live.alarm import Alarm, Judged
+from keytrace.live.registry import AlarmSettings
 
 SETTINGS = AlarmSettings(keep_judged=True, interval=1e9)
 """Every verdict kept; repeats never summarised (a test's run is shorter than a minute)."""
@@ -67,7 +68,7 @@ def online_fields(j: Judged, alarm: Alarm) -> Fields:
         "binding_group": j.binding_group,
         "terminal_chunk": j.term_chunk if j.term_key else None,
         "terminal_result": j.term_result if j.term_key else None,
-        "terminal_cause": (j.term_cause or "not_looked_up") if j.term_key else None,
+        "terminal_cause": j.term_cause if j.term_key else None,
         "short": (alarm.shorts or {}).get((j.instance, j.episode), 0),
     }
 

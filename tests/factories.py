@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from keytrace.analysis.geometry import Geometry, GroupGeom, synthetic_header
+from keytrace.format.schema import LookupResult
 from keytrace.record.recorder import Recorder
 
 # One FA group, one plain SWA group (window 32 = 2 chunks), one EAGLE SWA group: tpc 16.
@@ -57,7 +58,7 @@ class TraceBuilder:
             },
             max_seconds=3600,
             idle_seconds=3600,  # parts split only where a test says so
-            alarm=alarm,
+            listener=alarm,
         )
         self.tph = geometry.tokens_per_hash
 
@@ -125,15 +126,27 @@ class TraceBuilder:
         chain: str,
         local: int = 0,
         accepted: int | None = None,
+        listed: bool = True,
     ) -> None:
-        """One lookup episode: scans are (group id, [(chunk, result), ...]) in call order."""
-        self.rec.episode_begin(req, local, None, num_tokens, num_tokens, num_tokens // self.tph)
+        """One lookup episode: scans are (group id, [(chunk, result), ...]) in call order.
+        The keys a hit needs that the scans did not ask for are listed as the real hook
+        lists them (`keytrace.record.recorder.Recorder.list_needed`), from ``chain``;
+        ``listed=False`` records none (a schema-1 trace, a chain book that forgot)."""
+        hashes = num_tokens // self.tph
+        self.rec.episode_begin(req, local, None, num_tokens, num_tokens, hashes)
         for gid, calls in scans:
             self.rec.begin_scan()
             for chunk, result in calls:
                 self.rec.lookup(
-                    self.key(chain, gid, chunk), req, (chunk + 1) * self.tpc(gid), result, False
+                    self.key(chain, gid, chunk),
+                    req,
+                    (chunk + 1) * self.tpc(gid),
+                    LookupResult(result),
+                    False,
                 )
+        self.rec.end_scan()
+        if listed:
+            self.rec.list_needed(req, lambda gid, c: self.key(chain, gid, c))
         self.rec.episode_end(req, external, bool(external))
         if external:
             self.rec.accepted(req, accepted if accepted is not None else external)

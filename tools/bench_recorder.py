@@ -166,7 +166,7 @@ def main() -> int:
 
     quiet_host_logs()
     from keytrace.format.reader import open_trace
-    from keytrace.live.alarm import AlarmSettings
+    from keytrace.live.registry import AlarmSettings
     from keytrace.vllm.lab.workload import run_workload
 
     s = spec(args.seed)

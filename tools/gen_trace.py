@@ -42,6 +42,7 @@ import sys
 import time
 
 from keytrace.analysis.geometry import DSV4, synthetic_header
+from keytrace.format.schema import LookupResult
 from keytrace.judge.rules import groups_from_header as _groups
 from keytrace.record.recorder import Recorder
 
@@ -68,7 +69,7 @@ def cold_lookup(rec: Recorder, rid: str, chain: int, tpc: int, P: int) -> None:
     """One lookup episode that finds nothing: its first full-attention key misses."""
     rec.episode_begin(rid, 0, None, P, P, P // TPH)
     rec.begin_scan()
-    rec.lookup(key(chain, tpc, 0), rid, tpc, "MISS", False)
+    rec.lookup(key(chain, tpc, 0), rid, tpc, LookupResult.MISS, False)
     rec.episode_end(rid, 0, False)
 
 
@@ -196,11 +197,13 @@ def main() -> int:
         external: int | None = E
         for c in range(E // fa.tpc):
             res = "RETRY" if outcome == "retry" and c == 3 else "HIT"
-            rec.lookup(key(chain, (c + 1) * fa.tpc, 0), rid2, (c + 1) * fa.tpc, res, False)
+            rec.lookup(
+                key(chain, (c + 1) * fa.tpc, 0), rid2, (c + 1) * fa.tpc, LookupResult(res), False
+            )
             rows += 1
         if outcome == "retry":
             external = None
-        for n, gid in enumerate(order[1:], start=1):
+        for gid in order[1:]:
             g = by_gid[gid]
             rec.begin_scan()
             present = set(stored[gid])
@@ -213,7 +216,13 @@ def main() -> int:
                     res = "HIT_PENDING"
                 else:
                     res = "HIT" if c in present else "MISS"
-                rec.lookup(key(chain, (c + 1) * g.tpc, gid), rid2, (c + 1) * g.tpc, res, False)
+                rec.lookup(
+                    key(chain, (c + 1) * g.tpc, gid),
+                    rid2,
+                    (c + 1) * g.tpc,
+                    LookupResult(res),
+                    False,
+                )
                 rows += 1
                 run = run + 1 if res != "MISS" else 0
                 if run == hits_needed:
@@ -221,12 +230,9 @@ def main() -> int:
             if run < hits_needed:
                 external = 0
                 # as the recorder's episode-end hook does: the groups vLLM never scanned
-                # get their needed keys from vLLM's own per-request key lists
+                # get their needed keys from the request's own per-group key lists
                 rec.end_scan()
-                for later in order[n + 1 :]:
-                    t = tpcs[later]
-                    ends = [(c + 1) * t for c in need[later]]
-                    rec.unqueried(rid2, later, ends, [key(chain, e, later) for e in ends])
+                rec.list_needed(rid2, lambda g, c, ch=chain: key(ch, (c + 1) * tpcs[g], g))
                 break
             if outcome == "pending" and gid == 1:
                 external = None

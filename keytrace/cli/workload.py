@@ -223,7 +223,7 @@ def command(
     )
     show = progress if progress is not None else sys.stderr.isatty()
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")
-    from keytrace.live.alarm import AlarmSettings, live_totals
+    from keytrace.live.registry import AlarmSettings, live_totals
 
     res = run_workload(
         spec,

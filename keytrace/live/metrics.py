@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from keytrace.format.remote import uploaders
-from keytrace.live.alarm import AlarmSettings, alarms
+from keytrace.live.registry import AlarmSettings, alarms
 
 log = logging.getLogger("keytrace")
 

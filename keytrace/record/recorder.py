@@ -1,8 +1,12 @@
-"""The recorder: turns plain values from the hooks into trace rows. Imports no vLLM.
+"""The recorder: turns plain values from the hooks into trace rows and typed records.
+Imports no vLLM.
 
 One `Recorder` per ``OffloadingConnectorScheduler`` instance (one per EngineCore process in
-serving). It owns a `TraceWriter` and the context the manager calls lack on their own: the
-current step, the current lookup episode and scan, and the job id of a store.
+serving). It owns a `TraceWriter`, the context the manager calls lack on their own (the
+current step, episode and scan) and the instance's `ChainBook` (which boundaries requests
+meant later lookups to hit). What it records goes to the writer as rows and, as typed
+records (`keytrace.record.events`), to its listener (the live alarm) before any sampling
+filter; what it writes never depends on whether a listener is there.
 
 Every public method is called from inside a hook wrapper that has already run vLLM's own
 code; the wrappers catch anything raised here (`Recorder.fail`), so vLLM never sees it.
@@ -19,84 +23,40 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ParamSpec
 
-from keytrace.format.keys import chunk_ending_at, key_tail, tail_gid
+from keytrace.format.keys import chunk_ending_at, key_tail
 from keytrace.format.schema import (
     HEAD,
     IN_FLIGHT_TIER_WORK,
-    SCAN_ENDING,
     SCAN_EPISODE,
     SCAN_PROOF,
     SCAN_UNQUERIED,
+    LookupResult,
+    StoreEvent,
+    TierEvent,
 )
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
+from keytrace.judge import definitions as d
+from keytrace.judge.rules import STORE_OFFERS, groups_from_header, lookup_cap
+from keytrace.record.chain import ChainBook
+from keytrace.record.events import (
+    Episode,
+    Health,
+    InstanceInfo,
+    Listed,
+    Listener,
+    Scan,
+    StoreCall,
+    TierCall,
+)
 from keytrace.record.sampling import ChainSampler, sample_fraction
 
-
-class Alarm(Protocol):
-    """What the recorder feeds a live judge (`keytrace.live.alarm.Alarm`; a protocol here
-    so the recorder does not depend on the layer above it)."""
-
-    def add_instance(
-        self,
-        instance_id: int,
-        name: str,
-        engine: str | None,
-        dp_rank: int | None,
-        directory: str | None,
-        recorder: Any = None,
-    ) -> None: ...
-    def store(
-        self,
-        inst: int,
-        seq: int,
-        ts: int,
-        event: str,
-        req_id: str | None,
-        keys: Sequence[bytes],
-        ends: Sequence[int | None],
-    ) -> None: ...
-    def episode_begin(
-        self, inst: int, req_id: str, prompt: int, spb: int | None, seq: int | None = None
-    ) -> None: ...
-    def judge(
-        self,
-        inst: int,
-        ep: Any,
-        scans: Sequence[Any],
-        unqueried: Mapping[int, Mapping[int, bytes]],
-        tpc: Mapping[int, int],
-        proofs: Mapping[int, Mapping[int, bytes]],
-    ) -> Any: ...
-    def report(self, inst: int, j: Any) -> None: ...
-    def expected(
-        self,
-        inst: int,
-        ep: Any,
-        scans: Sequence[Any],
-        tpc: Mapping[int, int],
-        unqueried: Mapping[int, Mapping[int, bytes]] | None = None,
-    ) -> int | None: ...
-    def account(self, inst: int, judged: Any, N: int, accepted: int | None) -> None: ...
-    def summarize_pending(self) -> None: ...
-    def tier(
-        self,
-        inst: int,
-        seq: int,
-        ts: int,
-        event: str,
-        req_id: str | None,
-        tier: int | None,
-        keys: Sequence[bytes | None],
-        episode: int | None,
-        result: str | None = None,
-    ) -> None: ...
-
-
 log = logging.getLogger("keytrace")
+
+P = ParamSpec("P")
 
 _SEQ = itertools.count()
 """One sequence shared by every recorder and kind in this process: total order of calls."""
@@ -105,9 +65,12 @@ _FAILURES_LOGGED: set[str] = set()
 """Where a failure was already logged in this process: one line per place, not per row or
 per scheduler (a test suite builds thousands of schedulers)."""
 
+KeyOf = Callable[[int, int], bytes | None]
+"""(group id, chunk) -> the request's key of that chunk, None when it has none."""
+
 
 class Recorder:
-    """Builds rows for one scheduler instance. See the module docstring."""
+    """Builds rows and records for one scheduler instance. See the module docstring."""
 
     def __init__(
         self,
@@ -120,7 +83,7 @@ class Recorder:
         max_rows: int | None = None,
         max_seconds: float | None = None,
         idle_seconds: float | None = None,
-        alarm: Alarm | None = None,
+        listener: Listener | None = None,
         sample: float | None = None,
     ) -> None:
         kw: dict[str, Any] = {}
@@ -141,17 +104,18 @@ class Recorder:
         )
         w = self.writer
         self.sampler = ChainSampler(sample) if sample is not None else None
-        """Which chains are written (``KEYTRACE_SAMPLE``; None: all). The alarm is fed
+        """Which chains are written (``KEYTRACE_SAMPLE``; None: all). The listener is fed
         before it filters: it judges all traffic."""
-        self.alarm = alarm
-        """The live alarm this recorder feeds (`keytrace.live.alarm`), or None."""
-        self._tpc = dict(tokens_per_chunk)
-        self._ep_scans: dict[str, list[_Scan]] = {}
-        self._ep_unqueried: dict[str, dict[int, dict[int, bytes]]] = {}
-        self._ep_proofs: dict[str, dict[int, dict[int, bytes]]] = {}
-        self._judged: dict[str, Any] = {}
-        if alarm is not None:
-            alarm.add_instance(w.instance_id, w.instance, engine_id, dp_rank, directory, self)
+        self.groups = groups_from_header(dict(header))
+        """The header's offloaded groups."""
+        self.tiered = bool(header.get("secondary_tiers"))
+        self.tph = int(header.get("tokens_per_hash") or 1)
+        self.retention = int(header.get("retention_interval") or 0)
+        self.book = ChainBook(self.groups)
+        """Which boundaries requests meant later lookups to hit (`keytrace.record.chain`)."""
+        self.listener = listener
+        """The live judge this recorder feeds (`keytrace.live.alarm`), or None."""
+        self.inst = w.instance_id
         self._common_tail = (w.instance, w.instance_id, w.engine_id, w.dp_rank, w.pid)
         self.step = 0
         self.episode = -1
@@ -160,25 +124,20 @@ class Recorder:
         episode then)."""
         self.scan = -1
         self.exact_scans = False
-        self._scan: _Scan | None = None
-        self._pending_episode: dict[str, _Episode] = {}
-        self.seen: dict[int, set[int]] = {}
-        """Per group: the end tokens the current episode looked up (read by the hook)."""
-        self.lead_hits: dict[int, int] = {}
-        """Per group: leading HITs of the current episode's first scan of it."""
-        self.groups: list[Any] = []
-        """The header's offloaded groups, parsed once by the hook that needs them."""
+        self._scan: Scan | None = None
+        self._pending: dict[str, Episode] = {}
         self.failures = 0
-        # a tiered manager's context (keytrace.vllm.hook.hooks, all under vLLM's manager lock)
-        self.promoting: int | None = None
-        """The secondary tier a promotion in progress reads from (``_initiate_promotion``)."""
-        self.promoted_from: dict[bytes, int | None] = {}
-        """Promoted keys not yet completed -> the tier they come from."""
-        self.storing: tuple[Sequence[bytes], Any] | None = None
-        """(keys, request context) of the ``complete_store`` call in progress: what a
-        write-through that back-pressure drops would have written."""
-        self.cascades: dict[int, tuple[str | None, int, list[bytes], Mapping[bytes, int]]] = {}
-        """Write-through jobs in flight: job id -> (request, tier, keys, positions)."""
+        if listener is not None:
+            me = weakref.ref(self)
+            info = InstanceInfo(
+                w.instance_id,
+                w.instance,
+                engine_id or w.instance,
+                dp_rank,
+                directory,
+                lambda: _health(me()),
+            )
+            self._tell(listener.instance_started, info, self.book)
 
     # ------------------------------------------------------------------ errors
     def fail(self, where: str, exc: BaseException) -> None:
@@ -193,6 +152,14 @@ class Recorder:
                 type(exc).__name__,
                 exc,
             )
+
+    def _tell(self, method: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> None:
+        """Call one of the listener's methods; a failure is counted (`fail`), never raised:
+        the one place the recorder calls its listener."""
+        try:
+            method(*args, **kwargs)
+        except Exception as exc:
+            self.fail("alarm", exc)
 
     # --------------------------------------------------------------- episodes
     def episode_begin(
@@ -215,9 +182,7 @@ class Recorder:
         self.episode = next(_SEQ)
         self.in_episode = True
         self.scan = -1
-        self.seen = {}
-        self.lead_hits = {}
-        self._pending_episode[req_id] = _Episode(
+        ep = self._pending[req_id] = Episode(
             seq=self.episode,
             ts=time.time_ns(),
             step=self.step,
@@ -229,23 +194,19 @@ class Recorder:
             max_new=max_new_tokens,
             spb=shared_prefix_boundary,
         )
-        if self.alarm is not None:
-            self._ep_scans[req_id] = []
-            self._ep_unqueried.pop(req_id, None)
-            self._ep_proofs.pop(req_id, None)
-            self._feed(
-                "episode_begin", req_id, num_prompt_tokens, shared_prefix_boundary, self.episode
-            )
+        self.book.begin(req_id, num_prompt_tokens, shared_prefix_boundary)
+        if self.listener is not None:
+            self._tell(self.listener.episode_began, self.inst, ep)
 
     def episode_end(self, req_id: str, external: int | None, load_async: bool | None) -> None:
         self.end_scan()
         self.in_episode = False
-        ep = self._pending_episode.get(req_id)
+        ep = self._pending.get(req_id)
         if ep is not None:
             ep.external = external
             ep.load_async = load_async
-            if self.alarm is not None:
-                self._judge(ep)
+            if self.listener is not None:
+                self._tell(self.listener.episode_ended, self.inst, ep)
             if not external:
                 # Nothing will be allocated from the tier; the row is final now.
                 ep.accepted = 0 if external == 0 else None
@@ -253,48 +214,21 @@ class Recorder:
         self.scan = -1
 
     def accepted(self, req_id: str, num_external_tokens: int) -> None:
-        ep = self._pending_episode.get(req_id)
+        ep = self._pending.get(req_id)
         if ep is not None and ep.accepted is None:
             ep.accepted = num_external_tokens
             self.close_episode(req_id)
 
-    def live_expected(self, req_id: str) -> int | None:
-        """The alarm's E for the episode in progress (None without an alarm): the hook then
-        also lists the keys a hit at E needs in groups vLLM never scanned, so neither the
-        alarm nor the differ has to derive them."""
-        ep = self._pending_episode.get(req_id)
-        if self.alarm is None or ep is None:
-            return None
-        scans = self._ep_scans.get(req_id, [])
-        listed = self._ep_unqueried.get(req_id, {})
-        return self._feed("expected", ep, scans, self._tpc, listed)  # type: ignore[no-any-return]
-
-    def _judge(self, ep: _Episode) -> None:
-        """The alarm's verdict on an episode that just ended; its warning, if any."""
-        scans = self._ep_scans.pop(ep.req_id, [])
-        unqueried = self._ep_unqueried.pop(ep.req_id, {})
-        proofs = self._ep_proofs.pop(ep.req_id, {})
-        judged = self._feed("judge", ep, scans, unqueried, self._tpc, proofs)
-        if judged is not None:
-            self._judged[ep.req_id] = judged
-            self._feed("report", judged)
-
-    def _feed(self, method: str, *args: Any) -> Any:
-        """``alarm.<method>(this instance, *args)``; a failure is counted (`fail`), never
-        raised: the one place the recorder calls its alarm."""
-        try:
-            return getattr(self.alarm, method)(self.writer.instance_id, *args)
-        except Exception as exc:
-            self.fail("alarm", exc)
-            return None
+    def current(self, req_id: str) -> Episode | None:
+        """The episode of ``req_id`` whose row is not final yet, if any."""
+        return self._pending.get(req_id)
 
     def close_episode(self, req_id: str) -> None:
-        ep = self._pending_episode.pop(req_id, None)
+        ep = self._pending.pop(req_id, None)
         if ep is None:
             return
-        judged = self._judged.pop(req_id, None)
-        if judged is not None and self.alarm is not None:
-            self._feed("account", judged, ep.tokens, ep.accepted)
+        if self.listener is not None:
+            self._tell(self.listener.episode_closed, self.inst, ep)
         self._lookup_row(
             ep.seq,
             ep.ts,
@@ -315,15 +249,91 @@ class Recorder:
 
     def close_all_episodes(self) -> None:
         self.end_scan()
-        for req_id in list(self._pending_episode):
+        for req_id in list(self._pending):
             self.close_episode(req_id)
 
-    def unqueried(
-        self, req_id: str, group_id: int, ends: Sequence[int], keys: Sequence[bytes]
+    def request_finished(self, req_id: str) -> None:
+        """vLLM finished ``req_id``: its episode row is final, and what was kept for it alone
+        (its boundaries, its sampling decision) goes."""
+        self.close_episode(req_id)
+        self.book.finished(req_id)
+        if self.sampler is not None:
+            self.sampler.finished(req_id)
+        if self.listener is not None:
+            self._tell(self.listener.request_finished, self.inst, req_id)
+
+    # ------------------------------------------------------- keys not looked up
+    def list_needed(self, req_id: str, key_of: KeyOf) -> list[int]:
+        """List the keys the episode in progress needs for a hit at any boundary it could
+        expect and that its lookups did not ask for (vLLM stops at the first group that
+        returns 0, so later groups are never looked up): from the request's own key lists
+        (``key_of``), read only, at every end of
+        `keytrace.judge.definitions.listing_boundaries` (the intended boundaries this
+        instance's `ChainBook` knows, the ceiling min(L, F), the standing ones). The
+        differ and the live alarm then know those keys exactly, alarm on or off. Returns
+        the ends listed for (a candidate fix lists proof keys for the same)."""
+        ep = self._pending.get(req_id)
+        if ep is None or not self.groups:
+            return []
+        S = ep.local
+        cap = lookup_cap(self.groups, ep.tokens, S, ep.max_new)
+        first = ep.first_scans()
+        leads = {gid: sc.lead for gid, sc in first.items()}
+        top = (
+            cap
+            if self.tiered
+            else d.match_ceiling(cap, d.resident_prefix(S, self.groups, leads.get))
+        )
+        if top <= S:
+            return []
+        seen = ep.seen_ends()
+        keyed_tokens = ep.hashes * self.tph
+        anchor = self.book.anchor
+        for g in self.groups:  # full attention first: its keys name the chain
+            if g.full_attention:
+                self._list(
+                    ep,
+                    g.gid,
+                    d.listed_chunks(g, S, (), keyed_tokens // g.tpc, cap, self.tiered),
+                    seen,
+                    key_of,
+                )
+        anchor_keys: list[bytes] = []
+        if anchor is not None:
+            anchor_keys = [k for sc in ep.scans if sc.gid == anchor.gid for k in sc.keys]
+            anchor_keys += ep.unqueried.get(anchor.gid, {}).values()
+        intended, _ = self.book.intended(anchor_keys, ep.seq)
+        ends = d.listing_boundaries(
+            S, top, sorted(intended), self.groups, self.retention, self.tiered
+        )
+        for g in self.groups:
+            if not g.full_attention:
+                chunks = d.listed_chunks(g, S, ends, keyed_tokens // g.tpc, cap, self.tiered)
+                self._list(ep, g.gid, chunks, seen, key_of)
+        return ends
+
+    def _list(
+        self,
+        ep: Episode,
+        gid: int,
+        chunks: Sequence[int],
+        seen: Mapping[int, set[int]],
+        key_of: KeyOf,
     ) -> None:
-        """Keys the current episode needed in a group vLLM never scanned (the hook reads them
-        from vLLM's own per-group key list), so the differ knows them exactly."""
-        self._listed(SCAN_UNQUERIED, self._ep_unqueried, req_id, group_id, ends, keys)
+        tpc = self.writer.tokens_per_chunk.get(gid)
+        if not tpc or not chunks:
+            return
+        looked = seen.get(gid, set())
+        ends, keys = [], []
+        for c in chunks:
+            end = (c + 1) * tpc
+            if end in looked:
+                continue
+            key = key_of(gid, c)
+            if key is not None:
+                ends.append(end)
+                keys.append(key)
+        self._listed(SCAN_UNQUERIED, ep.unqueried, ep.req_id, gid, ends, keys)
 
     def proofs(
         self, req_id: str, group_id: int, ends: Sequence[int], keys: Sequence[bytes]
@@ -331,29 +341,30 @@ class Recorder:
         """Proof keys (``SCAN_PROOF``) of chunks the current episode needed: under a
         candidate fix, a second key the lookup accepts for the chunk ending at each of
         ``ends``, so the differ and the alarm judge the chunk by the better of the two."""
-        self._listed(SCAN_PROOF, self._ep_proofs, req_id, group_id, ends, keys)
+        ep = self._pending.get(req_id)
+        if ep is not None:
+            self._listed(SCAN_PROOF, ep.proofs, req_id, group_id, ends, keys)
 
     def _listed(
         self,
         scan: int,
-        for_alarm: dict[str, dict[int, dict[int, bytes]]],
+        into: Listed,
         req_id: str,
         group_id: int,
         ends: Sequence[int],
         keys: Sequence[bytes],
     ) -> None:
         """One row of keys listed (not looked up) for the current episode: ``scan`` says
-        what they are; the alarm gets them as group -> chunk -> key."""
+        what they are; the episode keeps them as group -> chunk -> key."""
         if not keys:
             return
-        if self.alarm is not None:
-            tpc = self._tpc.get(group_id)
-            if tpc:
-                got = for_alarm.setdefault(req_id, {}).setdefault(group_id, {})
-                for end, key in zip(ends, keys, strict=True):
-                    chunk = chunk_ending_at(end, tpc)
-                    if chunk is not None:
-                        got[chunk] = key
+        tpc = self.writer.tokens_per_chunk.get(group_id)
+        if tpc:
+            got = into.setdefault(group_id, {})
+            for end, key in zip(ends, keys, strict=True):
+                chunk = chunk_ending_at(end, tpc)
+                if chunk is not None:
+                    got[chunk] = key
         self._lookup_row(
             next(_SEQ),
             time.time_ns(),
@@ -375,7 +386,12 @@ class Recorder:
         self.scan += 1
 
     def lookup(
-        self, key: bytes, req_id: str, end_token: int | None, result: str, secondary: bool
+        self,
+        key: bytes,
+        req_id: str,
+        end_token: int | None,
+        result: LookupResult,
+        secondary: bool,
     ) -> None:
         """One ``manager.lookup`` call: the hot path, a few list appends."""
         sc = self._scan
@@ -389,7 +405,7 @@ class Recorder:
                 self.end_scan()
             if not self.exact_scans:  # without the helper hooks a new group is a new scan
                 self.scan += 1
-            sc = self._scan = _Scan(
+            sc = self._scan = Scan(
                 self.episode, max(self.scan, 0), req_id, key_tail(key), secondary, self.step
             )
         sc.add(next(_SEQ), end_token, key, result)
@@ -400,14 +416,10 @@ class Recorder:
         if sc is None:
             return
         self._scan = None
-        if self.alarm is not None:
-            scans = self._ep_scans.get(sc.req_id)
-            if scans is not None:
-                scans.append(sc)
-        gid = tail_gid(sc.gid_bytes)
-        self.seen.setdefault(gid, set()).update(e for e in sc.ends if e is not None)
-        self.lead_hits.setdefault(gid, sc.lead)
-        term = sc.term if sc.term is not None else sc.first_nonhit
+        ep = self._pending.get(sc.req_id)
+        if ep is not None and ep.seq == sc.episode:
+            ep.scans.append(sc)
+        term = sc.terminal
         counts = sc.counts
         head, tail = slice(0, HEAD), slice(HEAD, None)
         self._lookup_row(
@@ -417,13 +429,13 @@ class Recorder:
             sc.episode,
             sc.scan,
             sc.req_id,
-            group_id=gid,
+            group_id=sc.gid,
             secondary=sc.secondary,
             n_keys=len(sc.seqs),
-            n_hit=counts["HIT"],
-            n_pending=counts["HIT_PENDING"],
-            n_retry=counts["RETRY"],
-            n_miss=counts["MISS"],
+            n_hit=counts[LookupResult.HIT],
+            n_pending=counts[LookupResult.HIT_PENDING],
+            n_retry=counts[LookupResult.RETRY],
+            n_miss=counts[LookupResult.MISS],
             lead_hits=sc.lead,
             term_pos=term,
             term_seq=None if term is None else sc.seqs[term],
@@ -452,10 +464,9 @@ class Recorder:
         self.writer.append("lookup", 1, tuple(row))
 
     # ------------------------------------------------------------------ stores
-    def _keyed(
+    def _store(
         self,
-        kind: str,
-        event: str,
+        event: StoreEvent,
         req_id: str | None,
         keys: Sequence[bytes],
         positions: Sequence[int | None],
@@ -463,27 +474,23 @@ class Recorder:
     ) -> None:
         if not keys:
             return
-        seq = next(_SEQ)
-        ts = time.time_ns()
-        if kind == "store":
-            if self.alarm is not None:
-                self._feed("store", seq, ts, event, req_id, keys, positions)
-            if self.sampler is not None:
-                req_id, keys, positions, job_id = self._sampled_store(
-                    event, req_id, keys, positions, job_id
-                )
-                if not keys:
-                    return
-            call: tuple[Any, ...] = (seq, ts, *self._common_tail, self.step, event, req_id, job_id)
-        else:
-            if self.sampler is not None and not self.sampler.request(req_id):
+        call = StoreCall(next(_SEQ), time.time_ns(), event, req_id, keys, positions, job_id)
+        if event in STORE_OFFERS:
+            self.book.offered(req_id, keys, positions, call.seq)
+        if self.listener is not None:
+            self._tell(self.listener.store_called, self.inst, call)
+        if self.sampler is not None:
+            req_id, keys, positions, job_id = self._sampled_store(
+                event, req_id, keys, positions, job_id
+            )
+            if not keys:
                 return
-            call = (seq, ts, *self._common_tail, self.step, event, req_id)
-        self.writer.append(kind, len(keys), call, key=list(keys), end_token=list(positions))
+        row = (call.seq, call.ts, *self._common_tail, self.step, event, req_id, job_id)
+        self.writer.append("store", len(keys), row, key=list(keys), end_token=list(positions))
 
     def _sampled_store(
         self,
-        event: str,
+        event: StoreEvent,
         req_id: str | None,
         keys: Sequence[bytes],
         positions: Sequence[int | None],
@@ -494,12 +501,12 @@ class Recorder:
         unsampled chain's prepared keys, the first of each group (as no request's)."""
         sm = self.sampler
         assert sm is not None
-        if event == "evicted":
+        if event is StoreEvent.EVICTED:
             kept = sm.sampled_keys(keys)
             sm.evicted(keys)
             pos = dict(zip(keys, positions, strict=True))
             return req_id, kept, [pos[k] for k in kept if k is not None], job_id  # type: ignore[return-value]
-        if event == "prepared":
+        if event is StoreEvent.PREPARED:
             if sm.stored(req_id, keys):
                 sm.note_prepared(keys)
                 return req_id, keys, positions, job_id
@@ -522,20 +529,20 @@ class Recorder:
         """One ``prepare_store`` call: an outcome row per offered key, plus evictions."""
         pos = positions.get
         if evicted:
-            self._keyed("store", "evicted", req_id, evicted, [pos(k) for k in evicted])
+            self._store(StoreEvent.EVICTED, req_id, evicted, [pos(k) for k in evicted])
         if keys_to_store is None:
-            self._keyed("store", "failed", req_id, offered, [pos(k) for k in offered])
+            self._store(StoreEvent.FAILED, req_id, offered, [pos(k) for k in offered])
             return
         chosen = (
             keys_to_store if isinstance(keys_to_store, (set, frozenset)) else set(keys_to_store)
         )
         if len(chosen) == len(offered):
-            self._keyed("store", "prepared", req_id, offered, [pos(k) for k in offered], job_id)
+            self._store(StoreEvent.PREPARED, req_id, offered, [pos(k) for k in offered], job_id)
             return
         prepared = [k for k in offered if k in chosen]
         rejected = [k for k in offered if k not in chosen]
-        self._keyed("store", "prepared", req_id, prepared, [pos(k) for k in prepared], job_id)
-        self._keyed("store", "rejected", req_id, rejected, [pos(k) for k in rejected])
+        self._store(StoreEvent.PREPARED, req_id, prepared, [pos(k) for k in prepared], job_id)
+        self._store(StoreEvent.REJECTED, req_id, rejected, [pos(k) for k in rejected])
 
     def store_completed(
         self,
@@ -547,24 +554,23 @@ class Recorder:
     ) -> None:
         ks = list(keys)
         pos = positions.get
-        self._keyed(
-            "store", "completed" if success else "failed", req_id, ks, [pos(k) for k in ks], job_id
-        )
+        event = StoreEvent.COMPLETED if success else StoreEvent.FAILED
+        self._store(event, req_id, ks, [pos(k) for k in ks], job_id)
 
     def reset(self) -> None:
         """``manager.reset_cache()``: every stored key left the tier."""
         if self.sampler is not None:
             self.sampler.reset()
-        seq, ts = next(_SEQ), time.time_ns()
+        call = StoreCall(next(_SEQ), time.time_ns(), StoreEvent.RESET, None, (), ())
+        if self.listener is not None:
+            self._tell(self.listener.store_called, self.inst, call)
         self.writer.append(
             "store",
             1,
-            (seq, ts, *self._common_tail, self.step, "reset", None, None),
+            (call.seq, call.ts, *self._common_tail, self.step, call.event, None, None),
             key=[None],
             end_token=[None],
         )
-        if self.alarm is not None:
-            self._feed("store", seq, ts, "reset", None, [], [])
 
     # ------------------------------------------------------------------- tiers
     def evicted_by_promotion(
@@ -577,18 +583,18 @@ class Recorder:
         """Keys the primary evicted to make room for a promotion: ``evicted`` store rows
         (they left the CPU tier, whatever made room) and ``promotion_evicted`` tier rows
         (what made room)."""
-        self._keyed("store", "evicted", req_id, keys, [positions.get(k) for k in keys])
-        self.tier_event("promotion_evicted", req_id, tier, keys, positions)
+        self._store(StoreEvent.EVICTED, req_id, keys, [positions.get(k) for k in keys])
+        self.tier_event(TierEvent.PROMOTION_EVICTED, req_id, tier, keys, positions)
 
     def tier_event(
         self,
-        event: str,
+        event: TierEvent,
         req_id: str | None,
         tier: int | None,
         keys: Sequence[bytes | None],
         positions: Mapping[bytes, int] | None = None,
         *,
-        result: str | None = None,
+        result: LookupResult | None = None,
         job_id: int | None = None,
     ) -> None:
         """What a tiered manager did below its public methods (the ``tier`` kind, one row per
@@ -599,18 +605,20 @@ class Recorder:
         ks = list(keys) or [None]
         pos = (positions or {}).get
         ends = [None if k is None else pos(k) for k in ks]
-        seq, ts = next(_SEQ), time.time_ns()
         episode = self.episode if self.in_episode else None
-        if self.alarm is not None:
-            self._feed("tier", seq, ts, event, req_id, tier, ks, episode, result)
+        call = TierCall(
+            next(_SEQ), time.time_ns(), event, req_id, tier, ks, ends, episode, result, job_id
+        )
+        if self.listener is not None:
+            self._tell(self.listener.tier_called, self.inst, call)
         if self.sampler is not None and keys:
             ks = self._sampled_tier(event, req_id, ks)
             if not ks:
                 return
             ends = [None if k is None else pos(k) for k in ks]
-        call = (
-            seq,
-            ts,
+        row = (
+            call.seq,
+            call.ts,
             *self._common_tail,
             self.step,
             event,
@@ -620,21 +628,21 @@ class Recorder:
             result,
             job_id,
         )
-        self.writer.append("tier", len(ks), call, key=ks, end_token=ends)
+        self.writer.append("tier", len(ks), row, key=ks, end_token=ends)
 
     def _sampled_tier(
-        self, event: str, req_id: str | None, keys: list[bytes | None]
+        self, event: TierEvent, req_id: str | None, keys: list[bytes | None]
     ) -> list[bytes | None]:
         """What a sampled trace writes of one keyed tier call: all of it for transfers in
         flight (they count for every chain's promotions) and for a sampled request; by key
         for a tier's evictions and a promotion's (whose request is not the keys' owner)."""
         sm = self.sampler
         assert sm is not None
-        if event == "promotion_prepared":  # keys enter this primary from a tier (stored,
-            sm.stored(req_id, [k for k in keys if k is not None])  # maybe, by another engine)
+        if event is TierEvent.PROMOTION_PREPARED:  # keys enter this primary from a tier
+            sm.stored(req_id, [k for k in keys if k is not None])  # (stored, maybe, elsewhere)
         if event in IN_FLIGHT_TIER_WORK:
             return keys
-        if req_id is None or event == "promotion_evicted":  # keys of any chain
+        if req_id is None or event is TierEvent.PROMOTION_EVICTED:  # keys of any chain
             return sm.sampled_keys(keys)
         return keys if sm.request(req_id) else []
 
@@ -643,8 +651,11 @@ class Recorder:
         self, event: str, req_id: str, keys: Iterable[bytes], positions: Mapping[bytes, int]
     ) -> None:
         ks = list(keys)
+        if not ks or (self.sampler is not None and not self.sampler.request(req_id)):
+            return
         pos = positions.get
-        self._keyed("load", event, req_id, ks, [pos(k) for k in ks])
+        row = (next(_SEQ), time.time_ns(), *self._common_tail, self.step, event, req_id)
+        self.writer.append("load", len(ks), row, key=ks, end_token=[pos(k) for k in ks])
 
     # ------------------------------------------------------------------- steps
     def step_rows(
@@ -667,91 +678,20 @@ class Recorder:
 
     def close(self) -> None:
         self.close_all_episodes()
-        if self.alarm is not None:
-            try:  # not through _feed: the summary is the alarm's, not this instance's
-                self.alarm.summarize_pending()
-            except Exception as exc:
-                self.fail("alarm", exc)
+        if self.listener is not None:
+            self._tell(self.listener.recorder_closed, self.inst)
         self.writer.close()
+
+
+def _health(rec: Recorder | None) -> Health | None:
+    if rec is None:
+        return None
+    stats = rec.writer.stats
+    return Health(rec.failures, stats.dropped_rows, stats.dropped_parts, stats.capped)
 
 
 _LOOKUP_VALUES = call_columns("lookup")[11:]
 """The v2 lookup columns after (common, episode, scan, req_id), in the writer's order."""
-
-
-@dataclass(slots=True)
-class _Episode:
-    """An episode whose row waits for the accepted token count."""
-
-    seq: int
-    ts: int
-    step: int
-    req_id: str
-    local: int
-    prompt: int
-    tokens: int
-    hashes: int
-    max_new: int | None
-    spb: int | None
-    external: int | None = None
-    load_async: bool | None = None
-    accepted: int | None = None
-
-
-class _Scan:
-    """One scan in progress: raw lists in call order and the running summary."""
-
-    __slots__ = (
-        "counts",
-        "ends",
-        "episode",
-        "first_nonhit",
-        "gid_bytes",
-        "keys",
-        "last_hit",
-        "lead",
-        "req_id",
-        "results",
-        "scan",
-        "secondary",
-        "seqs",
-        "step",
-        "term",
-        "ts",
-    )
-
-    def __init__(
-        self, episode: int, scan: int, req_id: str, gid_bytes: bytes, secondary: bool, step: int
-    ) -> None:
-        self.episode, self.scan, self.req_id = episode, scan, req_id
-        self.gid_bytes, self.secondary, self.step = gid_bytes, secondary, step
-        self.ts = time.time_ns()
-        self.seqs: list[int] = []
-        self.ends: list[int | None] = []
-        self.keys: list[bytes] = []
-        self.results: list[str] = []
-        self.counts = {"HIT": 0, "HIT_PENDING": 0, "RETRY": 0, "MISS": 0}
-        self.lead = 0  # HITs before the first non-HIT
-        self.last_hit: int | None = None
-        self.term: int | None = None  # first MISS or RETRY
-        self.first_nonhit: int | None = None
-
-    def add(self, seq: int, end: int | None, key: bytes, result: str) -> None:
-        i = len(self.seqs)
-        self.seqs.append(seq)
-        self.ends.append(end)
-        self.keys.append(key)
-        self.results.append(result)
-        self.counts[result] = self.counts.get(result, 0) + 1
-        if result == "HIT":
-            self.last_hit = i
-            if self.first_nonhit is None:
-                self.lead += 1
-            return
-        if self.first_nonhit is None:
-            self.first_nonhit = i
-        if self.term is None and result in SCAN_ENDING:
-            self.term = i
 
 
 def env_int(name: str) -> int | None:

@@ -127,7 +127,7 @@ def test_eagle_proof_key_on_real_traffic(
     import logging
 
     from keytrace.analysis.diff import diff
-    from keytrace.live.alarm import alarms
+    from keytrace.live.registry import alarms
     from tests.alarm_checks import SETTINGS, assert_alarm_agrees
 
     caplog.set_level(logging.WARNING, logger="keytrace")
@@ -217,7 +217,7 @@ def test_under_eagle_proof_key_an_evicted_proof_is_capacity_not_a_rule_bug(
 
     from keytrace.analysis import frames
     from keytrace.analysis.diff import diff
-    from keytrace.live.alarm import alarms
+    from keytrace.live.registry import alarms
     from keytrace.vllm.hook.patches import fixed, recording
     from keytrace.vllm.lab.harness import Harness
     from tests.alarm_checks import SETTINGS, assert_alarm_agrees

@@ -30,7 +30,7 @@ from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.analysis.geometry import BUILTIN  # noqa: E402
 from keytrace.analysis.results import DiffReport  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
-from keytrace.live.alarm import alarms  # noqa: E402
+from keytrace.live.registry import alarms  # noqa: E402
 from keytrace.vllm.lab.oracle import check  # noqa: E402
 from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402
 from keytrace.vllm.mods.catalog import INJECTIONS  # noqa: E402

@@ -26,7 +26,7 @@ require_vllm()
 
 from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
-from keytrace.live.alarm import live_totals  # noqa: E402
+from keytrace.live.registry import live_totals  # noqa: E402
 from keytrace.report.jsonout import to_jsonable  # noqa: E402
 from keytrace.report.text import render_diff  # noqa: E402
 from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402

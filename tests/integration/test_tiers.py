@@ -34,7 +34,7 @@ from keytrace.analysis.geometry import builtin  # noqa: E402
 from keytrace.analysis.history import crowding  # noqa: E402
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
-from keytrace.live.alarm import alarms  # noqa: E402
+from keytrace.live.registry import alarms  # noqa: E402
 from keytrace.vllm.hook.patches import recording  # noqa: E402
 from keytrace.vllm.lab.harness import Harness, tiered  # noqa: E402
 

@@ -26,8 +26,13 @@ from hypothesis import strategies as st
 
 from keytrace.analysis.diff import diff
 from keytrace.format.reader import open_trace
+from keytrace.format.schema import StoreEvent, TierEvent
 from keytrace.live import metrics
-from keytrace.live.alarm import BYTES_PER_RECORD, Alarm, AlarmSettings
+from keytrace.live.alarm import BYTES_PER_RECORD, Alarm
+from keytrace.live.registry import AlarmSettings
+from keytrace.live.state import InstanceState, KeyStore
+from keytrace.record.chain import ChainBook
+from keytrace.record.events import InstanceInfo, StoreCall, TierCall
 from tests import factories
 from tests.alarm_checks import field_differences
 from tests.factories import TINY, new_builder
@@ -66,11 +71,12 @@ UNKNOWN_KEYS = {
     "test_keys_of_groups_the_scan_never_reached_are_derived",
     "test_a_request_that_only_evicted_a_key_does_not_share_its_prefix",
 }
-"""Scenarios with a needed key the hand-built recorder never saw (no lookup, no unqueried
-row; the real hook records them): the differ derives it from the whole trace and finds a
-rule cause; live, the key's chunk counts as not looked up, as the differ would count it
-without the derivation. A missed cause (a shortfall explained, or one decisive cause fewer),
-never a false one."""
+"""Scenarios of a recording that did not list the keys a hit needs (``listed=False``: what a
+schema-1 trace holds, or a recorder whose chain book forgot the boundary): the differ
+derives a needed key from the whole trace and finds a rule cause; live, the alarm sees no
+other request's records, so the key's chunk counts as not looked up. A missed cause (a
+shortfall explained, or one decisive cause fewer), never a false one. Every other scenario
+lists the keys as the real recorder does, and the alarm must say what the differ says."""
 
 
 @pytest.mark.parametrize("scenario", _scenarios())
@@ -192,7 +198,7 @@ def test_no_warning_for_cold_explained_or_hit(
 def test_metrics_parse_and_equal_the_differs_counts(tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from keytrace.live import alarm as alarm_mod
+    from keytrace.live import registry as alarm_mod
 
     alarm_mod.forget_alarms()
     live = alarm_mod.alarm_for(factories.synthetic_header(GEO), AlarmSettings(warn=False))
@@ -257,13 +263,14 @@ def test_a_record_costs_what_the_cap_assumes() -> None:
     """`BYTES_PER_RECORD` turns the byte cap into a record count: measured through the
     alarm's own store path (the keys themselves belong to vLLM and the recorder)."""
     alarm = Alarm(factories.synthetic_header(GEO))
-    alarm.add_instance(7, "i", "e", 0, None)
+    alarm.instance_started(InstanceInfo(7, "i", "e", 0, None, lambda: None), ChainBook([]))
     n = 50_000
     keys = [i.to_bytes(32, "big") + (1).to_bytes(4, "big") for i in range(n)]
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for i in range(0, n, 100):
-        alarm.store(7, i, i, "completed", None, keys[i : i + 100], [None] * 100)
+        call = StoreCall(i, i, StoreEvent.COMPLETED, None, keys[i : i + 100], [None] * 100)
+        alarm.store_called(7, call)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert alarm.state_records() == n
@@ -278,7 +285,7 @@ def test_an_alarm_failure_is_counted_and_recording_goes_on(
     def broken(*args: Any, **kw: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(alarm, "judge", broken)
+    monkeypatch.setattr(alarm, "episode_ended", broken)
     b = new_builder(tmp_path / "t", geometry=GEO, alarm=alarm)
     b.prime("r1", "c", 100, swa_chunks={1: [5]})
     b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
@@ -331,7 +338,6 @@ def test_the_slots_other_work_held_are_counted_alike_offline_and_live(calls: lis
     call arrives) give every episode the same slots held by others: keyless rows, several
     keys a call, several tiers writing one key, rows without a request."""
     from keytrace.analysis.history import crowding
-    from keytrace.live.alarm import Alarm, _Instance
 
     rows = [
         {"inst": 1, "seq": seq, "event": ev, "req_id": req, "key": key, "ep": ep}
@@ -347,15 +353,14 @@ def test_the_slots_other_work_held_are_counted_alike_offline_and_live(calls: lis
         "ep": pl.Int64,
     }
     offline = {r["s"]: r["held"] for r in crowding(pl.LazyFrame(rows, schema=schema)).to_dicts()}
-    st_ = _Instance(name="i", engine="e", dp_rank=None, directory=None)
-    for ev, req, keys, ep in calls:
-        Alarm._in_flight(st_, ev, req, keys, ep)
+    st_ = _state()
+    for seq, (ev, req, keys, ep) in enumerate(calls):
+        KeyStore.in_flight(st_, _tier_call(seq, ev, req, keys, ep))
     assert st_.crowd == offline
 
 
 def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
     from keytrace.analysis.history import crowding
-    from keytrace.live.alarm import Alarm, _Instance
 
     calls = [
         ("cascade_submitted", "a", [b"k0", b"k1"], None),  # tier 0
@@ -364,9 +369,9 @@ def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
         ("promotion_prepared", "b", [b"k5"], 7),
         ("promotion_no_room", "c", [b"k6"], 9),
     ]
-    st_ = _Instance(name="i", engine="e", dp_rank=None, directory=None)
-    for ev, req, keys, ep in calls:
-        Alarm._in_flight(st_, ev, req, keys, ep)
+    st_ = _state()
+    for seq, (ev, req, keys, ep) in enumerate(calls):
+        KeyStore.in_flight(st_, _tier_call(seq, ev, req, keys, ep))
     rows = [
         {"inst": 1, "seq": n, "event": ev, "req_id": req, "key": k, "ep": ep}
         for n, (ev, req, keys, ep) in enumerate(calls)
@@ -375,3 +380,11 @@ def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
     frame = pl.LazyFrame(rows, schema_overrides={"event": pl.Categorical, "key": pl.Binary})
     assert st_.crowd == {9: 3}  # k0 and k1 still being written, b's promotion of k5
     assert crowding(frame).to_dicts() == [{"inst": 1, "s": 9, "held": 3}]
+
+
+def _state() -> InstanceState:
+    return InstanceState("i", "e", None, None, lambda: None, ChainBook([]))
+
+
+def _tier_call(seq: int, event: str, req: Any, keys: list[Any], ep: Any) -> TierCall:
+    return TierCall(seq, seq, TierEvent(event), req, None, keys, [None] * len(keys), ep)

@@ -370,7 +370,14 @@ def test_keys_of_groups_the_scan_never_reached_are_derived(tmp_path: Path) -> No
     d = tmp_path / "t"
     b = new_builder(d)
     b.prime("r1", "c", 100, swa_chunks={1: [5], 2: [4, 5]})
-    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.episode(
+        "r2",
+        100,
+        external=0,
+        chain="c",
+        scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))],
+        listed=False,
+    )
     b.close()
     v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
     assert (v.verdict, v.binding_group, v.terminal.chunk) == ("mismatch", 1, 4)
@@ -390,7 +397,14 @@ def test_a_rule_miss_behind_an_eviction_is_a_mismatch(tmp_path: Path) -> None:
     b = new_builder(d)
     b.prime("r1", "c", 100, swa_chunks={1: [4, 5], 2: [4, 5]})
     b.evict("r9", "c", 1, [4])
-    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.episode(
+        "r2",
+        100,
+        external=0,
+        chain="c",
+        scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))],
+        listed=False,
+    )
     b.close()
     v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
     assert (v.verdict, v.binding_group, v.terminal.cause) == ("mismatch", 1, "evicted")
@@ -403,7 +417,14 @@ def test_a_rule_miss_behind_an_eviction_is_a_mismatch(tmp_path: Path) -> None:
     b = new_builder(d2)
     b.prime("r1", "c", 100, swa_chunks={1: [4, 5], 2: [3, 4, 5]})
     b.evict("r9", "c", 1, [4])
-    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.episode(
+        "r2",
+        100,
+        external=0,
+        chain="c",
+        scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))],
+        listed=False,
+    )
     b.close()
     v2 = _r2(diff(open_trace(str(d2)), all_episodes=True).episodes)
     assert (v2.verdict, v2.terminal.cause) == ("explained", "evicted")
@@ -425,7 +446,14 @@ def test_a_request_that_only_evicted_a_key_does_not_share_its_prefix(tmp_path: P
     b = new_builder(d, geometry=geo)
     b.prime("r1", "c", 100, swa_chunks={1: [5], 2: [23]})
     b.store("r9", "x", 2, [22])
-    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))])
+    b.episode(
+        "r2",
+        100,
+        external=0,
+        chain="c",
+        scans=[(0, FA_ALL), (1, _swa_scan({5: "HIT"}))],
+        listed=False,
+    )
     b.evict("r9", "c", 0, [5])
     b.evict("r9", "c", 1, [5])
     b.close()

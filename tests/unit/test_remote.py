@@ -20,6 +20,7 @@ import pytest
 from keytrace.format.keys import make_key
 from keytrace.format.reader import open_trace
 from keytrace.format.remote import Uploader, finish_uploads, is_remote, public, spool_root
+from keytrace.format.schema import LookupResult
 from keytrace.record.recorder import Recorder
 from tests.s3 import Store
 
@@ -32,7 +33,7 @@ def _record(directory: str, requests: int = 3) -> Recorder:
     for i in range(requests):
         req, k = f"r{i}", make_key(bytes([i]) * 8, 0)
         rec.episode_begin(req, 0, None, 32, 32, 2)
-        rec.lookup(k, req, 16, "MISS", False)
+        rec.lookup(k, req, 16, LookupResult.MISS, False)
         rec.episode_end(req, 0, False)
         rec.store_prepared(req, [k], {k: 16}, [k], [], i)
         rec.store_completed(req, [k], {k: 16}, i, True)

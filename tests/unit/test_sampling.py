@@ -5,6 +5,7 @@ verdicts equal to full ones on the sampled chains, is tests/integration/test_sam
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from keytrace.format.keys import chain_sampled, make_key
 from keytrace.format.reader import open_trace
+from keytrace.format.schema import LookupResult, TierEvent
 from keytrace.record.recorder import Recorder, env_sample
 from keytrace.record.sampling import sample_fraction
 
@@ -27,7 +29,7 @@ def _recorder(d: Path, sample: float | None = 0.5) -> Recorder:
 
 def _episode(rec: Recorder, req: str, first: bytes | None) -> None:
     rec.episode_begin(req, 0, None, 64, 64, 4, None, first)
-    rec.lookup(make_key(first or OUT, 0), req, 16, "MISS", False)
+    rec.lookup(make_key(first or OUT, 0), req, 16, LookupResult.MISS, False)
     rec.episode_end(req, 0, False)
 
 
@@ -87,13 +89,15 @@ def test_tier_rows_in_flight_are_kept_for_every_chain_the_rest_by_request_or_key
     _episode(rec, "in", IN)
     _episode(rec, "out", OUT)
     mine, theirs = make_key(b"m" * 8, 0), make_key(b"t" * 8, 0)
-    rec.tier_event("promotion_prepared", "in", 0, [mine])  # enters the primary by promotion
-    rec.tier_event("cascade_submitted", "out", 0, [theirs], job_id=7)  # in flight: kept
-    rec.tier_event("lookup", "out", 0, [theirs], result="HIT")  # another chain's: dropped
+    rec.tier_event(TierEvent.PROMOTION_PREPARED, "in", 0, [mine])  # enters the primary by promotion
+    rec.tier_event(TierEvent.CASCADE_SUBMITTED, "out", 0, [theirs], job_id=7)  # in flight: kept
+    rec.tier_event(
+        TierEvent.LOOKUP, "out", 0, [theirs], result=LookupResult.HIT
+    )  # another chain's: dropped
     # an unsampled request's promotion evicts a key of each chain: the sampled one is kept
     rec.evicted_by_promotion("out", 0, [mine, theirs], {})
-    rec.tier_event("tier_evicted", None, 0, [theirs, mine])  # a tier's eviction: by key
-    rec.tier_event("promotions_held", None, None, [])  # keyless: kept
+    rec.tier_event(TierEvent.TIER_EVICTED, None, 0, [theirs, mine])  # a tier's eviction: by key
+    rec.tier_event(TierEvent.PROMOTIONS_HELD, None, None, [])  # keyless: kept
     rec.close()
     tiers = open_trace(str(tmp_path)).collect("tier")
     got = list(
@@ -115,19 +119,23 @@ def test_tier_rows_in_flight_are_kept_for_every_chain_the_rest_by_request_or_key
 def test_the_alarm_is_fed_every_chain(tmp_path: Path) -> None:
     fed: list[tuple[str, str | None]] = []
 
-    class Alarm:
+    class Listener:
         def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-            return lambda inst, *args: fed.append((name, args[3] if name == "store" else None))
+            def told(inst: Any, *args: Any) -> None:
+                call = args[0] if args else None
+                fed.append((name, getattr(call, "req_id", None)))
+
+            return told
 
     rec = Recorder(
         str(tmp_path), {}, engine_id=None, dp_rank=None, tokens_per_chunk=TPC,
-        alarm=Alarm(), sample=0.5,
+        listener=Listener(), sample=0.5,
     )  # fmt: skip
     _episode(rec, "out", OUT)
     k = make_key(b"k" * 8, 0)
     rec.store_prepared("out", [k], {k: 16}, [k], [], 1)
     rec.close()
-    assert ("store", "out") in fed and ("judge", None) in fed
+    assert ("store_called", "out") in fed and ("episode_ended", "out") in fed
     assert _stores(tmp_path) == [("prepared", None, k)]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from keytrace.analysis import frames
 from keytrace.format.reader import open_trace
-from keytrace.format.schema import HEAD, SCHEMA_VERSION, SCHEMAS
+from keytrace.format.schema import HEAD, SCHEMA_VERSION, SCHEMAS, LookupResult
 from keytrace.format.writer import TraceWriter, call_columns
 from tests.factories import TINY, new_builder
 
@@ -39,7 +39,7 @@ def test_round_trip_every_kind(tmp_path: Path) -> None:
     k = b.key("c", 1, 3)
     b.rec.episode_begin("r1", 16, 64, 100, 100, 6, 80)
     b.rec.begin_scan()
-    b.rec.lookup(k, "r1", 64, "HIT_PENDING", True)
+    b.rec.lookup(k, "r1", 64, LookupResult.HIT_PENDING, True)
     b.rec.episode_end("r1", 48, True)
     b.rec.accepted("r1", 48)
     b.rec.store_prepared("r1", [k], {k: 64}, [k], [], 7)
@@ -94,7 +94,7 @@ def test_a_scan_row_summarises_its_lookups(tmp_path: Path) -> None:
     b.rec.episode_begin("r", 0, None, 2000, 2000, 125)
     b.rec.begin_scan()
     for c, r in zip(chunks, results, strict=True):
-        b.rec.lookup(b.key("c", 1, c), "r", (c + 1) * 16, r, False)
+        b.rec.lookup(b.key("c", 1, c), "r", (c + 1) * 16, LookupResult(r), False)
     b.rec.episode_end("r", 0, False)
     b.close()
     trace = open_trace(str(tmp_path))

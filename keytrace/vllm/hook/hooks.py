@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from keytrace.live.alarm import AlarmSettings
+from keytrace.format.schema import LookupResult, TierEvent
+from keytrace.live.registry import AlarmSettings
 from keytrace.record.recorder import Recorder, env_float, env_int, env_sample
 from keytrace.vllm.mods.catalog import PROOF_FIX
 
@@ -76,8 +78,8 @@ def start_recording(
     engine_id, rank = engine_identity(vllm_config)
     live = None
     if alarm is not None:
-        from keytrace.live.alarm import alarm_for
         from keytrace.live.metrics import serve_metrics
+        from keytrace.live.registry import alarm_for
 
         live = alarm_for(header, alarm)
         serve_metrics(alarm, rank)
@@ -90,7 +92,7 @@ def start_recording(
         max_rows=env_int("KEYTRACE_MAX_ROWS"),
         max_seconds=env_float("KEYTRACE_MAX_SECONDS"),
         idle_seconds=env_float("KEYTRACE_IDLE_SECONDS"),
-        alarm=live,
+        listener=live,
         sample=sample,
     )
     if rec.sampler is not None:
@@ -124,78 +126,31 @@ def episode_end(
     request = arg(args, kw, 0, "request")
     rec.end_scan()
     try:
-        record_unqueried(rec, sched, request, args, kw)
+        record_unqueried(rec, sched, request)
     finally:
         rec.episode_end(request.request_id, result[0], result[1])
 
 
-def record_unqueried(
-    rec: Recorder, sched: Any, request: Any, args: tuple[Any, ...], kw: dict[str, Any]
-) -> None:
-    """Keys the episode needs for a hit at min(L, F) in groups vLLM did not look them up in.
-
-    vLLM stops at the first group that returns 0, so later groups' needed keys are never
-    looked up; the differ then cannot tell whether they were stored. They are in vLLM's own
-    per-request key lists, so the recorder copies the few it needs (read only, no manager
-    call). F (`keytrace.judge.definitions.resident_prefix`): how far every full-attention
-    group hit from S in this episode; the window is `keytrace.judge.rules.needed_range`
-    at min(L, F), where the expected boundary lies unless an earlier boundary is the largest
-    intended one.
-
-    On a tiered manager a key on a secondary tier is part of the prefix too, so F can reach
-    past the scan's hits: the full-attention keys from where its scan stopped up to L are
-    listed as well, and the windowed ones for a hit at L.
-    """
-    from keytrace.judge.definitions import match_ceiling, resident_prefix
-    from keytrace.judge.rules import groups_from_header, lookup_cap, needed_range
-
-    groups = rec.groups or groups_from_header(rec.writer.header)
-    rec.groups = groups
-    local = int(arg(args, kw, 1, "num_computed_tokens"))
-    max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
-    cap = lookup_cap(groups, int(request.num_tokens), local, max_new)
-    tiered = bool(rec.writer.header.get("secondary_tiers"))
-    top = cap if tiered else match_ceiling(cap, resident_prefix(local, groups, rec.lead_hits.get))
-    if top <= local:
-        return
+def record_unqueried(rec: Recorder, sched: Any, request: Any) -> None:
+    """The keys the episode needs that vLLM did not look up (`Recorder.list_needed`),
+    read from vLLM's own per-request, per-group key lists (read only, no manager call);
+    under the candidate fix ``eagle_proof_key``, the proof keys for the same hits."""
     status = sched._req_status.get(request.request_id)
     if status is None:
         return
     configs = {c.group_idx: i for i, c in enumerate(sched.config.kv_group_configs)}
-    if tiered:
-        for g in groups:
-            if g.full_attention and g.gid in configs:
-                keys = status.group_states[configs[g.gid]].offload_keys
-                seen = rec.seen.get(g.gid, set())
-                rest = [
-                    c
-                    for c in range(local // g.tpc, min(cap // g.tpc, len(keys)))
-                    if (c + 1) * g.tpc not in seen
-                ]
-                if rest:
-                    ends = [(c + 1) * g.tpc for c in rest]
-                    rec.unqueried(request.request_id, g.gid, ends, [bytes(keys[c]) for c in rest])
-    tph = int(rec.writer.header.get("tokens_per_hash") or 1)
-    keyed = len(request.block_hashes) * tph
-    hits = [top]  # the hit ends to list needed keys for
-    E = rec.live_expected(request.request_id)  # the live alarm knows E; else min(L, F) only
-    if E is not None and local < E < top:
-        hits.append(E)
-    for g in groups:
-        if g.full_attention or g.gid not in configs:
-            continue
-        chunks: set[int] = set()
-        for end in hits:
-            lo, hi = needed_range(g, local, end, keyed // g.tpc)
-            chunks.update(range(lo, hi))
-        seen = rec.seen.get(g.gid, set())
-        keys = status.group_states[configs[g.gid]].offload_keys
-        missing = [c for c in sorted(chunks) if (c + 1) * g.tpc not in seen and c < len(keys)]
-        if missing:
-            ends = [(c + 1) * g.tpc for c in missing]
-            rec.unqueried(request.request_id, g.gid, ends, [bytes(keys[c]) for c in missing])
-    if f"fix:{PROOF_FIX}" in (rec.writer.header.get("vllm_modified") or ()):
-        record_proofs(rec, sched, request, hits, keyed)
+
+    def key_of(gid: int, chunk: int) -> bytes | None:
+        at = configs.get(gid)
+        if at is None:
+            return None
+        keys = status.group_states[at].offload_keys
+        return bytes(keys[chunk]) if chunk < len(keys) else None
+
+    ends = rec.list_needed(request.request_id, key_of)
+    if ends and f"fix:{PROOF_FIX}" in (rec.writer.header.get("vllm_modified") or ()):
+        tph = int(rec.writer.header.get("tokens_per_hash") or 1)
+        record_proofs(rec, sched, request, ends, len(request.block_hashes) * tph)
 
 
 def record_proofs(rec: Recorder, sched: Any, request: Any, hits: Sequence[int], keyed: int) -> None:
@@ -276,10 +231,7 @@ def step_end(
 def request_finished(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
-    req_id = arg(args, kw, 0, "request").request_id
-    rec.close_episode(req_id)
-    if rec.sampler is not None:
-        rec.sampler.finished(req_id)
+    rec.request_finished(arg(args, kw, 0, "request").request_id)
 
 
 def flush(
@@ -320,7 +272,7 @@ def lookup(
         key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
         if "exclude_tier_idx" in kw:  # a tier's peer, through its parent: not a scan
             rec.tier_event(
-                "peer_lookup",
+                TierEvent.PEER_LOOKUP,
                 ctx.req_id,
                 kw["exclude_tier_idx"],
                 [key],
@@ -331,11 +283,12 @@ def lookup(
         secondary = len(args) > 2 or any(k not in ("key", "req_context") for k in kw)
     name = _RESULT_NAMES.get(result)
     if name is None:  # an enum's .name is a Python property: read once per member
-        name = _RESULT_NAMES[result] = result.name
+        name = _RESULT_NAMES[result] = LookupResult(result.name)
     rec.lookup(key, ctx.req_id, ctx.get_offload_key_position(key), name, secondary)
 
 
-_RESULT_NAMES: dict[Any, str] = {}
+_RESULT_NAMES: dict[Any, LookupResult] = {}
+"""vLLM's ``LookupResult`` members -> keytrace's (`keytrace.format.schema.LookupResult`)."""
 
 
 def prepare_store(
@@ -390,6 +343,35 @@ def reset(
 # entered concurrently; `Recorder.tier_event` itself is safe from any thread.
 
 
+@dataclass
+class TieringContext:
+    """What the tiered-manager observers carry between the calls they watch (a hook's
+    own state, kept beside its recorder, never on it)."""
+
+    promoting: int | None = None
+    """The secondary tier a promotion in progress reads from (``_initiate_promotion``)."""
+    promoted_from: dict[bytes, int | None] = field(default_factory=dict)
+    """Promoted keys not yet completed -> the tier they come from."""
+    storing: tuple[Sequence[bytes], Any] | None = None
+    """(keys, request context) of the ``complete_store`` call in progress: what a
+    write-through that back-pressure drops would have written."""
+    cascades: dict[int, tuple[str | None, int, list[bytes], Mapping[bytes, int]]] = field(
+        default_factory=dict
+    )
+    """Write-through jobs in flight: job id -> (request, tier, keys, positions)."""
+
+
+_TIERING: weakref.WeakKeyDictionary[Recorder, TieringContext] = weakref.WeakKeyDictionary()
+
+
+def tiering(rec: Recorder) -> TieringContext:
+    """The tiered-manager observers' context of a recorded scheduler."""
+    ctx = _TIERING.get(rec)
+    if ctx is None:
+        ctx = _TIERING[rec] = TieringContext()
+    return ctx
+
+
 def is_tiered(manager: Any) -> bool:
     """A tiered manager: a primary tier and a list of secondary tiers."""
     return hasattr(manager, "primary_tier") and isinstance(
@@ -404,22 +386,22 @@ def _tier_index(sched: Any, tier: Any) -> int | None:
     return None
 
 
-def _result_name(result: Any) -> str:
+def _result_name(result: Any) -> LookupResult:
     name = _RESULT_NAMES.get(result)
     if name is None:
-        name = _RESULT_NAMES[result] = result.name
+        name = _RESULT_NAMES[result] = LookupResult(result.name)
     return name
 
 
 def promotion_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
     """``_initiate_promotion(tier_idx, key, req_context)``: the tier it promotes from."""
-    rec.promoting = int(arg(args, kw, 0, "tier_idx"))
+    tiering(rec).promoting = int(arg(args, kw, 0, "tier_idx"))
 
 
 def promotion_end(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
-    rec.promoting = None
+    tiering(rec).promoting = None
 
 
 def prepare_write(
@@ -428,14 +410,15 @@ def prepare_write(
     """The primary's ``prepare_write(keys, req_context)`` (its ``prepare_store``, for a
     promotion): a slot taken (and what it evicted), or none free."""
     keys, ctx = _keys(arg(args, kw, 0, "keys")), arg(args, kw, 1, "req_context")
-    pos, tier = positions(ctx), rec.promoting
+    here = tiering(rec)
+    pos, tier = positions(ctx), here.promoting
     if out is None:
-        rec.tier_event("promotion_no_room", ctx.req_id, tier, keys, pos)
+        rec.tier_event(TierEvent.PROMOTION_NO_ROOM, ctx.req_id, tier, keys, pos)
         return
     taken = list(out.keys_to_store)
     for k in taken:
-        rec.promoted_from[k] = tier
-    rec.tier_event("promotion_prepared", ctx.req_id, tier, taken, pos)
+        here.promoted_from[k] = tier
+    rec.tier_event(TierEvent.PROMOTION_PREPARED, ctx.req_id, tier, taken, pos)
     evicted = list(out.evicted_keys or ())
     if evicted:
         rec.evicted_by_promotion(ctx.req_id, tier, evicted, pos)
@@ -449,8 +432,8 @@ def complete_write(
     success = args[2] if len(args) > 2 else kw.get("success", True)
     by_tier: dict[int | None, list[bytes]] = {}
     for k in keys:
-        by_tier.setdefault(rec.promoted_from.pop(k, None), []).append(k)
-    event = "promotion_completed" if success else "promotion_failed"
+        by_tier.setdefault(tiering(rec).promoted_from.pop(k, None), []).append(k)
+    event = TierEvent.PROMOTION_COMPLETED if success else TierEvent.PROMOTION_FAILED
     for tier, ks in by_tier.items():
         rec.tier_event(event, ctx.req_id, tier, ks, positions(ctx))
 
@@ -458,13 +441,13 @@ def complete_write(
 def store_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
     """``complete_store(keys, req_context, success)`` of a tiered manager: what its
     write-through would write (read if back-pressure drops it)."""
-    rec.storing = (arg(args, kw, 0, "keys"), arg(args, kw, 1, "req_context"))
+    tiering(rec).storing = (arg(args, kw, 0, "keys"), arg(args, kw, 1, "req_context"))
 
 
 def store_end(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
-    rec.storing = None
+    tiering(rec).storing = None
 
 
 def backpressure(
@@ -474,9 +457,12 @@ def backpressure(
     if result is not False:
         return
     tier = _tier_index(sched, arg(args, kw, 0, "tier"))
-    keys, ctx = rec.storing if rec.storing is not None else ((), None)
+    storing = tiering(rec).storing
+    keys, ctx = storing if storing is not None else ((), None)
     req = ctx.req_id if ctx is not None else None
-    rec.tier_event("cascade_dropped", req, tier, list(keys), positions(ctx) if ctx else None)
+    rec.tier_event(
+        TierEvent.CASCADE_DROPPED, req, tier, list(keys), positions(ctx) if ctx else None
+    )
 
 
 def reset_tiers(
@@ -484,13 +470,13 @@ def reset_tiers(
 ) -> None:
     """After a tiered manager's ``reset_cache``: promotions are held until released."""
     if getattr(sched.manager, "_promotions_held", False):
-        rec.tier_event("promotions_held", None, None, [])
+        rec.tier_event(TierEvent.PROMOTIONS_HELD, None, None, [])
 
 
 def reset_flushed(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
-    rec.tier_event("promotions_released", None, None, [])
+    rec.tier_event(TierEvent.PROMOTIONS_RELEASED, None, None, [])
 
 
 def tier_lookup(
@@ -498,7 +484,9 @@ def tier_lookup(
 ) -> None:
     """A secondary tier's ``lookup(key, req_context)`` (``at``: (scheduler, tier index))."""
     key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
-    rec.tier_event("lookup", ctx.req_id, at[1], [key], positions(ctx), result=_result_name(result))
+    rec.tier_event(
+        TierEvent.LOOKUP, ctx.req_id, at[1], [key], positions(ctx), result=_result_name(result)
+    )
 
 
 def tier_submit_store(
@@ -508,8 +496,10 @@ def tier_submit_store(
     job = arg(args, kw, 0, "job_metadata")
     keys, ctx = list(job.keys), job.req_context
     pos = positions(ctx)
-    rec.cascades[int(job.job_id)] = (ctx.req_id, at[1], keys, pos)
-    rec.tier_event("cascade_submitted", ctx.req_id, at[1], keys, pos, job_id=int(job.job_id))
+    tiering(rec).cascades[int(job.job_id)] = (ctx.req_id, at[1], keys, pos)
+    rec.tier_event(
+        TierEvent.CASCADE_SUBMITTED, ctx.req_id, at[1], keys, pos, job_id=int(job.job_id)
+    )
 
 
 def tier_finished(
@@ -520,11 +510,11 @@ def tier_finished(
     if not isinstance(result, (list, tuple)):
         return
     for job in result:
-        found = rec.cascades.pop(int(job.job_id), None)
+        found = tiering(rec).cascades.pop(int(job.job_id), None)
         if found is None:
             continue  # a promotion's load: its completion is complete_write's
         req, tier, keys, pos = found
-        event = "cascade_completed" if job.success else "cascade_failed"
+        event = TierEvent.CASCADE_COMPLETED if job.success else TierEvent.CASCADE_FAILED
         rec.tier_event(event, req, tier, keys, pos, job_id=int(job.job_id))
 
 
@@ -536,7 +526,7 @@ def tier_events(rec: Recorder, at: Any, events: Any) -> Any:
             if getattr(event, "removed", False):
                 keys = [bytes(k) for k in getattr(event, "keys", ()) or ()]
                 if keys:
-                    rec.tier_event("tier_evicted", None, at[1], keys)
+                    rec.tier_event(TierEvent.TIER_EVICTED, None, at[1], keys)
         except Exception as exc:
             rec.fail("tier.take_events", exc)
         yield event

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import wrapt
 
-from keytrace.live.alarm import AlarmSettings
+from keytrace.live.registry import AlarmSettings
 from keytrace.record.recorder import Recorder
 from keytrace.vllm.hook import hooks, support
 from keytrace.vllm.hook.compat import resolve
@@ -841,7 +841,7 @@ def install(directory: str | os.PathLike[str] | None, alarm: AlarmSettings | Non
 
     Idempotent. False (one warning, nothing patched) if this vLLM lacks a hook point.
     """
-    from keytrace.live.alarm import forget_alarms
+    from keytrace.live.registry import forget_alarms
 
     with _STATE.lock:
         _STATE.directory = None if directory is None else os.fspath(directory)

@@ -26,7 +26,7 @@ def register() -> None:
     if not directory and os.environ.get(ENV_ALARM, "").strip().lower() not in _ON:
         return
     try:
-        from keytrace.live.alarm import AlarmSettings
+        from keytrace.live.registry import AlarmSettings
         from keytrace.vllm.hook.patches import announce, fix_from_env, inject_from_env, install
 
         alarm = AlarmSettings.from_env(os.environ, recording=directory is not None)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from keytrace.analysis.geometry import Geometry, builtin
 from keytrace.errors import KeytraceError
-from keytrace.live.alarm import AlarmSettings
+from keytrace.live.registry import AlarmSettings
 from keytrace.vllm import require_vllm
 
 ProgressFn = Callable[[str, int, int], None]

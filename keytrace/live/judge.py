@@ -1,0 +1,306 @@
+"""The live judgement of one episode: the verdict `keytrace diff` would give it.
+
+Every rule is `keytrace.judge`'s (the differ evaluates the same functions over polars
+columns, `keytrace.analysis.diff`): E from the instance's chain book and the episode's
+scans; for a shortfall the binding scan (`binding_rank`), the needed chunks
+(`lists_needed`, `keyed_chunks`, `needed_range`), each chunk's cause (`chunk_cause` over
+`cause`'s `KeyFacts`, gathered from `keytrace.live.state`), the terminal key
+(`terminal_candidate`, `terminal_rank`), the decisive causes and the verdict. What is here
+is only which records each rule reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from keytrace.format.keys import chunk_ending_at
+from keytrace.format.schema import LookupResult
+from keytrace.judge import definitions as d
+from keytrace.judge.definitions import UNSEEN, Cause, Verdict
+from keytrace.judge.rules import Group, lookup_cap, needed_range
+from keytrace.live.judged import Judged
+from keytrace.live.state import InstanceState, KeyStore
+from keytrace.record.events import Episode, Scan
+
+
+@dataclass(frozen=True)
+class _Moment:
+    """An episode the causes of its keys are read at: its instance, sequence number and wall
+    clock, how far its chain keyed (``keyable_end``), its request, whether its needed
+    chunks fit the primary tier, and whether other work in flight crowded them out."""
+
+    st: InstanceState
+    s: int
+    t: int
+    keyable_end: int | None
+    req_id: str
+    fits: bool
+    crowded: bool = False
+
+
+@dataclass
+class _Needed:
+    """One needed chunk of a shortfall: its group and chunk, its key (looked up or
+    listed), the episode's lookup result and call for it (None: never looked up)."""
+
+    gid: int
+    chunk: int
+    key: bytes | None
+    result: LookupResult | None
+    seq: int | None
+
+
+class Judge:
+    """Judges episodes of one geometry on the records of a `KeyStore`."""
+
+    def __init__(
+        self,
+        groups: Sequence[Group],
+        group_ids: Sequence[int],
+        tph: int,
+        tiered: bool,
+        primary_chunks: int | None,
+        retention: int,
+        keys: KeyStore,
+    ) -> None:
+        self.groups = list(groups)
+        self.by_gid = {g.gid: g for g in self.groups}
+        self.anchor = d.anchor(self.groups)
+        self.group_ids = list(group_ids)
+        self.tph = tph
+        self.tiered = tiered
+        """A tiered manager: F, residency and causes read what its tiers hold."""
+        self.primary_chunks = primary_chunks
+        self.retention = retention
+        self.keys = keys
+
+    # ------------------------------------------------------------------- E
+    def expected(self, st: InstanceState, ep: Episode) -> tuple[int | None, int | None]:
+        """(E, chain_P) of an episode (`keytrace.analysis.diff._expected_boundary`)."""
+        S = ep.local
+        first = ep.first_scans()
+        if self.tiered:
+            lead = {
+                g.gid: self._lead(st, g, first.get(g.gid), S, ep.unqueried.get(g.gid, {}))
+                for g in self.groups
+                if g.full_attention
+            }
+        else:
+            lead = {gid: sc.lead for gid, sc in first.items()}
+        F = d.resident_prefix(S, self.groups, lead.get)
+        top = d.match_ceiling(lookup_cap(self.groups, ep.tokens, S, ep.max_new), F)
+        anchor_keys = [k for sc in ep.scans if sc.gid == self.anchor.gid for k in sc.keys]
+        anchor_keys += ep.unqueried.get(self.anchor.gid, {}).values()
+        boundaries, chain_P = st.book.intended(anchor_keys, ep.seq)
+        chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
+        standing = d.standing_boundaries(top, self.groups, self.retention)
+        return d.expected_boundary(S, chain_best, standing), chain_P
+
+    def _lead(
+        self, st: InstanceState, g: Group, sc: Scan | None, S: int, listed: Mapping[int, bytes]
+    ) -> int | None:
+        """The leading chunks from S of full-attention group ``g`` that count toward F on a
+        tiered manager (`keytrace.judge.definitions.lead_ok`), its first scan's keys first
+        (``sc``, None if the episode never scanned it), then the keys listed past where it
+        stopped. None where neither reaches S's chunk or beyond, as for a group never
+        scanned (`keytrace.analysis.scans.tiered_leads`)."""
+        cells: dict[int, tuple[bytes, LookupResult | None]] = {}
+        if sc is not None:
+            for end, key, result in zip(sc.ends, sc.keys, sc.results, strict=True):
+                chunk = chunk_ending_at(end, g.tpc)
+                if chunk is not None:
+                    cells.setdefault(chunk, (key, result))
+        for chunk, key in listed.items():
+            cells.setdefault(chunk, (key, None))
+        first = S // g.tpc
+        if not any(chunk >= first for chunk in cells):
+            return None
+        n, chunk = 0, first
+        while chunk in cells:
+            cell_key, cell_result = cells[chunk]
+            if not d.lead_ok(cell_result, self.keys.durable(st, cell_key)):
+                break
+            n, chunk = n + 1, chunk + 1
+        return n
+
+    # ------------------------------------------------------------- verdict
+    def judge(self, st: InstanceState, ep: Episode, forgotten: bool) -> Judged:
+        """The verdict of episode ``ep`` (vLLM has answered it). ``forgotten``: a record it
+        might need was dropped to stay under the cap: a mismatch it cannot be sure of is
+        then `Verdict.UNDETERMINED`."""
+        S, X = ep.local, ep.external
+        E, chain_P = self.expected(st, ep)
+        if X is None:
+            count, first = st.deferred.get(ep.req_id, (0, ep.ts))
+            st.deferred[ep.req_id] = (count + 1, first)
+            numbers = d.EpisodeNumbers(S=S, X=X, E=E, deferrals=count + 1, waited=ep.ts - first)
+        else:
+            st.deferred.pop(ep.req_id, None)
+            numbers = d.EpisodeNumbers(S=S, X=X, E=E)
+        verdict = Verdict(d.base_verdict(numbers))
+        if verdict is not Verdict.SHORTFALL:
+            return Judged(verdict, st.name, ep.req_id, ep.seq, S, E, X)
+        assert E is not None  # a shortfall has an expected boundary
+        return self._shortfall(st, ep, E, chain_P, forgotten)
+
+    def _binding(
+        self, scans: Sequence[Scan]
+    ) -> tuple[int | None, tuple[int, int | None, bytes, LookupResult] | None]:
+        """The binding scan's group and its terminal call (seq, end, key, result), from
+        `keytrace.judge.definitions.binding_rank`."""
+        if not scans:
+            return None, None
+        ranked = max(
+            enumerate(scans),
+            key=lambda i_sc: d.binding_rank(
+                i_sc[1].counts[LookupResult.HIT], len(i_sc[1].seqs), i_sc[0]
+            ),
+        )
+        sc = ranked[1]
+        i = sc.terminal
+        if i is None:
+            return sc.gid, None
+        return sc.gid, (sc.seqs[i], sc.ends[i], sc.keys[i], sc.results[i])
+
+    def _needed(self, ep: Episode, S: int, E: int) -> list[_Needed]:
+        """Every needed chunk of a hit at E, in (group, chunk) order, with what the episode
+        knew of it: the last lookup of it by sequence number, else its listed key."""
+        seen: dict[tuple[int, int], tuple[int, bytes, LookupResult]] = {}
+        for sc in ep.scans:
+            size = self.by_gid[sc.gid].tpc if sc.gid in self.by_gid else None
+            for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True):
+                chunk = chunk_ending_at(end, size) if size else None
+                if chunk is not None:
+                    seen[(sc.gid, chunk)] = (seq, key, result)
+        out = []
+        for g in self.groups:
+            if not d.lists_needed(g, self.tiered):
+                continue
+            plain = d.keyed_chunks(g, ep.hashes, self.tph)
+            keyed = d.keyed_chunks(g, ep.hashes, self.tph, plain in ep.proofs.get(g.gid, {}))
+            lo, hi = needed_range(g, S, E, keyed)
+            for chunk in range(lo, hi):
+                hit = seen.get((g.gid, chunk))
+                if hit is not None:
+                    out.append(_Needed(g.gid, chunk, hit[1], hit[2], hit[0]))
+                else:
+                    listed = ep.unqueried.get(g.gid, {}).get(chunk)
+                    out.append(_Needed(g.gid, chunk, listed, None, None))
+        return out
+
+    def _shortfall(
+        self, st: InstanceState, ep: Episode, E: int, chain_P: int | None, forgotten: bool
+    ) -> Judged:
+        S, s = ep.local, ep.seq
+        bind_gid, term = self._binding(ep.scans)
+        needed = self._needed(ep, S, E)
+        inside = [n for n in needed if d.terminal_candidate(n.gid == bind_gid, n.result)]
+        if inside:
+            first = min(inside, key=lambda n: d.terminal_rank(n.result, n.seq or 0))
+            term = (
+                first.seq or 0,
+                (first.chunk + 1) * self.by_gid[first.gid].tpc,
+                first.key or b"",
+                first.result,
+            )  # type: ignore[assignment]
+        term_chunk = None
+        if term is not None and bind_gid is not None and term[1] is not None:
+            g = self.by_gid.get(bind_gid)
+            term_chunk = chunk_ending_at(term[1], g.tpc) if g is not None else None
+        total = d.needed_total(len(needed), S, E, self.groups, self.tiered)
+        at = _Moment(
+            st,
+            s,
+            ep.ts,
+            chain_P,
+            ep.req_id,
+            bool(d.fits_primary(total, self.primary_chunks)),
+            bool(d.crowded(total, self.primary_chunks, st.crowd.get(s, 0))),
+        )
+        unknown = False
+        causes: list[tuple[int, Cause]] = []
+        for n in needed:
+            tpc = self.by_gid[n.gid].tpc
+            end = (n.chunk + 1) * tpc
+            key_cause = self.cause(at, n.key, n.gid, end, n.result) if n.key else None
+            # the alarm sees no other request's records: no key is settled as unoffered
+            cause = Cause(d.chunk_cause(n.result, n.key is not None, False, False, key_cause))
+            proof = ep.proofs.get(n.gid, {}).get(n.chunk)
+            if proof is not None and cause is not Cause.RESIDENT:
+                cause = Cause(d.better_cause(cause, self.cause(at, proof, n.gid, end, n.result)))
+            unknown = unknown or cause is UNSEEN
+            causes.append((n.gid, cause))
+        term_cause = None
+        if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
+            end = (term_chunk + 1) * self.by_gid[bind_gid].tpc
+            term_cause = self.cause(at, term[2], bind_gid, end, term[3])
+        rule = [c for _, c in causes if c in d.RULE_CAUSES]
+        candidates = d.candidates_of(causes, bind_gid)
+        decisive = d.decisive(candidates)
+        term_result = term[3] if term is not None else None
+        verdict = Verdict(d.shortfall_verdict(d.shortfall_facts(candidates, term_result)))
+        if verdict is Verdict.MISMATCH and not rule and (unknown or forgotten):
+            # nothing absent: a mismatch unless a needed key is unknown here (vLLM never
+            # keyed it for this request; the differ may derive it from other requests in the
+            # whole trace) or a record was forgotten: then it is not known, and not warned
+            verdict = Verdict.UNDETERMINED
+        if (
+            verdict is Verdict.MISMATCH
+            and forgotten
+            and any(c in (Cause.NEVER_OFFERED, Cause.NOT_KEYABLE) for c in rule)
+        ):
+            # a forgotten record could have been this key's offer: do not cry wolf
+            verdict = Verdict.UNDETERMINED
+        return Judged(
+            verdict,
+            st.name,
+            ep.req_id,
+            s,
+            S,
+            E,
+            ep.external,
+            binding_group=bind_gid,
+            cause=Cause(d.shortfall_cause(decisive, term_result)),
+            term_chunk=term_chunk,
+            term_key=term[2] if term is not None else None,
+            term_result=term_result,
+            term_cause=term_cause,
+            decisive=tuple(decisive),
+        )
+
+    def cause(
+        self, at: _Moment, key: bytes, gid: int, token_end: int, result: LookupResult | None
+    ) -> Cause:
+        """`keytrace.judge.definitions.cause` of one key at an episode, from its record
+        (``result``: the episode's own lookup result for it)."""
+        st, s = at.st, at.s
+        keys = self.keys
+        rec = keys.get(st, key)
+        facts = d.KeyFacts(
+            s=s,
+            completed=rec.completed if rec else None,
+            evicted=rec.evicted if rec else None,
+            reset=st.reset if st.reset is not None and st.reset < s else None,
+            prepared=rec.prepared if rec else None,
+            failed=rec.failed if rec else None,
+            rejected=bool(rec and rec.rejected),
+            other_engine=keys.offered_elsewhere(st, key, at.t, self.instances),
+            sibling_stored=keys.sibling_stored(st, key, gid, self.group_ids),
+            own_first_prepared=st.first_prep.get(gid),
+            token_end=token_end,
+            keyable_end=at.keyable_end,
+            durable=keys.durable(st, key),
+            held=bool(d.resident(*st.held)),
+            no_room=key in st.no_room.get(s, ()),
+            own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
+            evicted_now=key in st.promoted_now.get(s, ()),
+            fits=at.fits,
+            crowded=at.crowded,
+            unsettled=bool(d.unsettled(result)),
+            unasked=result is None,
+        )
+        return Cause(d.cause(facts))
+
+    instances: Sequence[InstanceState] = ()
+    """Every instance of the alarm (set by it): ``other_engine`` reads their records."""

@@ -1,0 +1,123 @@
+"""The chain book: which boundaries each request meant later lookups to hit, and which
+requests offered the anchor key of each, kept as a recorder goes (``docs/diff.md``,
+"Intended boundaries").
+
+A boundary ``b`` of an earlier request ``r'`` is intended for an episode when ``r'``
+offered, before it, the same anchor-group key for the chunk ending at ``b`` as the episode
+looked up (keys are chained, content-addressed hashes: equal keys mean an equal prefix).
+The offline differ finds these with joins over the whole trace
+(`keytrace.analysis.boundaries`); a recorder needs them as each episode ends, to list the
+keys a hit at each intended boundary needs where vLLM never looked them up
+(`keytrace.record.recorder.Recorder.list_needed`), and the live alarm reads the same book
+for E. One book per recorder instance, fed whether the alarm runs or not: what a trace
+holds never depends on the alarm.
+
+Bounded: the offers of at most ``max_offers`` (request, boundary) pairs are kept, the
+oldest forgotten first (`forgotten` counts them; a forgotten boundary is one fewer listed,
+and the differ derives the keys it then lacks from the whole trace). A request's own
+boundaries go when vLLM finishes it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+from keytrace.format.keys import gid_tail, key_tail
+from keytrace.judge.definitions import anchor, boundary_chunk, request_boundaries
+from keytrace.judge.rules import Group
+
+DEFAULT_MAX_OFFERS = 65_536
+"""(request, boundary) offers kept per recorder: about 300 bytes each (the key, its entry
+and the offer), some 20 MB at most."""
+
+
+class ChainBook:
+    """See the module docstring. Not thread-safe: fed and read on vLLM's scheduler thread
+    (store rows and episodes are recorded there; only tier rows come from elsewhere)."""
+
+    def __init__(self, groups: Sequence[Group], max_offers: int = DEFAULT_MAX_OFFERS) -> None:
+        self.groups = list(groups)
+        self.anchor = anchor(self.groups) if self.groups else None
+        self._tail = gid_tail(self.anchor.gid) if self.anchor else b""
+        self.max_offers = max(1, max_offers)
+        self.bounds: dict[str, dict[int, int]] = {}
+        """Request -> its boundaries' anchor chunk -> boundary, while it runs."""
+        self.prompt: dict[str, int] = {}
+        """Request -> its prompt tokens (the longest seen), while it runs."""
+        self.offers: dict[bytes, list[tuple[str, int, int, int]]] = {}
+        """Anchor key -> (request, boundary, first offer's sequence number, prompt) per
+        (request, boundary) that offered it, oldest first."""
+        self._count = 0
+        self.forgotten = 0
+        """Offers dropped to stay under ``max_offers``."""
+
+    def begin(self, req_id: str, prompt: int, junction: int | None) -> None:
+        """An episode of ``req_id`` began: the boundaries its stores will keep tails for
+        (`keytrace.judge.definitions.request_boundaries`; a prompt only grows)."""
+        if self.anchor is None:
+            return
+        P = max(prompt, self.prompt.get(req_id, 0))
+        self.prompt[req_id] = P
+        chunks = self.bounds.setdefault(req_id, {})
+        for b in request_boundaries(self.groups, P, junction):
+            chunks.setdefault(boundary_chunk(b, self.anchor.tpc), b)
+
+    def offered(
+        self, req_id: str | None, keys: Sequence[bytes], ends: Sequence[int | None], seq: int
+    ) -> None:
+        """A store call of ``req_id`` offered ``keys`` (any offer event): note each
+        boundary whose anchor key is among them, once, with the first such call."""
+        chunks = self.bounds.get(req_id) if req_id is not None else None
+        if not chunks or self.anchor is None:
+            return
+        tpc = self.anchor.tpc
+        for chunk, b in chunks.items():
+            end = (chunk + 1) * tpc
+            at = -1
+            while True:
+                try:
+                    at = ends.index(end, at + 1)
+                except ValueError:
+                    break
+                key = keys[at]
+                if key_tail(key) == self._tail:
+                    self._note(bytes(key), req_id, b, seq)  # type: ignore[arg-type]
+                    break
+
+    def _note(self, key: bytes, req_id: str, b: int, seq: int) -> None:
+        entries = self.offers.setdefault(key, [])
+        if any(r == req_id and bb == b for r, bb, _, _ in entries):
+            return
+        entries.append((req_id, b, seq, self.prompt.get(req_id, 0)))
+        self._count += 1
+        if self._count > self.max_offers:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drop the oldest tenth of the offers in one pass (deleting from a dict's front
+        one at a time and asking for its first key again rescans every deleted slot)."""
+        victims = list(itertools.islice(self.offers, max(1, len(self.offers) // 10)))
+        for key in victims:
+            dropped = len(self.offers.pop(key))
+            self._count -= dropped
+            self.forgotten += dropped
+
+    def intended(self, anchor_keys: Iterable[bytes], before: int) -> tuple[set[int], int | None]:
+        """The boundaries intended for an episode at sequence number ``before`` that looked
+        up (or had listed) ``anchor_keys``, and ``chain_P``: the longest prompt of the
+        requests that intended them (how far they could key chunks)."""
+        bounds: set[int] = set()
+        chain_P: int | None = None
+        for key in anchor_keys:
+            for _req, b, first, P in self.offers.get(key, ()):
+                if first < before:
+                    bounds.add(b)
+                    chain_P = P if chain_P is None else max(chain_P, P)
+        return bounds, chain_P
+
+    def finished(self, req_id: str) -> None:
+        """vLLM finished ``req_id``: it offers nothing more, so its own boundaries go (its
+        offers stay, for the requests that share its prefix later)."""
+        self.bounds.pop(req_id, None)
+        self.prompt.pop(req_id, None)

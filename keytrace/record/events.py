@@ -1,0 +1,219 @@
+"""What the recorder emits: typed records of episodes, scans, store and tier calls, and the
+one narrow interface (`Listener`) through which a live judge receives them.
+
+The recorder turns hook calls into these records; the writer gets their rows, a listener
+(the live alarm, `keytrace.live.alarm`) the records themselves, before any sampling
+filter. Nothing here imports vLLM or polars: it runs in every serving process that records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from keytrace.format.keys import key_tail, tail_gid
+from keytrace.format.schema import SCAN_ENDING, LookupResult, StoreEvent, TierEvent
+
+
+class Scan:
+    """One call of a per-group lookup helper (a *scan*): the raw calls in order and the
+    running summary the trace's scan row carries (``docs/trace-format.md``)."""
+
+    __slots__ = (
+        "counts",
+        "ends",
+        "episode",
+        "first_nonhit",
+        "gid_bytes",
+        "keys",
+        "last_hit",
+        "lead",
+        "req_id",
+        "results",
+        "scan",
+        "secondary",
+        "seqs",
+        "step",
+        "term",
+        "ts",
+    )
+
+    def __init__(
+        self, episode: int, scan: int, req_id: str, gid_bytes: bytes, secondary: bool, step: int
+    ) -> None:
+        self.episode, self.scan, self.req_id = episode, scan, req_id
+        self.gid_bytes, self.secondary, self.step = gid_bytes, secondary, step
+        self.ts = time.time_ns()
+        self.seqs: list[int] = []
+        self.ends: list[int | None] = []
+        self.keys: list[bytes] = []
+        self.results: list[LookupResult] = []
+        self.counts: dict[LookupResult, int] = dict.fromkeys(LookupResult, 0)
+        self.lead = 0
+        """HITs before the first non-HIT."""
+        self.last_hit: int | None = None
+        self.term: int | None = None
+        """Index of the first MISS or RETRY."""
+        self.first_nonhit: int | None = None
+
+    @property
+    def gid(self) -> int:
+        return tail_gid(self.gid_bytes)
+
+    @property
+    def terminal(self) -> int | None:
+        """Index of the scan's terminal call: its first MISS or RETRY, else its first
+        non-HIT (None: every call hit)."""
+        return self.term if self.term is not None else self.first_nonhit
+
+    def add(self, seq: int, end: int | None, key: bytes, result: LookupResult) -> None:
+        i = len(self.seqs)
+        self.seqs.append(seq)
+        self.ends.append(end)
+        self.keys.append(key)
+        self.results.append(result)
+        self.counts[result] += 1
+        if result == LookupResult.HIT:
+            self.last_hit = i
+            if self.first_nonhit is None:
+                self.lead += 1
+            return
+        if self.first_nonhit is None:
+            self.first_nonhit = i
+        if self.term is None and result in SCAN_ENDING:
+            self.term = i
+
+
+Listed = dict[int, dict[int, bytes]]
+"""Keys listed for an episode without a lookup: group id -> chunk -> key."""
+
+
+@dataclass(slots=True)
+class Episode:
+    """One ``get_num_new_matched_tokens`` call of a request (an *episode*): what vLLM was
+    asked and answered, its scans, and the keys the recorder listed for it. The row is
+    written once the accepted count is known (or cannot come)."""
+
+    seq: int
+    ts: int
+    step: int
+    req_id: str
+    local: int
+    prompt: int
+    tokens: int
+    hashes: int
+    max_new: int | None
+    spb: int | None
+    external: int | None = None
+    load_async: bool | None = None
+    accepted: int | None = None
+    scans: list[Scan] = field(default_factory=list)
+    unqueried: Listed = field(default_factory=dict)
+    """Keys a hit needs in groups (or chunks) vLLM never looked up (``SCAN_UNQUERIED``)."""
+    proofs: Listed = field(default_factory=dict)
+    """Proof keys under a candidate fix (``SCAN_PROOF``)."""
+
+    def first_scans(self) -> dict[int, Scan]:
+        """Group id -> the episode's first scan of it."""
+        out: dict[int, Scan] = {}
+        for sc in self.scans:
+            out.setdefault(sc.gid, sc)
+        return out
+
+    def seen_ends(self) -> dict[int, set[int]]:
+        """Group id -> the end tokens the episode looked up."""
+        out: dict[int, set[int]] = {}
+        for sc in self.scans:
+            out.setdefault(sc.gid, set()).update(e for e in sc.ends if e is not None)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCall:
+    """One store-side call's rows (the ``store`` kind): every key of it had ``event``."""
+
+    seq: int
+    ts: int
+    event: StoreEvent
+    req_id: str | None
+    keys: Sequence[bytes]
+    ends: Sequence[int | None]
+    job_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierCall:
+    """One tier-side call's rows (the ``tier`` kind, schema v3). ``episode``: the lookup
+    episode in progress when it was recorded, if any; ``result``: a tier lookup's answer."""
+
+    seq: int
+    ts: int
+    event: TierEvent
+    req_id: str | None
+    tier: int | None
+    keys: Sequence[bytes | None]
+    ends: Sequence[int | None]
+    episode: int | None
+    result: LookupResult | None = None
+    job_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    """A recorder's counters, as a live judge reports them (`keytrace.live.metrics`)."""
+
+    failures: int
+    dropped_rows: int
+    dropped_parts: int
+    capped: bool
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """Who records: one recorder instance (one scheduler and its CPU tier)."""
+
+    instance_id: int
+    name: str
+    engine: str
+    dp_rank: int | None
+    directory: str | None
+    health: Callable[[], Health | None]
+    """The recorder's counters now (None once it is gone)."""
+
+
+class Listener(Protocol):
+    """What a live judge receives from a recorder, in the order things happened: the
+    instance, then every store and tier call and every episode. Called inside vLLM's
+    scheduler: a listener must be quick, and its failures are the recorder's to count
+    (`keytrace.record.recorder.Recorder.fail`), never vLLM's."""
+
+    def instance_started(self, info: InstanceInfo, book: object) -> None:
+        """A recorder began; ``book``: its `keytrace.record.chain.ChainBook`."""
+
+    def store_called(self, inst: int, call: StoreCall) -> None:
+        """A store-side call was recorded."""
+
+    def tier_called(self, inst: int, call: TierCall) -> None:
+        """A tier-side call was recorded (possibly from the tiering manager's thread)."""
+
+    def episode_began(self, inst: int, ep: Episode) -> None:
+        """An episode began (its numbers known; no scan yet)."""
+
+    def episode_ended(self, inst: int, ep: Episode) -> None:
+        """vLLM answered the episode: its scans and listed keys are complete."""
+
+    def episode_closed(self, inst: int, ep: Episode) -> None:
+        """The episode's row is final (the accepted count known, or none will come)."""
+
+    def request_finished(self, inst: int, req_id: str) -> None:
+        """vLLM finished the request: what is kept for it alone may go."""
+
+    def recorder_closed(self, inst: int) -> None:
+        """The recorder closed (the server stops)."""
+
+
+def group_of(key: bytes) -> int:
+    """A key's group id (the `keytrace.format.keys` layout)."""
+    return tail_gid(key_tail(key))
