@@ -42,13 +42,47 @@ from tests.unit.test_diff import FA_ALL, _swa_scan
 GEO = TINY.with_(groups=TINY.groups[:2])
 
 
+FIXTURES = ("tmp_path", "monkeypatch", "capsys")
+"""Fixtures a differ scenario may take; the harvester hands it the same ones."""
+
+
 def _scenarios() -> list[Any]:
+    """Every test of the differ's unit suites that builds a trace, each parametrisation
+    of it as a scenario of its own: (function, its parametrised arguments)."""
     found = []
     for mod in (test_diff, test_lost):
         for name, fn in sorted(vars(mod).items()):
-            if name.startswith("test_") and list(inspect.signature(fn).parameters) == ["tmp_path"]:
-                found.append(pytest.param(fn, id=f"{mod.__name__.rsplit('.', 1)[1]}.{name}"))
+            if not name.startswith("test_") or not callable(fn):
+                continue
+            params = list(inspect.signature(fn).parameters)
+            if "tmp_path" not in params:
+                continue  # a rule's arithmetic alone: no trace to judge
+            cases: list[dict[str, Any]] = [{}]
+            for mark in getattr(fn, "pytestmark", []):
+                if mark.name != "parametrize":
+                    continue
+                names = (
+                    [n.strip() for n in mark.args[0].split(",")]
+                    if isinstance(mark.args[0], str)
+                    else list(mark.args[0])
+                )
+                values = [v if len(names) > 1 else (v,) for v in mark.args[1]]
+                cases = [{**c, **dict(zip(names, v, strict=True))} for c in cases for v in values]
+            assert set(params) <= {*FIXTURES, *cases[0]}, (name, params)
+            short = mod.__name__.rsplit(".", 1)[1]
+            for c in cases:
+                label = "-".join(str(v) for v in c.values())
+                found.append(
+                    pytest.param(fn, c, id=f"{short}.{name}" + (f"[{label}]" if label else ""))
+                )
     return found
+
+
+def _run(scenario: Any, bound: dict[str, Any], request: pytest.FixtureRequest) -> None:
+    """Run a scenario with its parametrised arguments and the fixtures it asks for."""
+    wants = inspect.signature(scenario).parameters
+    kwargs = {**bound, **{f: request.getfixturevalue(f) for f in FIXTURES if f in wants}}
+    scenario(**kwargs)
 
 
 @pytest.fixture
@@ -79,11 +113,11 @@ shortfall explained, or one decisive cause fewer), never a false one. Every othe
 lists the keys as the real recorder does, and the alarm must say what the differ says."""
 
 
-@pytest.mark.parametrize("scenario", _scenarios())
+@pytest.mark.parametrize(("scenario", "bound"), _scenarios())
 def test_each_differ_scenario_gets_the_differs_verdicts_live(
-    scenario: Any, live: dict[str, Alarm], tmp_path: Path
+    scenario: Any, bound: dict[str, Any], live: dict[str, Alarm], request: pytest.FixtureRequest
 ) -> None:
-    scenario(tmp_path)
+    _run(scenario, bound, request)
     assert live, "the scenario built no trace"
     wrong = []
     for directory, alarm in live.items():
@@ -114,7 +148,11 @@ def test_the_scenarios_cover_every_verdict_and_cause(
     verdicts: Counter[str] = Counter()
     causes: Counter[str] = Counter()
     for n, param in enumerate(_scenarios()):
-        param.values[0](tmp_path / str(n))
+        fn, bound = param.values
+        wants = inspect.signature(fn).parameters
+        if set(wants) - {"tmp_path", *bound}:
+            continue  # a fixture of its own: run by the test above
+        fn(**{**bound, "tmp_path": tmp_path / str(n)})
     for alarm in live.values():
         for j in alarm.judged or []:
             verdicts[j.verdict] += 1

@@ -333,3 +333,111 @@ def test_a_request_is_named_by_vllm_s_id_or_the_api_s(
     assert d.is_request(req_id, named) is same
     frame = pl.DataFrame({"req_id": [req_id]}, schema={"req_id": pl.Categorical})
     assert frame.select(d.is_request(pl.col("req_id"), named).fill_null(False)).item() is same
+
+
+# ------------------------------------------------- which rows a rule applies to (selection)
+FA16 = Group(0, 16, None, kind="full_attention")
+SWA16 = Group(1, 16, 2, sliding_window=32)
+MTP16 = Group(2, 16, 2, sliding_window=32, eagle=True)
+SELECTION_GROUPS = [FA16, SWA16, MTP16]
+
+
+def test_which_groups_list_their_needed_chunks() -> None:
+    # full attention: resident by construction (E <= F) unless a tier may hold it
+    assert [d.lists_needed(g, False) for g in SELECTION_GROUPS] == [False, True, True]
+    assert [d.lists_needed(g, True) for g in SELECTION_GROUPS] == [True, True, True]
+
+
+def test_keyed_chunks_count_a_tail_proof_for_an_eagle_group_only() -> None:
+    # 10 hash blocks of 16 tokens: 10 keyed 16-token chunks; a proof of the peek chunk the
+    # prompt cannot key makes it 11 in an EAGLE group's list, nowhere else
+    assert [d.keyed_chunks(g, 10, 16) for g in SELECTION_GROUPS] == [10, 10, 10]
+    assert [d.keyed_chunks(g, 10, 16, True) for g in SELECTION_GROUPS] == [10, 10, 11]
+    frame = pl.DataFrame({"H": [10, 10], "p": [False, True]})
+    got = frame.select(d.keyed_chunks(MTP16, pl.col("H"), 16, pl.col("p")).alias("k"))
+    assert got["k"].to_list() == [10, 11]
+
+
+def test_needed_total_counts_full_attention_where_it_is_not_listed() -> None:
+    # 5 listed chunks; full attention's [0, 96) is 6 chunks unless listed (tiered)
+    assert d.needed_total(5, 0, 96, SELECTION_GROUPS, False) == 11
+    assert d.needed_total(5, 0, 96, SELECTION_GROUPS, True) == 5
+    assert d.needed_total(5, 32, 96, SELECTION_GROUPS, False) == 9
+
+
+def test_what_counts_toward_F_on_a_tiered_manager() -> None:
+    assert d.lead_ok("HIT", False) and d.lead_ok("MISS", True) and d.lead_ok(None, True)
+    assert not d.lead_ok("MISS", False) and not d.lead_ok(None, False)
+    assert not d.lead_ok("HIT_PENDING", False)
+
+
+def test_the_hit_ends_a_recorder_lists_needed_keys_for() -> None:
+    # every intended boundary in (S, top), the ceiling; none at or below S, none past top
+    assert d.listing_boundaries(0, 144, [96, 192, 0, 144], SELECTION_GROUPS, 0, False) == [96, 144]
+    assert d.listing_boundaries(96, 144, [96], SELECTION_GROUPS, 0, False) == [144]
+    # the standing boundary of a retention interval; on a tiered manager every multiple
+    assert d.listing_boundaries(0, 144, [], SELECTION_GROUPS, 64, False) == [128, 144]
+    assert d.listing_boundaries(0, 144, [], SELECTION_GROUPS, 64, True) == [64, 128, 144]
+
+
+def test_the_chunks_listed_for_those_ends() -> None:
+    # a 2-chunk window at 96 and at 144: chunks 4, 5 and 7, 8; the MTP group queries its
+    # peek chunk (6, 9) and needs one more hit, then pops it: 4..6 and 7..9
+    assert d.listed_chunks(SWA16, 0, [96, 144], 20, 144, False) == [4, 5, 7, 8]
+    assert d.listed_chunks(MTP16, 0, [96, 144], 20, 144, False) == [4, 5, 6, 7, 8, 9]
+    # only keyed chunks have a key to list
+    assert d.listed_chunks(MTP16, 0, [144], 9, 144, False) == [6, 7, 8]
+    # full attention: every chunk from S to the cap, on a tiered manager only
+    assert d.listed_chunks(FA16, 16, [144], 20, 96, True) == [1, 2, 3, 4, 5]
+    assert d.listed_chunks(FA16, 16, [144], 20, 96, False) == []
+
+
+def test_a_chunk_is_keyable_up_to_where_the_chain_reached() -> None:
+    assert d.chunk_keyable(5, 16, 96) and not d.chunk_keyable(5, 16, 95)
+    assert not d.chunk_keyable(0, 16, None)
+    frame = pl.DataFrame({"c": [5, 5, 0], "k": [96, 95, None]})
+    got = frame.select(d.chunk_keyable(pl.col("c"), 16, pl.col("k")).alias("x"))["x"]
+    assert got.to_list() == [True, False, False]
+
+
+def test_the_cause_of_a_needed_chunk() -> None:
+    # HIT is the manager's word; a chunk whose key the episode never had is settled only
+    # where no request sharing the prefix offered it
+    assert d.chunk_cause("HIT", True, False, False, "evicted") == "resident"
+    assert d.chunk_cause("MISS", True, False, False, "evicted") == "evicted"
+    assert d.chunk_cause(None, False, True, True, None) == "never_offered"
+    assert d.chunk_cause(None, False, True, False, None) == "not_keyable"
+    assert d.chunk_cause(None, False, False, True, None) == "not_looked_up"
+    rows = [
+        {"r": r, "k": k, "u": u, "y": y, "c": c}
+        for r in (None, "HIT", "MISS")
+        for k in (False, True)
+        for u in (False, True)
+        for y in (False, True)
+        for c in (None, "evicted")
+    ]
+    schema = {"r": pl.String, "k": pl.Boolean, "u": pl.Boolean, "y": pl.Boolean, "c": pl.String}
+    plain = [d.chunk_cause(x["r"], x["k"], x["u"], x["y"], x["c"]) for x in rows]
+    assert (
+        evaluated(lambda c: d.chunk_cause(c["r"], c["k"], c["u"], c["y"], c["c"]), rows, schema)
+        == plain
+    )
+
+
+def test_the_binding_scan_and_the_terminal_key_rank() -> None:
+    # the last scan that saw a non-HIT binds, even before a later scan that only hit
+    ranks = [d.binding_rank(n_hit, n, scan) for scan, (n_hit, n) in enumerate([(2, 3), (4, 4)])]
+    assert ranks.index(max(ranks)) == 0
+    ranks = [d.binding_rank(n_hit, n, scan) for scan, (n_hit, n) in enumerate([(2, 3), (1, 3)])]
+    assert ranks.index(max(ranks)) == 1
+    # a MISS (or RETRY) is terminal before a HIT_PENDING that came first in call order
+    assert d.terminal_rank("MISS", 9) < d.terminal_rank("HIT_PENDING", 1)
+    assert d.terminal_rank("RETRY", 9) < d.terminal_rank("HIT_PENDING", 1)
+    assert d.terminal_rank("MISS", 1) < d.terminal_rank("MISS", 9)
+    assert d.terminal_candidate(True, "MISS") and d.terminal_candidate(True, "HIT_PENDING")
+    assert not d.terminal_candidate(True, "HIT") and not d.terminal_candidate(True, None)
+    assert not d.terminal_candidate(False, "MISS")
+    rows = [{"r": r, "s": s} for r in ("MISS", "HIT_PENDING", "RETRY") for s in (1, 9)]
+    plain = [d.terminal_rank(x["r"], x["s"]) for x in rows]
+    schema = {"r": pl.String, "s": pl.Int64}
+    assert evaluated(lambda c: d.terminal_rank(c["r"], c["s"]), rows, schema) == plain

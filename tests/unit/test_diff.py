@@ -524,3 +524,58 @@ def test_a_batch_keeps_every_store_row_its_episodes_can_read(
             r_inst, r_seq, r_ts = row
             if (r_inst == inst and r_seq < s) or (r_inst != inst and r_ts < t):
                 assert row in kept
+
+
+def test_the_terminal_key_is_a_miss_before_an_earlier_pending_one(tmp_path: Path) -> None:
+    # group 1's chunk 5 was prepared and not completed (HIT_PENDING, found first: the window
+    # scan runs right to left), chunk 4 was never offered (MISS, found after it). The MISS
+    # ended the match: a pending key is on its way, a missing one is not.
+    def in_flight(b: TraceBuilder) -> None:
+        b.store("r1", "c", 1, [5], complete=False, job=5)
+
+    v, _ = _only(
+        tmp_path,
+        swa1=[],
+        episode_external=0,
+        swa1_results={5: "HIT_PENDING"},
+        extra=in_flight,
+    )
+    assert (v.verdict, v.binding_group) == ("mismatch", 1)
+    assert (v.terminal.chunk, v.terminal.result, v.terminal.cause) == (4, "MISS", "never_offered")
+    assert [(n.chunk, n.cause) for n in v.needed] == [(4, "never_offered"), (5, "in_flight")]
+
+
+def test_keys_needed_below_the_ceiling_are_listed_for_an_unscanned_group(tmp_path: Path) -> None:
+    # r1 (100 tokens) keeps its tails for its own boundary 96, r1b (200 tokens) for 192;
+    # both share r2's prefix. r2 (150 tokens): L = 144 and every full-attention chunk is
+    # stored, so the ceiling is 144, but the largest intended boundary in reach is r1's:
+    # E = 96 (192 is past L). Group 1 never finds two hits in a row (its chunk 4 was never
+    # offered), so vLLM returns 0 before it scans the MTP group 2. What a hit at E needs
+    # of group 2 (chunks 4..6: r2 keys 9 chunks, so the MTP lookup queries the peek chunk
+    # 6 and needs 4, 5 and 6, then pops 6) lies below the ceiling's (6..8): the recorder
+    # lists it for E, an intended boundary it knows from its chain book, so the differ
+    # and the live alarm judge it from the trace alone. Chunk 6 ends at 112, past r1's
+    # 100 tokens: not keyable by the chain (r1b, longer, is not on it: 192 is past L).
+    from keytrace.format.schema import SCAN_UNQUERIED
+
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.prime("r1", "c", 100, swa_chunks={1: [5], 2: [3, 4]})
+    b.prime("r1b", "c", 200, swa_chunks={1: [10, 11], 2: [9, 10, 11]})
+    fa = [(c, "HIT") for c in range(9)]
+    b.episode("r2", 150, external=0, chain="c", scans=[(0, fa), (1, _swa_scan({5: "HIT"}, hi=8))])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.E, v.binding_group, v.terminal.chunk) == ("mismatch", 96, 1, 4)
+    g2 = [(n.chunk, n.lookup_result, n.cause) for n in v.needed if n.group_id == 2]
+    assert g2 == [(4, None, "resident"), (5, None, "never_offered"), (6, None, "not_keyable")]
+    listed = (
+        open_trace(str(d))
+        .frame("lookup")
+        .filter((pl.col("scan") == SCAN_UNQUERIED) & (pl.col("group_id") == 2))
+        .select(pl.col("head_chunks").explode())
+        .collect()
+        .to_series()
+        .to_list()
+    )
+    assert sorted(listed) == [4, 5, 6, 7, 8]  # at E = 96 (4..6) and at the ceiling (6..8)
