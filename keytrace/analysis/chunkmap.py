@@ -37,6 +37,8 @@ from keytrace.analysis.results import (
     hex_key,
 )
 from keytrace.format.reader import Trace
+from keytrace.judge.definitions import SHORTFALLS, Verdict
+from keytrace.judge.ops import eq, negate, plain
 from keytrace.judge.rules import Group
 
 DEFAULT_LIMIT = 200
@@ -92,12 +94,14 @@ def _pick(episodes: EpisodeList, limit: int) -> list[EpisodeVerdict]:
     """The first ``limit`` shortfalls with an E, mismatches first, by sequence number: chosen
     on the report's columns, so only they become objects."""
     rows = episodes.rows.with_row_index("i").filter(
-        pl.col("verdict").cast(pl.String).is_in(["mismatch", "explained"])
+        pl.col("verdict").cast(pl.String).is_in(plain(SHORTFALLS))
         & pl.col("E").is_not_null()
         & (pl.col("E") != 0)
     )
     order = rows.sort(
-        pl.col("verdict").cast(pl.String) != "mismatch", "episode", maintain_order=True
+        negate(eq(pl.col("verdict").cast(pl.String), Verdict.MISMATCH)),
+        "episode",
+        maintain_order=True,
     )
     return [episodes[int(i)] for i in order.head(max(limit, 0))["i"]]
 

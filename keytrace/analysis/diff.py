@@ -43,7 +43,7 @@ from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.shape import has_episodes
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import Verdict
-from keytrace.judge.ops import lit, plain
+from keytrace.judge.ops import eq, lit, plain
 from keytrace.judge.rules import Group, groups_from_header, lookup_cap, needed_range
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
@@ -434,13 +434,13 @@ def _lost_tokens(
     first_cause = d.shortfall_cause(pl.col("decisive"), pl.col("term_result"))
     j = judged.with_columns(
         pl.coalesce("engine_id", "instance").alias("engine"),
-        pl.when(pl.col("verdict").is_in(["explained", "mismatch"]))
-        .then(first_cause)
-        .alias("cause"),
+        pl.when(pl.col("verdict").is_in(plain(d.SHORTFALLS))).then(first_cause).alias("cause"),
     )
     # the columns each part reads, selected before any filter copies rows: a filter of the
     # whole frame copies every column of the rows it keeps
-    cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(pl.col("verdict") == "cold")
+    cold = j.select(*KEY, "req_id", "t", "S", "L", "verdict").filter(
+        eq(pl.col("verdict"), Verdict.COLD)
+    )
     boundaries = lost.routing_boundaries(cold, routing)
     counted = j.select("engine", "N", "verdict").filter(
         ~pl.col("verdict").is_in(plain(d.ASKED_AGAIN))

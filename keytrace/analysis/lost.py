@@ -30,8 +30,15 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from keytrace.analysis import frames
-from keytrace.judge.definitions import ASKED_AGAIN, EXPLAINED_CAUSES, served, short_of_E
-from keytrace.judge.ops import plain
+from keytrace.judge.definitions import (
+    ASKED_AGAIN,
+    EXPLAINED_CAUSES,
+    SHORTFALLS,
+    Verdict,
+    served,
+    short_of_E,
+)
+from keytrace.judge.ops import eq, plain
 from keytrace.judge.rules import Group
 
 CATEGORIES = (
@@ -122,10 +129,10 @@ def account(
         ep = ep.with_columns(pl.col("offload") - pl.sum_horizontal(*promoted, pl.lit(0)))
     else:
         ep = ep.with_columns(pl.lit(0, pl.Int64).alias("promoted"))
-    short = pl.when(pl.col("verdict").is_in(["explained", "mismatch"])).then(
+    short = pl.when(pl.col("verdict").is_in(plain(SHORTFALLS))).then(
         short_of_E(pl.col("E"), pl.col("gpu_prefix"), pl.col("served") - pl.col("gpu_prefix"))
     )
-    routed = pl.when(pl.col("verdict") == "cold").then(
+    routed = pl.when(eq(pl.col("verdict"), Verdict.COLD)).then(
         pl.max_horizontal(pl.col("E_other").fill_null(0) - pl.col("served"), 0)
     )
     ep = ep.with_columns(
@@ -134,8 +141,11 @@ def account(
     cold_rest = pl.col("N") - pl.col("served") - pl.col("cold_routing")
     rest = [c for c in CATEGORIES if c != "promoted"]
     return ep.with_columns(
-        pl.when(pl.col("verdict") == "cold").then(cold_rest).otherwise(0).alias("cold_not_stored"),
-        pl.when(pl.col("verdict") == "cold")
+        pl.when(eq(pl.col("verdict"), Verdict.COLD))
+        .then(cold_rest)
+        .otherwise(0)
+        .alias("cold_not_stored"),
+        pl.when(eq(pl.col("verdict"), Verdict.COLD))
         .then(0)
         .otherwise(pl.col("N") - pl.col("served") - pl.col("short"))
         .alias("past_boundary"),

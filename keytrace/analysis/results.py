@@ -13,11 +13,20 @@ import polars as pl
 
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.verdict import reason
+from keytrace.judge.definitions import SHORTFALLS, Verdict
 from keytrace.judge.rules import Group
 
 KEY = ["inst", "s"]
 
-VERDICTS = ("stalled", "deferred", "cold", "hit", "explained", "mismatch")
+VERDICTS = (
+    Verdict.STALLED,
+    Verdict.DEFERRED,
+    Verdict.COLD,
+    Verdict.HIT,
+    Verdict.EXPLAINED,
+    Verdict.MISMATCH,
+)
+"""Every verdict an episode of a trace can get, in the order reports count them."""
 
 
 def hex_key(k: bytes | None) -> str | None:
@@ -83,7 +92,7 @@ class EpisodeVerdict:
 
     def evidence(self) -> tuple[int | None, int | None, str | None]:
         """(binding group, terminal chunk, cause) for a shortfall; all None otherwise."""
-        if self.verdict not in ("mismatch", "explained"):
+        if self.verdict not in SHORTFALLS:
             return None, None, None
         t = self.terminal
         return self.binding_group, (t.chunk if t else None), (t.cause if t else None)

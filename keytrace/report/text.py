@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import IO, Any
 
 from keytrace.analysis.summary import Summary
+from keytrace.judge import definitions as d
 
 
 def fmt_int(n: int | None) -> str:
@@ -130,8 +131,8 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
                 f"  group {v.binding_group} ({v.binding_label}) needed chunks {span} for a hit at "
                 f"{v.E:,}; store wrote {_ranges_text(v.stored_chunks)} near there\n"
             )
-    absent = [n for n in v.needed if n.cause not in ("resident", "not_looked_up")]
-    unknown = sum(1 for n in v.needed if n.cause == "not_looked_up")
+    absent = [n for n in v.needed if d.absent(n.cause)]
+    unknown = sum(1 for n in v.needed if n.cause == d.UNSEEN)
     for n in absent[:12]:
         res = n.lookup_result or "not looked up"
         file.write(

@@ -94,3 +94,42 @@ def test_summary_labels_mtp_and_lists_the_first_20_episodes(tmp_path: Path) -> N
     assert [ln.split()[:3] for ln in lines if ln.startswith("    2 ")] == [["2", "SWA,", "MTP"]]
     assert "episodes (first 20):" in lines
     assert sum(ln.startswith("  r") and not ln.startswith("  request") for ln in lines) == 20
+
+
+def test_a_chunk_on_a_secondary_tier_is_not_listed_as_absent() -> None:
+    """The text report lists the absent needed chunks, as the verdict counts them
+    (`keytrace.judge.definitions.absent`): a chunk a secondary tier held (``on_tier``) was
+    there to serve and is not listed; it was, when the report re-stated the rule without
+    it."""
+    from keytrace.analysis.results import EpisodeVerdict, NeededChunk
+    from keytrace.report.text import render_episode
+
+    def chunk(c: int, cause: str) -> NeededChunk:
+        return NeededChunk(0, c, 16 * c, 16 * c + 16, None, "MISS", cause)
+
+    v = EpisodeVerdict(
+        verdict="mismatch",
+        instance="i",
+        instance_id=1,
+        engine_id="e",
+        dp_rank=0,
+        req_id="r2",
+        episode=9,
+        step=3,
+        num_prompt_tokens=100,
+        S=0,
+        L=96,
+        E=96,
+        external_tokens=0,
+        accepted_tokens=0,
+        binding_group=0,
+        binding_label="FA",
+        needed=[chunk(3, "on_tier"), chunk(4, "promotion_starved"), chunk(5, "resident")],
+    )
+    buf = io.StringIO()
+    render_episode(v, buf, header={})
+    listed = [line for line in buf.getvalue().splitlines() if line.startswith("    group 0 ")]
+    assert listed == [
+        "    group 0 chunk 4 [64, 80): lookup MISS; on a secondary tier; no CPU slot to promote "
+        "it into, though the request fits the CPU tier beside the transfers in flight"
+    ]
