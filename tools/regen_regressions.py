@@ -30,7 +30,7 @@ class Regression:
     xfail: str | None
     note: str
     cpu_chunks: int | None = None  # the CPU tier (the primary, when tiered); None: the geometry's
-    tiers: tuple[str, ...] = ()  # secondary tiers (`keytrace.vllm.lab.harness.tiered`)
+    tiers: tuple[str, ...] = ()  # secondary tiers (`keytrace.vllm.lab.config.tiered`)
 
 
 REGRESSIONS = (
@@ -102,7 +102,7 @@ def _geometry(reg: Regression) -> object:
     """The entry's geometry: the built-in one, its CPU tier, its secondary tiers (an fs
     tier gets its folder from the harness)."""
     from keytrace.analysis.geometry import builtin
-    from keytrace.vllm.lab.harness import tiered
+    from keytrace.vllm.lab.config import tiered
 
     geo = builtin(reg.geometry)
     if reg.cpu_chunks is not None:

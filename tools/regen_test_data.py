@@ -30,7 +30,8 @@ LENGTH = 1030
 def record_tiered(raw: str) -> None:
     """The v3 scenario (module docstring) recorded into ``raw``."""
     from keytrace.vllm.hook.patches import recording
-    from keytrace.vllm.lab.harness import Harness, tiered
+    from keytrace.vllm.lab.config import tiered
+    from keytrace.vllm.lab.harness import Harness
 
     with recording(raw):
         h = Harness(tiered(SMALL.with_(cpu_chunks=24), ("example",)), max_prompt_tokens=LENGTH)

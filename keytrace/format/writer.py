@@ -1,8 +1,9 @@
 """Crash-safe, never-raising Parquet part writer.
 
 Why closed parts and not one long-lived ``ParquetWriter``: a Parquet file is unreadable
-without its footer, so a SIGKILLed writer loses *every* row, not just the tail
-(``prior-art.md`` §4.2). Instead each flush writes one complete file under a temporary
+without its footer, so a SIGKILLed writer loses *every* row, not just the tail (the
+footer holds the schema and every row group's offsets; pyarrow reads nothing without it).
+Instead each flush writes one complete file under a temporary
 name (``.NAME.tmp``), closes it and ``os.replace``-s it into place, which is atomic on
 POSIX. A kill therefore loses at most the rows buffered since the last closed part.
 

@@ -1,9 +1,11 @@
-"""vLLM 0.33.0's offloading lookup and store arithmetic, in one place.
+"""vLLM's offloading lookup and store arithmetic, in one place.
 
 Every rule keytrace relies on is written here once: chunk windows, the lookup cap, the
 load window, the chunks a lookup needs for a hit (with the EAGLE/MTP peek), the store
-path's intended boundary. Sources: ``OffloadingConnectorScheduler`` (``SCH`` in
-``../shared/docs/vllm-offload-notes.md``) and ``GroupOffloadConfig``.
+path's intended boundary. Sources: vLLM's ``OffloadingConnectorScheduler``
+(``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``:
+``_lookup_complete_chunks``, ``_sliding_window_lookup``, ``_build_store_jobs``) and
+``GroupOffloadConfig`` (``offloading/config.py``).
 
 The integer functions are *duck-typed*: called with Python ints they return ints (the
 live alarm, the hooks, reporters, tests); called with polars expressions they return

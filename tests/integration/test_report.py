@@ -73,7 +73,7 @@ def test_report_of_a_stalled_request_on_a_tiered_manager(
     """The tiered livelock (547 tokens, 13 chunks at once, a 12-chunk CPU tier over an fs
     tier): the report replays it at CPU tier sizes 11-14, with and without the candidate
     fix, and writes the manager-level test for vLLM's tiering suite."""
-    from keytrace.vllm.lab.harness import tiered
+    from keytrace.vllm.lab.config import tiered
 
     d = tmp_path / "t"
     geo = tiered(builtin("small").with_(cpu_chunks=12), ("fs",))

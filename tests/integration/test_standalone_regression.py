@@ -133,7 +133,7 @@ def test_each_injected_bug_is_red(
 def _tiered_stall(tmp: Path) -> tuple[str, str]:
     """The standalone form of the tiered livelock, from a stalled replay (12 CPU chunks over
     an fs tier, 547 tokens: tools/regen_regressions.py's third entry)."""
-    from keytrace.vllm.lab.harness import tiered
+    from keytrace.vllm.lab.config import tiered
 
     d = tmp / "trace-tiered"
     geo = tiered(builtin("small").with_(cpu_chunks=12), ("fs",))

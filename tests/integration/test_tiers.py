@@ -36,7 +36,8 @@ from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.live.registry import alarms  # noqa: E402
 from keytrace.vllm.hook.patches import recording  # noqa: E402
-from keytrace.vllm.lab.harness import Harness, tiered  # noqa: E402
+from keytrace.vllm.lab.config import tiered  # noqa: E402
+from keytrace.vllm.lab.harness import Harness  # noqa: E402
 
 
 def tokens(n: int) -> int:

@@ -1,27 +1,20 @@
-"""Drive the real vLLM 0.33.0 scheduler + OffloadingConnector + CPUOffloadingManager on a CPU.
+"""Drive the real vLLM scheduler + OffloadingConnector + its manager on a CPU (`Harness`).
 
 Real, unmodified vLLM: ``Scheduler`` (hybrid KV-cache coordinator, chunked prefill, GPU
 prefix cache bookkeeping), the ``OffloadingConnector`` built by the scheduler from a normal
-``kv_transfer_config`` (``build_offloading_config`` -> ``CPUOffloadingSpec`` ->
-``OffloadingConnectorScheduler``), and the ``CPUOffloadingManager`` it creates.
+``kv_transfer_config`` (``build_offloading_config`` -> ``CPUOffloadingSpec`` or
+``TieringOffloadingSpec`` -> ``OffloadingConnectorScheduler``), and the manager it creates.
 
-Replaced, because a CPU cannot provide them:
-
-- the GPU worker: `AckWorker` reads each step's ``OffloadingConnectorMetadata`` and
-  acknowledges jobs the way the real worker does (stores one step after they are issued,
-  flushed jobs and loads at once, ``finished_recving`` for asynchronous loads);
-- the model: a tiny ``config.json`` written to a temporary folder (no weights are read);
-- KV-cache memory planning: the ``KVCacheConfig`` is built from a `Geometry`, then the
-  fields ``EngineCore._initialize_kv_caches`` would set are set the same way.
+Replaced, because a CPU cannot provide them: the GPU worker (`keytrace.vllm.lab.worker`),
+the model's weights and KV-cache memory planning (`keytrace.vllm.lab.config` builds the
+configs from a `Geometry`). This module drives steps: requests in, the fake worker's
+acknowledgements, the model runner's output, what the connector answered.
 
 Importing this module imports vLLM (and torch). The CLI imports it lazily.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import logging
 import os
 import shutil
@@ -31,21 +24,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from vllm.config import (
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
-    OffloadingWorkerMetadata,
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
@@ -54,221 +37,29 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from keytrace.analysis.geometry import REPLAYABLE_TIERS, Geometry, GroupGeom
+from keytrace.analysis.geometry import Geometry
 from keytrace.errors import VllmUnavailableError
 from keytrace.vllm import require_vllm
 from keytrace.vllm.lab import environment
-
-_VOCAB = 32_000
-_TINY_MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "num_hidden_layers": 2,
-    "vocab_size": _VOCAB,
-    "torch_dtype": "float16",
-}
-
-
-@functools.lru_cache(maxsize=8)
-def _model_config(max_model_len: int) -> ModelConfig:
-    """ModelConfig from a tiny local config.json; cached because it costs seconds.
-
-    The folder name is fixed per max_model_len, so every process records the same model
-    name in its header (the reader refuses traces whose headers differ).
-    """
-    folder = os.path.join(tempfile.gettempdir(), f"keytrace-tiny-llama-{max_model_len}")
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".config.json.{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump({**_TINY_MODEL, "max_position_embeddings": max_model_len}, fh)
-    os.replace(tmp, os.path.join(folder, "config.json"))
-    return ModelConfig(
-        model=folder,
-        tokenizer=None,
-        skip_tokenizer_init=True,
-        max_model_len=max_model_len,
-        dtype="float16",
-    )
-
-
-def _spec(g: GroupGeom) -> KVCacheSpec:
-    common: dict[str, Any] = dict(
-        block_size=g.block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
-    )
-    # ``is_draft`` (0.32.0+) only steers KV planning, which the harness does itself; a
-    # release without the field plans draft layers by other means
-    if "is_draft" in {f.name for f in dataclasses.fields(FullAttentionSpec)}:
-        common["is_draft"] = g.eagle
-    if g.kind == "mla":
-        return MLAAttentionSpec(**{**common, "head_size": 32})
-    if g.kind == "full_attention":
-        return FullAttentionSpec(**common)
-    assert g.sliding_window is not None
-    return SlidingWindowSpec(
-        **common,
-        sliding_window=g.sliding_window,
-        extra_retained_tokens=g.extra_retained_tokens,
-    )
-
-
-def default_num_gpu_blocks(geometry: Geometry, max_prompt_tokens: int | None = None) -> int:
-    """Enough GPU blocks for two requests of the longest prompt in every group.
-
-    The pool is bookkeeping only, but building it costs time per block, so a harness that
-    knows its longest prompt sizes the pool to it instead of to ``max_model_len``.
-    """
-    tokens = min(geometry.max_model_len, (max_prompt_tokens or geometry.max_model_len) + 64)
-    per_req = sum(-(-tokens // g.block_size) + 2 for g in geometry.groups)
-    return 2 * per_req + 64
-
-
-def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfig:
-    """A VllmConfig whose KV transfer config names the real OffloadingConnector."""
-    extra: dict[str, Any] = {
-        "cpu_bytes_to_use": cpu_bytes_to_use,
-        "blocks_per_chunk": geometry.blocks_per_chunk,
-        **geometry.extra,
-    }
-    cache = CacheConfig(
-        block_size=min(g.block_size for g in geometry.groups),
-        enable_prefix_caching=True,
-        prefix_cache_retention_interval=geometry.retention_interval,
-    )
-    sched = SchedulerConfig(
-        max_num_batched_tokens=geometry.max_num_batched_tokens,
-        max_num_seqs=16,
-        max_model_len=geometry.max_model_len,
-        enable_chunked_prefill=True,
-        long_prefill_token_threshold=geometry.long_prefill_token_threshold,
-        async_scheduling=geometry.async_scheduling,
-        is_encoder_decoder=False,
-    )
-    config = VllmConfig(
-        model_config=_model_config(geometry.max_model_len),
-        cache_config=cache,
-        scheduler_config=sched,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
-    )
-    # CUDA resolves the HMA on for this connector; a CPU-only platform may not. After
-    # __post_init__ the flag is read only by the connector factory's HMA check and by
-    # planning, which the harness replaces (cpu-scheduler-harness.md).
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    # The CPU platform turns async scheduling off; CUDA's uniproc executor keeps an explicit
-    # request on. The flag only selects scheduling behaviour that the harness drives itself
-    # (AsyncScheduler, output of step t applied after step t + 1 is scheduled).
-    config.scheduler_config.async_scheduling = geometry.async_scheduling
-    _check_unchanged(config, geometry)
-    return config
-
-
-def _check_unchanged(config: VllmConfig, geometry: Geometry) -> None:
-    sc, cc = config.scheduler_config, config.cache_config
-    problems = []
-    if sc.max_num_batched_tokens != geometry.max_num_batched_tokens:
-        problems.append(f"max_num_batched_tokens={sc.max_num_batched_tokens}")
-    if not sc.enable_chunked_prefill:
-        problems.append("chunked prefill disabled")
-    if not cc.enable_prefix_caching:
-        problems.append("prefix caching disabled")
-    if cc.prefix_cache_retention_interval != geometry.retention_interval:
-        problems.append(f"retention_interval={cc.prefix_cache_retention_interval}")
-    if bool(sc.async_scheduling) != geometry.async_scheduling:
-        problems.append(f"async_scheduling={sc.async_scheduling}")
-    if problems:
-        raise RuntimeError("VllmConfig changed the geometry: " + ", ".join(problems))
-
-
-def build_kv_cache_config(
-    geometry: Geometry, config: VllmConfig, *, max_prompt_tokens: int | None = None
-) -> KVCacheConfig:
-    """The KVCacheConfig planning would produce, with the fields EngineCore then sets."""
-    groups = [
-        KVCacheGroupSpec([f"layer.{i}.{g.name or g.kind}"], _spec(g), is_eagle_group=g.eagle)
-        for i, g in enumerate(geometry.groups)
-    ]
-    kv = KVCacheConfig(
-        num_blocks=geometry.num_gpu_blocks or default_num_gpu_blocks(geometry, max_prompt_tokens),
-        kv_cache_tensors=[],
-        kv_cache_groups=groups,
-    )
-    kv.prefix_cache_retention_interval = geometry.retention_interval
-    config.cache_config.num_gpu_blocks = kv.num_blocks
-    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv, config)
-    kv.hash_block_size = hash_bs
-    # 0.32.0 added the cache-hit alignment (EngineCore resolves it after planning); on
-    # older releases neither the function nor the field exists, and EngineCore sets neither
-    resolve_alignment = getattr(kv_cache_utils, "resolve_cache_hit_alignment_tokens", None)
-    if resolve_alignment is not None:
-        kv.cache_hit_alignment_tokens = resolve_alignment(kv, config, sched_bs, hash_bs)
-    return kv
-
-
-def _chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
-    """Bytes per CPU chunk exactly as CPUOffloadingSpec computes them (world size 1)."""
-    from vllm.utils.math_utils import round_up
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-
-    per_block = sum(
-        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv.kv_cache_groups
-    )
-    return int(
-        round_up(per_block * geometry.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
-    )
-
+from keytrace.vllm.lab.config import (
+    VOCAB,
+    build_kv_cache_config,
+    build_vllm_config,
+    chunk_bytes,
+)
+from keytrace.vllm.lab.worker import AckWorker
 
 log = logging.getLogger("keytrace")
-
-TIER_TYPES = REPLAYABLE_TIERS
 
 ABORT_DEFERRALS = 64
 """Deferred lookups in a row after which `Harness.abort_stalled` aborts a request: past
 keytrace's stalled rule (`keytrace.judge.definitions.STALL_EPISODES`), so the trace
 holds the stalled verdict first."""
-"""Secondary tiers the harness builds: vLLM's in-memory ``example`` tier (synchronous: a
-run is exactly repeatable) and its ``fs`` tier (files under a directory; asynchronous
-lookups and transfers on threads, which `Harness.settle_tiers` waits for between steps).
-Both run on a CPU; ``obj``/``p2p`` need NIXL and ``kvcr`` its own package."""
-
-
-def tiered(geometry: Geometry, tiers: tuple[str, ...], root_dir: str | None = None) -> Geometry:
-    """``geometry`` with vLLM's ``TieringOffloadingSpec``: its CPU tier becomes the primary
-    over ``tiers`` (each of `TIER_TYPES`; an ``fs`` tier keeps its files under
-    ``root_dir``, which every engine of a run shares, as llm-d's shared file system does;
-    without one, each harness gives it a temporary folder of its own)."""
-    configs: list[dict[str, Any]] = []
-    for t in tiers:
-        if t == "example":
-            configs.append({"type": "example"})
-        elif t == "fs":
-            fs: dict[str, Any] = {"type": "fs", "n_read_threads": 2, "n_write_threads": 2}
-            if root_dir is not None:
-                fs["root_dir"] = root_dir
-            configs.append(fs)
-        else:
-            raise ValueError(f"unknown tier {t!r}; the harness builds {', '.join(TIER_TYPES)}")
-    extra = {**geometry.extra, "spec_name": "TieringOffloadingSpec", "secondary_tiers": configs}
-    return geometry.with_(extra=extra)
 
 
 def _release(region: Any) -> None:
@@ -280,59 +71,6 @@ def _release(region: Any) -> None:
         region.cleanup()
     except Exception:
         log.debug("keytrace harness: releasing a shared memory region failed", exc_info=True)
-
-
-# ------------------------------------------------------------------ fake worker
-class AckWorker:
-    """Stands in for the GPU worker: acknowledges transfer jobs, moves no bytes.
-
-    Timing follows ``OffloadingConnectorWorker``: stores issued at step t are submitted at
-    the start of step t+1 and reported complete in t+1's output (``store_delay`` 1; a
-    larger delay models slow transfers, so later lookups see the keys HIT_PENDING);
-    flushed jobs are waited for (complete at once); loads complete in the step they are
-    issued, asynchronous ones also report their request in ``finished_recving``.
-    """
-
-    def __init__(self, store_delay: int = 1) -> None:
-        self.store_delay = max(1, store_delay)
-        self.deferred_stores: list[tuple[int, int]] = []  # (job, steps left)
-        self.acked: set[int] = set()
-        self.stores_issued = 0
-        self.loads_issued = 0
-
-    def run(self, meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
-        completed: dict[int, int] = {}
-        flush = set(meta.jobs_to_flush or ())
-        waiting = []
-        for job, left in self.deferred_stores:
-            if left <= 1 or job in flush:
-                completed[job] = 1
-            else:
-                waiting.append((job, left - 1))
-        self.deferred_stores = waiting
-        for job in meta.store_jobs:
-            self.stores_issued += 1
-            if job in flush:
-                completed[job] = 1
-            else:
-                self.deferred_stores.append((job, self.store_delay))
-        recving: set[str] = set()
-        for job, entry in meta.load_jobs.items():
-            self.loads_issued += 1
-            completed[job] = 1
-            if not entry.sync:
-                recving.add(entry.req_id)
-        completed = {j: c for j, c in completed.items() if j not in self.acked}
-        self.acked.update(completed)
-        return KVConnectorOutput(
-            finished_sending=set(),
-            finished_recving=recving,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
-        )
-
-    @property
-    def idle(self) -> bool:
-        return not self.deferred_stores
 
 
 # ---------------------------------------------------------------------- results
@@ -408,7 +146,7 @@ class Harness:
         self.seed = seed
         probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
         kv_probe = build_kv_cache_config(geometry, probe)
-        self.cpu_bytes_to_use = geometry.cpu_chunks * _chunk_bytes(geometry, kv_probe)
+        self.cpu_bytes_to_use = geometry.cpu_chunks * chunk_bytes(geometry, kv_probe)
         self.vllm_config = build_vllm_config(geometry, cpu_bytes_to_use=self.cpu_bytes_to_use)
         if dp_rank is not None:
             self.vllm_config.parallel_config.data_parallel_index = dp_rank
@@ -538,7 +276,7 @@ class Harness:
     def tokens(self, n: int, *, chain: int = 0) -> list[int]:
         """Deterministic synthetic token ids; equal ``chain`` means equal prefixes."""
         base = (self.seed * 1_000_003 + chain * 7919) % 9973
-        return [(base + i * 31 + (i // 997)) % (_VOCAB - 100) + 50 for i in range(n)]
+        return [(base + i * 31 + (i // 997)) % (VOCAB - 100) + 50 for i in range(n)]
 
     def submit(self, num_tokens: int, *, chain: int = 0, max_tokens: int = 1) -> str:
         """Add a request of ``num_tokens`` synthetic prompt tokens; returns its id."""

@@ -147,7 +147,7 @@ def check(
     tier_state = _tier_state(trace, todo) if frames.is_tiered(trace) else None
     tier_geo = None
     if tier_state is not None:
-        from keytrace.vllm.lab.harness import tiered
+        from keytrace.vllm.lab.config import tiered
 
         base = geometry_from_header(trace.header).untiered().with_(num_gpu_blocks=None)
         tier_geo = tiered(base, ("example",))

@@ -215,7 +215,7 @@ def isolated_lookup(
 
     The keys go through the manager's own ``prepare_store``/``complete_store``; everything
     else (hashing, the connector's lookup, the core scheduler) is stock vLLM. A tiered
-    ``geometry`` (`keytrace.vllm.lab.harness.tiered` over vLLM's in-memory ``example``
+    ``geometry`` (`keytrace.vllm.lab.config.tiered` over vLLM's in-memory ``example``
     tier) holds ``resident`` in its primary tier and ``secondary`` in that tier: the lookup
     then promotes what it needs, over as many steps as it takes (at most ``max_steps``;
     then the request is aborted and served nothing). ``pinned_local``: the recorded

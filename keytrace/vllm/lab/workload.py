@@ -169,7 +169,8 @@ def _run(
     disk: str,
 ) -> WorkloadResult:
     from keytrace.vllm.hook.patches import fixed, injected, recording
-    from keytrace.vllm.lab.harness import Harness, tiered
+    from keytrace.vllm.lab.config import tiered
+    from keytrace.vllm.lab.harness import Harness
 
     rng = random.Random(spec.seed)
     geo = workload_geometry(spec)

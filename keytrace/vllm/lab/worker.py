@@ -1,0 +1,62 @@
+"""Stands in for the GPU worker: acknowledges the connector's transfer jobs, moves no
+bytes (`AckWorker`). The one piece of a scheduler step a CPU cannot run."""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+
+class AckWorker:
+    """Stands in for the GPU worker: acknowledges transfer jobs, moves no bytes.
+
+    Timing follows ``OffloadingConnectorWorker``: stores issued at step t are submitted at
+    the start of step t+1 and reported complete in t+1's output (``store_delay`` 1; a
+    larger delay models slow transfers, so later lookups see the keys HIT_PENDING);
+    flushed jobs are waited for (complete at once); loads complete in the step they are
+    issued, asynchronous ones also report their request in ``finished_recving``.
+    """
+
+    def __init__(self, store_delay: int = 1) -> None:
+        self.store_delay = max(1, store_delay)
+        self.deferred_stores: list[tuple[int, int]] = []  # (job, steps left)
+        self.acked: set[int] = set()
+        self.stores_issued = 0
+        self.loads_issued = 0
+
+    def run(self, meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
+        completed: dict[int, int] = {}
+        flush = set(meta.jobs_to_flush or ())
+        waiting = []
+        for job, left in self.deferred_stores:
+            if left <= 1 or job in flush:
+                completed[job] = 1
+            else:
+                waiting.append((job, left - 1))
+        self.deferred_stores = waiting
+        for job in meta.store_jobs:
+            self.stores_issued += 1
+            if job in flush:
+                completed[job] = 1
+            else:
+                self.deferred_stores.append((job, self.store_delay))
+        recving: set[str] = set()
+        for job, entry in meta.load_jobs.items():
+            self.loads_issued += 1
+            completed[job] = 1
+            if not entry.sync:
+                recving.add(entry.req_id)
+        completed = {j: c for j, c in completed.items() if j not in self.acked}
+        self.acked.update(completed)
+        return KVConnectorOutput(
+            finished_sending=set(),
+            finished_recving=recving,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self.deferred_stores
