@@ -298,10 +298,10 @@ def test_a_source_build_version_records_and_says_so(
     fresh interpreter, without touching vllm's module)."""
     import vllm
 
-    from keytrace.vllm.hook import patches
+    from keytrace.vllm.hook import bootstrap
 
     monkeypatch.setattr(vllm, "__version__", "0.33.1.dev3+g96039d055")
-    monkeypatch.setattr(patches._STATE, "_warned", set())
+    monkeypatch.setattr(bootstrap.SESSION, "_warned", set())
     with caplog.at_level("INFO", logger="keytrace"):
         _run(SMALL, 1000, tmp_path / "t")
     [line] = [r.getMessage() for r in caplog.records if "source build" in r.getMessage()]
@@ -341,11 +341,11 @@ def test_stand_in_scheduler_is_skipped_quietly(
     # built from them, and nothing about them describes a deployment
     from types import SimpleNamespace
 
-    from keytrace.vllm.hook import hooks, patches
+    from keytrace.vllm.hook import bootstrap, hooks
 
     sched = SimpleNamespace(manager=SimpleNamespace())
     with caplog.at_level("DEBUG", logger="keytrace"), recording(tmp_path / "t") as recs:
-        patches._start_recording(
+        bootstrap.start_recording(
             sched,
             str(tmp_path / "t"),
             None,

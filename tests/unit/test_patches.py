@@ -13,8 +13,10 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from keytrace.vllm.hook import patches
-from keytrace.vllm.hook.patches import TABLE, Patch, apply_instance, disable, observe, observe_hot
+from keytrace.vllm.hook import layers, patches
+from keytrace.vllm.hook.compat import resolve
+from keytrace.vllm.hook.patches import TABLE, Patch, apply_instance, disable
+from keytrace.vllm.hook.wrappers import observe, observe_hot
 
 
 class FakeRecorder:
@@ -120,8 +122,8 @@ def test_inherited_methods_are_found_and_wrapped_like_own_ones() -> None:
     seen: list[int] = []
     row = Patch("test", "scheduler", "hook", lambda _b: _note(seen))
     # the presence check and the wrap use the same lookup: an inherited method counts
-    assert patches._resolve(Sub, "hook") is Base.__dict__["hook"]
-    patches._apply("test", Sub, row, None)
+    assert resolve(Sub, "hook") is Base.__dict__["hook"]
+    layers.apply("test", Sub, row, None)
     try:
         assert Sub().hook(1) == 2 and seen == [1]
         assert Base().hook(1) == 2 and seen == [1]  # the base class is untouched
@@ -133,7 +135,7 @@ def test_inherited_methods_are_found_and_wrapped_like_own_ones() -> None:
 
 def test_own_method_restored_to_the_identical_function() -> None:
     original = Base.__dict__["hook"]
-    patches._apply("test", Base, Patch("test", "scheduler", "hook", lambda _b: _note([])), None)
+    layers.apply("test", Base, Patch("test", "scheduler", "hook", lambda _b: _note([])), None)
     assert Base.__dict__["hook"] is not original
     disable("test")
     assert Base.__dict__["hook"] is original
