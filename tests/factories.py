@@ -13,6 +13,7 @@ from typing import Any
 
 from keytrace.analysis.geometry import Geometry, GroupGeom, synthetic_header
 from keytrace.format.schema import LookupResult
+from keytrace.judge.rules import lookahead_of
 from keytrace.record.recorder import Recorder
 
 # One FA group, one plain SWA group (window 32 = 2 chunks), one EAGLE SWA group: tpc 16.
@@ -61,6 +62,9 @@ class TraceBuilder:
             listener=alarm,
         )
         self.tph = geometry.tokens_per_hash
+        self.lookahead = lookahead_of(self.header)
+        """Tokens past a block its hash covers (vLLM 0.34.0's lookahead hashes): a request
+        of P tokens has (P - lookahead) // tph block hashes."""
 
     def tpc(self, gid: int) -> int:
         return self.geometry.groups[gid].block_size * self.geometry.blocks_per_chunk
@@ -132,7 +136,7 @@ class TraceBuilder:
         The keys a hit needs that the scans did not ask for are listed as the real hook
         lists them (`keytrace.record.recorder.Recorder.list_needed`), from ``chain``;
         ``listed=False`` records none (a schema-1 trace, a chain book that forgot)."""
-        hashes = num_tokens // self.tph
+        hashes = max(0, num_tokens - self.lookahead) // self.tph
         self.rec.episode_begin(req, local, None, num_tokens, num_tokens, hashes)
         for gid, calls in scans:
             self.rec.begin_scan()

@@ -232,6 +232,6 @@ def _lane(
         kind=g.kind,
         tokens_per_chunk=g.tpc,
         sliding_window=g.sliding_window,
-        eagle=g.eagle,
+        eagle=g.drop,  # draws the peek chunk: only a group that drops a block queries one
         chunks=chunks,
     )

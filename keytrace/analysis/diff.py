@@ -44,7 +44,7 @@ from keytrace.format.shape import has_episodes
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import Verdict
 from keytrace.judge.ops import eq, lit, plain
-from keytrace.judge.rules import Group, groups_from_header, lookup_cap, needed_range
+from keytrace.judge.rules import Group, groups_from_header, lookup_cap, needed_range, retention_of
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
 
@@ -569,7 +569,7 @@ def _expected_boundary(
         .group_by(KEY)
         .agg(pl.col("b").max().alias("E_chain"))
     )
-    standing = d.standing_boundaries(top, groups, header.get("retention_interval") or 0)
+    standing = d.standing_boundaries(top, groups, retention_of(header))
     E = d.expected_boundary(S, pl.col("E_chain"), standing)
     return (
         eps.select(*KEY, "S", "top")
@@ -753,7 +753,7 @@ def _needed(
         if not d.lists_needed(g, tiered):
             continue
         frame = sf.with_columns(pl.lit(False).alias("tail_proof"))
-        if g.eagle and proofs is not None and proofs.height:
+        if g.drop and proofs is not None and proofs.height:
             plain_keyed = d.keyed_chunks(g, pl.col("H"), tph)
             tail = (
                 proofs.filter(pl.col("gid") == g.gid)

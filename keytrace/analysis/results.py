@@ -125,6 +125,7 @@ class MapLane:
     tokens_per_chunk: int
     sliding_window: int | None
     eagle: bool
+    """The group queries an EAGLE/MTP peek chunk past E (`keytrace.judge.rules.Group.drop`)."""
     chunks: list[MapChunk] = field(default_factory=list)
 
 

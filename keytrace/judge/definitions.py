@@ -150,14 +150,15 @@ def in_reach(b: Num, S: Num, ceiling: Num) -> Truth:
     return gt(b, S) & le(b, ceiling)
 
 
-def standing_boundaries(ceiling: Num, groups: Sequence[Group], retention: int) -> list[Num]:
+def standing_boundaries(ceiling: Num, groups: Sequence[Group], retention: int | None) -> list[Num]:
     """The boundaries intended for every episode, whatever was stored: each multiple of the
     retention interval when it is > 0, and every chunk boundary when there is no
-    sliding-window group (each at or below ``ceiling``, the largest one of each kind)."""
+    sliding-window group or retention is dense (``None``: vLLM keeps every block of every
+    window), each at or below ``ceiling``, the largest one of each kind."""
     out = []
-    if retention > 0:  # segment tails every retention_interval tokens
+    if retention is not None and retention > 0:  # segment tails every retention_interval
         out.append(ceiling // retention * retention)
-    if all(g.full_attention for g in groups):  # no window: every boundary is kept
+    if retention is None or all(g.full_attention for g in groups):  # every boundary kept
         u = unit(groups)
         out.append(ceiling // u * u)
     return out
@@ -197,11 +198,11 @@ def lists_needed(g: Group, tiered: bool) -> bool:
 def keyed_chunks(g: Group, hashes: Num, tph: int, tail_proof: Truth = False) -> Num:
     """How many of ``g``'s keys the lookup had (``needed_range``'s ``keyed_chunks``): the
     request's block hashes give ``hashes * tph // tpc``; under the candidate fix
-    ``eagle_proof_key`` an EAGLE group's list has one more, the proof of the peek chunk
-    the prompt cannot key, where the recorder listed one (``tail_proof``: a proof of the
-    chunk just past the keyed ones)."""
+    ``eagle_proof_key`` a group that drops a block for its drafter (`Group.drop`) has one
+    more, the proof of the peek chunk the prompt cannot key, where the recorder listed one
+    (``tail_proof``: a proof of the chunk just past the keyed ones)."""
     keyed = hashes * tph // g.tpc
-    if not g.eagle:
+    if not g.drop:
         return keyed
     return keyed + as_int(tail_proof)
 
@@ -211,7 +212,7 @@ def listing_boundaries(
     top: int,
     intended: Sequence[int],
     groups: Sequence[Group],
-    retention: int,
+    retention: int | None,
     tiered: bool,
 ) -> list[int]:
     """The hit ends the recorder lists needed keys for when vLLM did not look them up: the
@@ -222,7 +223,7 @@ def listing_boundaries(
     multiple of the retention interval in ``(S, top]`` stands in for the standing one."""
     ends = {top, *(b for b in intended if S < b < top)}
     ends.update(b for b in standing_boundaries(top, groups, retention) if S < b <= top)
-    if tiered and retention > 0:
+    if tiered and retention:
         ends.update(range((S // retention + 1) * retention, top + 1, retention))
     return sorted(ends)
 

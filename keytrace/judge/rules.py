@@ -67,6 +67,9 @@ class Group:
 
     ``window`` is in chunks (None: full attention, scanned left to right to the first
     MISS); ``sliding_window`` in tokens; ``eagle`` marks an EAGLE/MTP draft group.
+    ``lookahead`` is the trace's, the same in every group: vLLM's
+    ``num_hash_lookahead_tokens``, the tokens past a block its hash covers (an EAGLE/MTP
+    drafter with a connector that supports lookahead hashes, vLLM 0.34.0+; 0 otherwise).
     """
 
     gid: int
@@ -76,6 +79,7 @@ class Group:
     extra: int = 0
     eagle: bool = False
     kind: str = "sliding_window"
+    lookahead: int = 0
 
     @property
     def label(self) -> str:
@@ -85,9 +89,33 @@ class Group:
     def full_attention(self) -> bool:
         return self.window is None
 
+    @property
+    def drop(self) -> bool:
+        """The group drops a block for its drafter: an EAGLE/MTP group whose keys are
+        legacy hashes (no lookahead). Its lookup then queries one *peek* chunk past the
+        hit, needs one more hit, and pops it (vLLM's ``apply_eagle_drop``); with lookahead
+        hashes the hash of a block proves the drafter's input and no block is dropped."""
+        return self.eagle and self.lookahead == 0
+
+
+def lookahead_of(header: dict[str, Any]) -> int:
+    """The trace's lookahead (``num_hash_lookahead_tokens``; 0 where the header has none:
+    every recording before vLLM 0.34.0, and every one without an EAGLE/MTP drafter)."""
+    return int(header.get("num_hash_lookahead_tokens") or 0)
+
+
+def retention_of(header: dict[str, Any]) -> int | None:
+    """The trace's ``prefix_cache_retention_interval``: 0 (vLLM's default: tails only at
+    each request's own boundary and junction), a positive interval (tails every that many
+    tokens too), or None (dense retention: every block of every window is kept). A header
+    without the key is the default."""
+    value = header.get("retention_interval", 0)
+    return None if value is None else int(value)
+
 
 def groups_from_header(header: dict[str, Any]) -> list[Group]:
     """The offloaded groups of a trace header, in group-id order."""
+    lookahead = lookahead_of(header)
     out = []
     for g in header.get("groups", []):
         if not g.get("offloaded"):
@@ -101,6 +129,7 @@ def groups_from_header(header: dict[str, Any]) -> list[Group]:
                 extra=int(g.get("extra_retained_tokens") or 0),
                 eagle=bool(g.get("is_eagle")),
                 kind=str(g["kind"]),
+                lookahead=lookahead,
             )
         )
     return sorted(out, key=lambda g: g.gid)
@@ -118,19 +147,27 @@ def lookup_cap(
 
     ``num_tokens - 1`` when a sliding-window group exists (the last prompt token is always
     recomputed), else ``num_tokens``; within ``local + max_new`` when the connector was
-    given a bound; rounded down to a multiple of every group's chunk size; at least 0.
+    given a bound; no further than the request's keys reach (``num_tokens - lookahead``:
+    a block's key exists once the lookahead tokens past it do, and vLLM caps every group's
+    hit at its keys); rounded down to a multiple of every group's chunk size; at least 0.
     """
     cap: Any = num_tokens if max_new is None else least(num_tokens, local + max_new)
     if any(not g.full_attention for g in groups):
         cap = cap - 1
+    lookahead = max((g.lookahead for g in groups), default=0)
+    if lookahead:
+        cap = least(cap, num_tokens - lookahead)
     u = unit(groups)
     return greatest(0, cap // u * u)
 
 
 def store_boundary(groups: Sequence[Group], prompt_tokens: Num) -> Num:
-    """The boundary a request's own store keeps sliding-window tails for: its own cap.
+    """The boundary a request's own store means to keep sliding-window tails for: its own
+    cap, where an identical resend's lookup can hit (keytrace's definition, docs/diff.md).
 
-    (``reachable_boundaries = (P - 1,)``, aligned down to the full-attention chunk.)
+    vLLM's store keeps them at ``reachable_boundaries = (P - 1,)``, aligned down: the same
+    boundary with legacy hashes; with lookahead hashes of L >= 2 tokens an identical
+    resend reaches only ``P - L`` and the two can differ (docs/findings.md).
     """
     return lookup_cap(groups, prompt_tokens)
 
@@ -158,9 +195,11 @@ def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, 
     """``[lo, hi)``: the chunks of ``g`` vLLM's lookup needs for a hit ending at ``E``.
 
     Full attention: every chunk in ``[local, E)``. A sliding-window group: the run its
-    right-to-left scan must find, ending at the end of its query slice. An unverified
-    EAGLE/MTP group queries one extra *peek* chunk past ``E`` when that chunk is keyed,
-    needs one more consecutive hit, then pops the peek (``SCH:935-996``).
+    right-to-left scan must find, ending at the end of its query slice. A group that drops
+    a block for its drafter (`Group.drop`: EAGLE/MTP with legacy hashes) queries one extra
+    *peek* chunk past ``E`` when that chunk is keyed, needs one more consecutive hit, then
+    pops the peek (``_lookup_complete_chunks``); with lookahead hashes it is a plain
+    window group.
 
     ``keyed_chunks``: the keys in the lookup's list for the group; the request's block
     hashes give ``H * tokens_per_hash // tpc``, and under the candidate fix
@@ -171,7 +210,7 @@ def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, 
     start = local // tpc
     if g.window is None:
         return start, E // tpc
-    if g.eagle:
+    if g.drop:
         query_max = least(E + tpc, keyed_chunks * tpc)
         num_chunks = least(cdiv(query_max, tpc), keyed_chunks)
         candidate_end = least(E, (num_chunks - 1) * tpc)
@@ -196,6 +235,5 @@ def eagle_peek_unkeyable(prompt_tokens: int, groups: Sequence[Group]) -> bool:
     chunk ``[E, E + tpc)`` that the prompt is too short to key."""
     E = store_boundary(groups, prompt_tokens)
     return (
-        any(g.eagle and not g.full_attention and prompt_tokens - E < g.tpc for g in groups)
-        and E > 0
+        any(g.drop and not g.full_attention and prompt_tokens - E < g.tpc for g in groups) and E > 0
     )

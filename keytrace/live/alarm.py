@@ -33,7 +33,7 @@ from typing import Any
 
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import FINDINGS, SHORTFALLS, Verdict
-from keytrace.judge.rules import groups_from_header
+from keytrace.judge.rules import groups_from_header, retention_of
 from keytrace.live import warnings
 from keytrace.live.judge import Judge
 from keytrace.live.judged import Judged
@@ -79,7 +79,7 @@ class Alarm:
             int(header.get("tokens_per_hash") or 1),
             self.tiered,
             header.get("cpu_num_chunks"),
-            int(header.get("retention_interval") or 0),
+            retention_of(dict(header)),
             self.keys,
         )
         self._inst: dict[int, InstanceState] = {}

@@ -61,7 +61,7 @@ class Judge:
         tph: int,
         tiered: bool,
         primary_chunks: int | None,
-        retention: int,
+        retention: int | None,
         keys: KeyStore,
     ) -> None:
         self.groups = list(groups)

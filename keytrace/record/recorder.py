@@ -40,7 +40,7 @@ from keytrace.format.schema import (
 )
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
 from keytrace.judge import definitions as d
-from keytrace.judge.rules import STORE_OFFERS, groups_from_header, lookup_cap
+from keytrace.judge.rules import STORE_OFFERS, groups_from_header, lookup_cap, retention_of
 from keytrace.record.chain import ChainBook
 from keytrace.record.events import (
     Episode,
@@ -110,7 +110,7 @@ class Recorder:
         """The header's offloaded groups."""
         self.tiered = bool(header.get("secondary_tiers"))
         self.tph = int(header.get("tokens_per_hash") or 1)
-        self.retention = int(header.get("retention_interval") or 0)
+        self.retention = retention_of(dict(header))
         self.book = ChainBook(self.groups)
         """Which boundaries requests meant later lookups to hit (`keytrace.record.chain`)."""
         self.listener = listener
@@ -198,13 +198,26 @@ class Recorder:
         if self.listener is not None:
             self._tell(self.listener.episode_began, self.inst, ep)
 
-    def episode_end(self, req_id: str, external: int | None, load_async: bool | None) -> None:
+    def episode_end(
+        self,
+        req_id: str,
+        external: int | None,
+        load_async: bool | None,
+        junction: int | None = None,
+    ) -> None:
+        """vLLM answered the episode (``external``: None when it deferred). ``junction``:
+        the request's ``shared_prefix_boundary`` after the lookup: vLLM 0.34.0's lookup
+        raises it where a sparse group cut the hit below the full-attention prefix, and the
+        request's stores then keep tails for it too."""
         self.end_scan()
         self.in_episode = False
         ep = self._pending.get(req_id)
         if ep is not None:
             ep.external = external
             ep.load_async = load_async
+            if junction and junction > (ep.spb or 0):
+                ep.spb = junction
+                self.book.begin(req_id, ep.prompt, junction)
             if self.listener is not None:
                 self._tell(self.listener.episode_ended, self.inst, ep)
             if not external:

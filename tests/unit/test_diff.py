@@ -579,3 +579,37 @@ def test_keys_needed_below_the_ceiling_are_listed_for_an_unscanned_group(tmp_pat
         .to_list()
     )
     assert sorted(listed) == [4, 5, 6, 7, 8]  # at E = 96 (4..6) and at the ceiling (6..8)
+
+
+def test_lookahead_hashes_leave_an_identical_resend_short_of_its_own_boundary(
+    tmp_path: Path,
+) -> None:
+    # vLLM 0.34.0 with a multi-module MTP drafter of 2 tokens (num_hash_lookahead_tokens 2):
+    # a block's hash covers the 2 tokens past it, so a 97-token prompt keys 5 of its
+    # 16-token chunks ((97 - 2) // 16) and an identical resend reaches 80. The store kept
+    # the windows' tails at P - 1 = 96 (chunks 4, 5), where no resend can look: the window
+    # ending at 80 needs chunk 3 too, never offered. keytrace judged this resend "cold"
+    # (no intended boundary in reach: it took the prime's boundary for 96) before the
+    # rules knew the lookahead; the lookahead makes the prime's own boundary 80.
+    from keytrace.analysis.geometry import synthetic_header
+
+    d = tmp_path / "t"
+    header = {**synthetic_header(TINY), "num_hash_lookahead_tokens": 2}
+    b = new_builder(d, header=header)
+    b.episode("r1", 97, external=0, scans=[(0, [(0, "MISS")])], chain="c")
+    b.store("r1", "c", 0, list(range(6)))
+    b.store("r1", "c", 1, [4, 5])
+    b.store("r1", "c", 2, [4, 5])
+    fa = [(c, "HIT") for c in range(5)]
+    b.episode("r2", 97, external=0, chain="c", scans=[(0, fa), (1, _swa_scan({4: "HIT"}, hi=4))])
+    b.close()
+    v = _r2(diff(open_trace(str(d)), all_episodes=True).episodes)
+    assert (v.verdict, v.L, v.E, v.binding_group) == ("mismatch", 80, 80, 1)
+    assert (v.terminal.chunk, v.terminal.cause) == (3, "never_offered")
+    # no peek: with lookahead hashes the MTP group is a plain window group
+    assert [(n.group_id, n.chunk, n.cause) for n in v.needed] == [
+        (1, 3, "never_offered"),
+        (1, 4, "resident"),
+        (2, 3, "never_offered"),
+        (2, 4, "resident"),
+    ]

@@ -209,3 +209,23 @@ def test_better_cause_follows_the_history_precedence() -> None:
         b"proof" if b is not None and w == b and w != a else b"own"
         for (a, b), w in zip(pairs, want, strict=True)
     ]
+
+
+def test_lookahead_hashes_cap_the_hit_where_the_keys_end() -> None:
+    """vLLM 0.34.0's lookahead hashes (``num_hash_lookahead_tokens`` L): a block's key
+    exists once L tokens past it do, so no hit reaches past ``N - L``; a group that would
+    drop a block for its drafter does not (its hash proves the drafter's input)."""
+    fa = Group(0, 4, None, kind="full_attention")
+    swa = Group(1, 4, 2, sliding_window=8)
+    for L, cap in ((0, 12), (1, 12), (2, 8), (3, 8), (5, 8)):
+        groups = [dataclasses.replace(g, lookahead=L) for g in (fa, swa)]
+        assert lookup_cap(groups, 13) == cap, L
+    # full attention alone: nothing recomputed, only the keys bound it
+    assert lookup_cap([dataclasses.replace(fa, lookahead=2)], 13) == 8
+    assert lookup_cap([fa], 13) == 12
+    mtp = Group(2, 4, 2, sliding_window=8, eagle=True)
+    assert mtp.drop and not dataclasses.replace(mtp, lookahead=1).drop
+    # with the drop, a hit at 8 queries the peek chunk 2 and needs chunks 0..2; without it,
+    # the plain window 0..1
+    assert needed_range(mtp, 0, 8, 3) == (0, 3)
+    assert needed_range(dataclasses.replace(mtp, lookahead=1), 0, 8, 3) == (0, 2)

@@ -128,7 +128,8 @@ def episode_end(
     try:
         record_unqueried(rec, sched, request)
     finally:
-        rec.episode_end(request.request_id, result[0], result[1])
+        spb = getattr(request, "shared_prefix_boundary", None)
+        rec.episode_end(request.request_id, result[0], result[1], int(spb) if spb else None)
 
 
 def record_unqueried(rec: Recorder, sched: Any, request: Any) -> None:
