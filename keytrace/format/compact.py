@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from keytrace._version import __version__
 from keytrace.errors import TraceError
+from keytrace.format.encode import parquet_writer, write_row_groups
 from keytrace.format.reader import open_trace
 from keytrace.format.schema import SCHEMAS_BY_VERSION, part_metadata
-from keytrace.format.writer import parquet_writer, write_row_groups
 
 
 @dataclass(frozen=True)

@@ -12,102 +12,73 @@ directory must not take serving down, so every failure is caught, counted (``dro
 and logged once; the caller goes on.
 
 Threading: the hot path only appends to in-memory column lists under a short lock. A
-daemon thread turns buffers into Arrow tables and writes parts when a row bound or a time
-bound is reached. ``close()`` (also run at exit and on SIGTERM) flushes what is left.
+daemon thread turns buffers into Arrow tables (`keytrace.format.encode`) and writes parts
+when a row bound or a time bound is reached, within the process's disk budget
+(`keytrace.format.budget`). ``close()`` (also run at exit and on SIGTERM,
+`keytrace.format.shutdown`) flushes what is left.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import logging
 import os
 import random
-import signal
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc  # here, not at the first flush: its import costs ~35 ms
-import pyarrow.parquet as pq
 
 from keytrace._version import __version__
+from keytrace.format import shutdown
+from keytrace.format.budget import DiskBudget, process_budget
+from keytrace.format.encode import (
+    KEY_COLUMNS,
+    Buffer,
+    call_columns,
+    extent,
+    to_table,
+    write_parquet,
+)
 from keytrace.format.remote import (
     Uploader,
     finish_uploads,
     is_remote,
-    parse_bytes,
     shown,
-    stop_all,
     uploader_for,
 )
 from keytrace.format.schema import FLUSH_ORDER, SCHEMAS, flush_manifest, part_metadata
 
+__all__ = [
+    "DEFAULT_IDLE_SECONDS",
+    "DEFAULT_MAX_ROWS",
+    "DEFAULT_MAX_SECONDS",
+    "DiskBudget",
+    "NullWriter",
+    "TraceWriter",
+    "WriterStats",
+    "call_columns",
+    "process_budget",
+]
+
 log = logging.getLogger("keytrace")
 
 DEFAULT_MAX_ROWS = 262_144
+"""Rows of one kind after which the buffer is written as a part."""
 DEFAULT_MAX_SECONDS = 10.0
+"""Age of the oldest buffered row after which the buffers are written."""
 DEFAULT_IDLE_SECONDS = 1.0
-DEFAULT_MAX_BYTES = 4 << 30
-"""Bytes of closed parts one process writes at most (``KEYTRACE_MAX_BYTES``): a busy
-server left recording stops at 4 GiB instead of filling its disk."""
-CLOSE_JOIN_SECONDS = 5.0
-"""How long closing waits for the writer's thread to finish a flush in progress (it then
-flushes the rest itself): bounded, so an exit is never held by a slow disk for long."""
-MARKER_RESERVE = 256 << 10
-"""Kept below the cap for the one empty part that says the trace was capped."""
-
-
-class DiskBudget:
-    """The bytes every writer of this process may still write (`DEFAULT_MAX_BYTES`).
-
-    Policy: stop and count. A part that would take the process past the cap is not kept;
-    the writer then writes one empty *cap marker* part (its manifest says ``capped``, with
-    the last sequence number on disk), and from then on counts the rows and parts it does
-    not write (`WriterStats`, the ``keytrace_rows_dropped`` metrics). The trace on disk is
-    then a complete prefix, and the reader says it was capped (`keytrace diff` gives no
-    verdict on it without ``--allow-incomplete``). Stopping keeps what a later diff of the
-    start of the problem needs; dropping the oldest parts would leave the history every
-    later lookup is judged against torn."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max(0, int(max_bytes))
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def take(self, n: int, *, reserve: bool = False) -> bool:
-        """Book ``n`` bytes; False (nothing booked) when they do not fit. Only the cap
-        marker may use `MARKER_RESERVE`."""
-        limit = self.max_bytes if reserve else self.max_bytes - MARKER_RESERVE
-        with self._lock:
-            if self.used + n > limit:
-                return False
-            self.used += n
-            return True
-
-
-_BUDGET: DiskBudget | None = None
-
-
-def process_budget() -> DiskBudget:
-    """This process's budget, from ``KEYTRACE_MAX_BYTES`` (bytes; ``4G``, ``512M`` too)."""
-    global _BUDGET
-    if _BUDGET is None:
-        _BUDGET = DiskBudget(parse_bytes(os.environ.get("KEYTRACE_MAX_BYTES"), DEFAULT_MAX_BYTES))
-    return _BUDGET
-
-
 """Buffered rows are written once nothing was appended for this long. vLLM's default
 shutdown (``shutdown_timeout=0``) SIGKILLs the engine-core process right after SIGTERM, so
 no handler can flush there: what a quiet server recorded must already be on disk."""
+CLOSE_JOIN_SECONDS = 5.0
+"""How long closing waits for the writer's thread to finish a flush in progress (it then
+flushes the rest itself): bounded, so an exit is never held by a slow disk for long."""
 _INSTANCE_COUNTER = itertools.count()
 
 
@@ -128,64 +99,6 @@ class WriterStats:
     capped: bool = False
     errors: int = 0
     rejected_calls: int = 0  # appends refused for bad input (a recorder bug, not the disk)
-
-
-def _extent(buf: _Buffer) -> tuple[int, int, int]:
-    """(rows, first seq, last seq) of a buffer (every call's first value is its seq)."""
-    seqs = [call[0] for call in buf.calls]
-    return buf.rows, min(seqs), max(seqs)
-
-
-class _Buffer:
-    """Buffer for one row kind.
-
-    ``calls`` holds one tuple per recorded *call* (the per-call columns, in order);
-    ``key_cols`` hold one value per *row*; ``counts`` says how many rows each call produced.
-    Per-call values are transposed and repeated at flush time, so the hot path is one tuple
-    append plus, for multi-key calls, one ``list.extend`` per per-row column.
-    """
-
-    __slots__ = ("calls", "counts", "key_cols", "rows")
-
-    def __init__(self, key_names: tuple[str, ...]) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.key_cols: dict[str, list[Any]] = {n: [] for n in key_names}
-        self.counts: list[int] = []
-        self.rows = 0
-
-
-# Which columns of each kind are per-row ("key") rather than per-call; everything else is
-# per-call. Derived columns (group_id, chunk_idx) are computed at flush from key/end_token.
-_KEY_COLUMNS: dict[str, tuple[str, ...]] = {
-    "store": ("key", "end_token"),
-    "load": ("key", "end_token"),
-    "tier": ("key", "end_token"),
-    "lookup": (),
-    "step": (),
-}
-_DERIVED: dict[str, tuple[str, ...]] = {
-    "store": ("group_id", "chunk_idx"),
-    "load": ("group_id", "chunk_idx"),
-    "tier": ("group_id", "chunk_idx"),
-    # v2 lookup rows: chunk indices follow from end tokens and the group's chunk size
-    "lookup": (
-        "term_chunk",
-        "last_hit_chunk",
-        "head_chunks",
-        "tail_chunks",
-        "min_chunk",
-        "max_chunk",
-        "tail_min_chunk",
-        "tail_max_chunk",
-    ),
-    "step": (),
-}
-
-
-def call_columns(kind: str) -> tuple[str, ...]:
-    """Per-call columns the caller must supply for ``kind`` (schema order)."""
-    skip = set(_KEY_COLUMNS[kind]) | set(_DERIVED[kind])
-    return tuple(n for n in SCHEMAS[kind].names if n not in skip)
 
 
 class _Identity:
@@ -283,14 +196,14 @@ class TraceWriter(_Identity):
                 target=self._run, name=f"keytrace-writer-{self.instance}", daemon=True
             )
             self._thread.start()
-        _register_for_shutdown(self)
+        shutdown.register(self)
 
     # ----------------------------------------------------------------- hot path
     def append(self, kind: str, n_rows: int, call: tuple[Any, ...], **key_cols: list[Any]) -> None:
         """Append one call producing ``n_rows`` rows. Never raises.
 
         ``call`` holds the values of ``call_columns(kind)`` in order; ``key_cols`` the per-row
-        lists of ``_KEY_COLUMNS[kind]`` (each of length ``n_rows``).
+        lists of ``KEY_COLUMNS[kind]`` (each of length ``n_rows``).
         """
         try:
             if len(call) != self._arity[kind]:
@@ -336,7 +249,7 @@ class TraceWriter(_Identity):
             return
         with self._io_lock:
             manifest = flush_manifest(
-                next(self._flush_gen), {k: _extent(b) for k, b in taken.items()}
+                next(self._flush_gen), {k: extent(b) for k, b in taken.items()}
             )
             for kind in sorted(taken, key=FLUSH_ORDER.index):
                 self._write_part(kind, taken[kind], manifest)
@@ -386,8 +299,8 @@ class TraceWriter(_Identity):
                 self.flush()
                 seen_rows, seen_at = 0, now
 
-    def _new_buffer(self, kind: str) -> _Buffer:
-        return _Buffer(_KEY_COLUMNS[kind])
+    def _new_buffer(self, kind: str) -> Buffer:
+        return Buffer(KEY_COLUMNS[kind])
 
     def _prepare_directory(self) -> bool:
         try:
@@ -399,14 +312,14 @@ class TraceWriter(_Identity):
             self._fail(exc, 0)
             return False
 
-    def _write_part(self, kind: str, buf: _Buffer, manifest: Mapping[str, Any]) -> None:
+    def _write_part(self, kind: str, buf: Buffer, manifest: Mapping[str, Any]) -> None:
         if not self._usable or self.stats.capped:
             self.stats.dropped_rows += buf.rows
             if self.stats.capped:
                 self.stats.dropped_parts += 1
             return
         try:
-            table = self._to_table(kind, buf)
+            table = to_table(kind, buf, self.tokens_per_chunk)
             meta = part_metadata(kind, self.header, self._source, __version__, flush=manifest)
             if not self._put(kind, table.replace_schema_metadata(meta)):
                 self.stats.dropped_rows += buf.rows
@@ -473,61 +386,6 @@ class TraceWriter(_Identity):
             self.budget.max_bytes / (1 << 30),
         )
 
-    def _to_table(self, kind: str, buf: _Buffer) -> pa.Table:
-        schema = SCHEMAS[kind]
-        counts = np.asarray(buf.counts, dtype=np.int64)
-        expand = bool(len(counts)) and bool((counts != 1).any())
-        arrays: dict[str, pa.Array[Any]] = {}
-        names = call_columns(kind)
-        transposed: list[tuple[Any, ...]] = (
-            list(zip(*buf.calls, strict=True)) if buf.calls else [() for _ in names]
-        )
-        for name, values in zip(names, transposed, strict=True):
-            typ = schema.field(name).type
-            arr = pa.array(values, type=typ.value_type if pa.types.is_dictionary(typ) else typ)
-            if expand:
-                arr = arr.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
-            arrays[name] = arr.dictionary_encode() if pa.types.is_dictionary(typ) else arr
-        for name, per_row in buf.key_cols.items():
-            arrays[name] = pa.array(per_row, type=schema.field(name).type)
-        if "group_id" in _DERIVED[kind]:
-            arrays["group_id"] = _group_ids(arrays["key"])
-        if "chunk_idx" in _DERIVED[kind]:
-            arrays["chunk_idx"] = self._chunk_idx(arrays["group_id"], arrays["end_token"])
-        if "term_chunk" in _DERIVED[kind]:
-            gid = arrays["group_id"]
-            arrays["term_chunk"] = self._chunk_idx(gid, arrays["term_end_token"])
-            arrays["last_hit_chunk"] = self._chunk_idx(gid, arrays["last_hit_end_token"])
-            for prefix in ("head", "tail"):
-                ends = arrays[f"{prefix}_end_tokens"]
-                per_row = pa.array(np.repeat(gid.to_numpy(zero_copy_only=False), _lengths(ends)))
-                flat = self._chunk_idx(per_row, pc.list_flatten(ends))
-                arrays[f"{prefix}_chunks"] = pa.ListArray.from_arrays(
-                    _offsets(ends), flat, mask=ends.is_null()
-                )
-            # the chunk span a scan covered, whole and in its tail: a reader decides from
-            # these whether it needs a scan's lists at all
-            head_lo, head_hi = _span(arrays["head_chunks"])
-            tail_lo, tail_hi = _span(arrays["tail_chunks"])
-            arrays["min_chunk"] = pc.min_element_wise(head_lo, tail_lo)
-            arrays["max_chunk"] = pc.max_element_wise(head_hi, tail_hi)
-            arrays["tail_min_chunk"], arrays["tail_max_chunk"] = tail_lo, tail_hi
-        return pa.Table.from_arrays([arrays[n] for n in schema.names], schema=schema)
-
-    def _chunk_idx(self, group_ids: pa.Array[Any], end_tokens: pa.Array[Any]) -> pa.Array[Any]:
-        gid = group_ids.to_numpy(zero_copy_only=False)
-        end = end_tokens.to_numpy(zero_copy_only=False)
-        tpc = np.zeros(len(gid), dtype=np.float64)
-        for g, t in self.tokens_per_chunk.items():
-            tpc[gid == g] = t
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ok = (tpc > 0) & ~np.isnan(end.astype(np.float64))
-            endf = np.where(ok, end.astype(np.float64), 0)
-            tpcs = np.where(ok, tpc, 1)
-            aligned = ok & (np.mod(endf, tpcs) == 0)
-            chunk = np.where(aligned, endf // tpcs - 1, 0).astype(np.int64)
-        return pa.array(chunk, mask=~aligned, type=pa.int64())
-
     def _fail(self, exc: BaseException, rows: int, *, what: str = "") -> None:
         self.stats.errors += 1
         self.stats.dropped_rows += rows
@@ -552,68 +410,6 @@ class TraceWriter(_Identity):
                 type(exc).__name__,
                 exc,
             )
-
-
-def _group_ids(keys: pa.Array[Any]) -> pa.Array[Any]:
-    """Vectorised ``int.from_bytes(key[-4:], 'big')`` over a binary array (nulls stay null)."""
-    if len(keys) == 0:
-        return pa.array([], type=pa.int32())
-    offsets_buf, data_buf = keys.buffers()[1], keys.buffers()[2]
-    assert offsets_buf is not None  # a non-empty binary array always has offsets
-    offsets = np.frombuffer(memoryview(offsets_buf), dtype=np.int32)[
-        keys.offset : keys.offset + len(keys) + 1
-    ]
-    data = (
-        np.frombuffer(memoryview(data_buf), dtype=np.uint8) if data_buf else np.zeros(0, np.uint8)
-    )
-    ends = offsets[1:]
-    valid = (ends - offsets[:-1]) >= 4
-    ends = np.where(valid, ends, 4)
-    b = [
-        data[np.maximum(ends - k, 0)].astype(np.uint32)
-        if len(data)
-        else np.zeros(len(ends), np.uint32)
-        for k in (4, 3, 2, 1)
-    ]
-    gid = (b[0] << 24) | (b[1] << 16) | (b[2] << 8) | b[3]
-    mask = ~valid
-    if keys.null_count:
-        mask |= ~np.asarray(keys.is_valid())
-    return pa.array(gid.astype(np.int32), mask=mask, type=pa.int32())
-
-
-# ------------------------------------------------------------ shutdown handling
-_LIVE: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
-_HOOKS_INSTALLED = False
-_PREV_SIGTERM: Any = None
-
-
-def close_all() -> None:
-    """Flush and close every live writer of this process (used at exit and on SIGTERM)."""
-    for w in list(_LIVE):
-        with contextlib.suppress(Exception):
-            w.close()
-    with contextlib.suppress(Exception):
-        stop_all()  # before pyarrow finalises its S3 layer (its atexit hook ran earlier)
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """Ask every writer's own thread to flush now, then hand the signal to whoever handled
-    it before (vLLM), at once. No I/O, no lock and no join happens here: vLLM's teardown
-    runs as it would without keytrace, and the flush runs beside it on the writers' threads
-    (a kill during it leaves a torn flush, which the reader names). What is still buffered
-    at a calm exit is flushed by the ``atexit`` hook."""
-    for w in list(_LIVE):
-        with contextlib.suppress(Exception):
-            w.request_flush()
-    prev = _PREV_SIGTERM
-    if callable(prev):
-        prev(signum, frame)
-    elif prev == signal.SIG_IGN:
-        return
-    else:  # SIG_DFL (or unknown): die the way the default handler would
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class NullWriter(_Identity):
@@ -641,91 +437,3 @@ class NullWriter(_Identity):
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-def _import_now() -> None:
-    """Make pyarrow import now what it imports on its first conversion. ``pa.array`` asks
-    whether its input is a pandas object, importing pandas the first time when it is
-    installed; pandas imports ``concurrent.futures.thread``, which registers an atexit hook,
-    and during interpreter shutdown that raises "can't register atexit after shutdown". A
-    writer whose first flush is the one at exit (vLLM's SIGTERM, a short run) then lost
-    every row. Once per process, when the first writer starts."""
-    with contextlib.suppress(Exception):
-        pa.array([0], type=pa.int64())
-
-
-def _register_for_shutdown(writer: TraceWriter) -> None:
-    global _HOOKS_INSTALLED, _PREV_SIGTERM
-    _LIVE.add(writer)
-    if _HOOKS_INSTALLED:
-        return
-    _HOOKS_INSTALLED = True
-    _import_now()
-    atexit.register(close_all)
-    if threading.current_thread() is threading.main_thread():
-        # Chain, never replace: whoever installed a handler before us still runs after
-        # our flush. A handler installed *after* us replaces ours; atexit still flushes
-        # on the normal SystemExit path vLLM uses.
-        with contextlib.suppress(ValueError, OSError):
-            _PREV_SIGTERM = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-_PLAIN = {"key", "term_key", "head_keys", "tail_keys", "head_seqs", "tail_seqs"}
-"""Columns never dictionary-encoded: hashes and sequence numbers do not repeat."""
-
-
-def write_parquet(table: pa.Table, fh: Any) -> None:
-    """One closed Parquet file. Lookup parts (v2) get one row group per group id, sorted, so
-    a reader asking for one group (the differ's full-attention keys) skips the others by
-    their statistics."""
-    with parquet_writer(fh, table.schema) as w:
-        write_row_groups(w, table)
-
-
-def parquet_writer(fh: Any, schema: pa.Schema) -> pq.ParquetWriter:
-    """A Parquet writer with the trace's encoding: zstd, dictionaries except for hashes."""
-    # a list of columns is what pyarrow accepts; its stubs only know the bool form
-    opts: dict[str, Any] = {"use_dictionary": [c for c in schema.names if c not in _PLAIN]}
-    return pq.ParquetWriter(fh, schema, compression="zstd", **opts)
-
-
-def write_row_groups(w: pq.ParquetWriter, table: pa.Table) -> None:
-    """``table`` as one row group, or for lookup rows (v2) one per group id."""
-    if "scan" not in table.column_names or len(table) == 0:
-        w.write_table(table, row_group_size=max(len(table), 1))
-        return
-    table = table.sort_by([("group_id", "ascending")])
-    gid = table.column("group_id").to_numpy(zero_copy_only=False)
-    gid = np.where(np.isnan(gid.astype(np.float64)), -1, gid).astype(np.int64)
-    bounds = np.flatnonzero(np.diff(gid)) + 1
-    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(table)], strict=True):
-        w.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
-
-
-def _lengths(lists: pa.Array[Any]) -> np.ndarray[Any, Any]:
-    """Entries per list (0 for a null list)."""
-    return np.asarray(pc.list_value_length(lists).fill_null(0), dtype=np.int64)
-
-
-def _span(lists: pa.Array[Any]) -> tuple[pa.Array[Any], pa.Array[Any]]:
-    """Per list: the smallest and largest non-null entry (null when it has none)."""
-    lengths = _lengths(lists)
-    flat = pc.list_flatten(lists)
-    valid = ~np.asarray(flat.is_null(), dtype=bool)
-    values = np.asarray(flat.fill_null(0), dtype=np.int64)
-    big = np.iinfo(np.int64).max
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    nonempty = lengths > 0
-    lo = np.full(len(lengths), big, dtype=np.int64)
-    hi = np.full(len(lengths), -big, dtype=np.int64)
-    if nonempty.any():
-        lo[nonempty] = np.minimum.reduceat(np.where(valid, values, big), starts[nonempty])
-        hi[nonempty] = np.maximum.reduceat(np.where(valid, values, -big), starts[nonempty])
-    return pa.array(lo, mask=lo == big), pa.array(hi, mask=hi == -big)
-
-
-def _offsets(lists: pa.Array[Any]) -> pa.Int32Array:
-    """Offsets rebuilding lists of the same shape around a flat array."""
-    ends = np.concatenate([[0], np.cumsum(_lengths(lists))]).astype(np.int32)
-    return pa.array(ends, type=pa.int32())

@@ -450,10 +450,11 @@ def test_a_recorded_harness_is_collected_after_use(tmp_path: Path) -> None:
 def test_serving_goes_on_at_the_disk_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real scheduler recorded with a tiny KEYTRACE_MAX_BYTES: vLLM's results are those of
     an unrecorded run, nothing fails, and the trace on disk stays under the cap."""
+    from keytrace.format import budget as budget_mod
     from keytrace.format import writer as w
 
     cap = 512 << 10
-    monkeypatch.setattr(w, "_BUDGET", w.DiskBudget(cap))
+    monkeypatch.setattr(budget_mod, "_BUDGET", w.DiskBudget(cap))
     plain = Harness(SMALL)
     expected = [plain.scenario(1000 + 64 * i).external_tokens for i in range(6)]
     plain.close()

@@ -256,11 +256,12 @@ def test_the_disk_cap_is_never_exceeded_and_the_trace_says_it_was_capped(
     """Stop and count: recording goes on without error while nothing more is written, the
     bytes on disk stay under the cap, one empty marker part says where it stopped, and the
     differ gives no verdict on the prefix unless asked."""
+    from keytrace.format import budget as budget_mod
     from keytrace.format import writer as w
 
     cap = 600 << 10
     budget = w.DiskBudget(cap)
-    monkeypatch.setattr(w, "_BUDGET", budget)
+    monkeypatch.setattr(budget_mod, "_BUDGET", budget)
     d = tmp_path / "t"
     b = new_builder(d)
     for i in range(400):  # far more than fits
@@ -295,6 +296,6 @@ def test_the_disk_cap_is_never_exceeded_and_the_trace_says_it_was_capped(
 )
 def test_max_bytes_spellings(text: str | None, value: int) -> None:
     from keytrace.format.remote import parse_bytes
-    from keytrace.format.writer import DEFAULT_MAX_BYTES
+    from keytrace.format.budget import DEFAULT_MAX_BYTES
 
     assert parse_bytes(text, DEFAULT_MAX_BYTES) == value
