@@ -192,10 +192,8 @@ def command(
     Example: keytrace workload --geometry dsv4 --seed 3 --out /tmp/kt --oracle
     Exit status: 0 no mismatch, 1 mismatch found, 2 trouble (or the oracle disagreed).
     """
-    from keytrace.analysis.diff import diff
-    from keytrace.format.reader import open_trace
     from keytrace.report.text import render_diff
-    from keytrace.vllm.lab.workload import WorkloadSpec, run_workload
+    from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
 
     spec = WorkloadSpec(
         geometry=geometry,
@@ -223,14 +221,10 @@ def command(
     )
     show = progress if progress is not None else sys.stderr.isatty()
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")
-    from keytrace.live.registry import AlarmSettings, live_totals
-
-    res = run_workload(
-        spec,
-        out,
-        progress=progress_printer() if show else None,
-        alarm=AlarmSettings() if alarm else None,
+    study = study_workload(
+        spec, out, alarm=alarm, oracle=oracle, progress=progress_printer() if show else None
     )
+    res, report = study.result, study.report
     click.echo(
         f"recorded {res.requests} requests ({res.turns} turns, {res.resends} resends, "
         f"{res.rerouted} rerouted) on {engines} engine(s) in {res.steps} steps, "
@@ -238,23 +232,19 @@ def command(
         + (f", {res.aborted} aborted after deferrals without end" if res.aborted else "")
         + f", {res.seconds:.1f}s -> {out}"
     )
-    report = diff(open_trace(out))
     render_diff(report, sys.stdout)
-    if alarm:
-        counts, warnings = live_totals()
+    if study.alarm_counts is not None:
+        counts = study.alarm_counts
         same = "the same as the differ's" if counts == report.counts else "NOT the differ's"
         listed = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         click.echo(
-            f"\nlive alarm: {listed} ({same}); {warnings} warning(s), one per new engine, "
-            "group and cause"
+            f"\nlive alarm: {listed} ({same}); {study.alarm_warnings} warning(s), one per "
+            "new engine, group and cause"
         )
-    if oracle:
-        from keytrace.vllm.lab.oracle import check
-
-        cases = check(out, res.prompts, progress=progress_printer() if show else None)
-        bad = [c for c in cases if not c.agree]
+    if study.oracle is not None:
+        bad = study.disagreements
         click.echo(
-            f"\noracle: {len(cases)} shortfall episode(s) looked up again in isolation, "
+            f"\noracle: {len(study.oracle)} shortfall episode(s) looked up again in isolation, "
             f"{len(bad)} disagreement(s)"
         )
         for c in bad:

@@ -56,6 +56,10 @@ from keytrace.vllm.lab.worker import AckWorker
 
 log = logging.getLogger("keytrace")
 
+OUTPUT_TOKEN = 7
+"""The token the stand-in model samples, every step (a request's history is its prompt and
+this token once per output)."""
+
 ABORT_DEFERRALS = 64
 """Deferred lookups in a row after which `Harness.abort_stalled` aborts a request: past
 keytrace's stalled rule (`keytrace.judge.definitions.STALL_EPISODES`), so the trace
@@ -327,7 +331,7 @@ class Harness:
             req = self.scheduler.requests.get(rid)
             # The real runner samples only once the request's known tokens are computed.
             done = req is not None and req.num_computed_tokens >= req.num_tokens
-            sampled.append([7] if done else [])
+            sampled.append([OUTPUT_TOKEN] if done else [])
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},

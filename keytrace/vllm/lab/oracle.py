@@ -126,8 +126,8 @@ def check(
     ``token_ids`` maps each request id to the token ids it was submitted with (its prompt;
     output tokens sampled before a preemption are taken as the workload's fixed token).
     """
+    from keytrace.vllm.lab.harness import OUTPUT_TOKEN
     from keytrace.vllm.lab.replay import isolated_lookup
-    from keytrace.vllm.lab.workload import OUTPUT_TOKEN
 
     trace = open_trace(trace_dir)
     # the first isolated lookup is on a plain CPU tier, ample: is the key there at all?

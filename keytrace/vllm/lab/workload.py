@@ -33,13 +33,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from keytrace.analysis.diff import DiffReport
 from keytrace.analysis.geometry import Geometry, builtin
 from keytrace.errors import KeytraceError
 from keytrace.live.registry import AlarmSettings
 from keytrace.vllm import require_vllm
+from keytrace.vllm.lab.oracle import OracleCase
 
 ProgressFn = Callable[[str, int, int], None]
-OUTPUT_TOKEN = 7  # what the harness's stand-in model samples, every step
 STALL_STEPS = 500
 
 
@@ -159,6 +160,52 @@ def run_workload(
 
     with tempfile.TemporaryDirectory(prefix="keytrace-tier-") as disk:
         return _run(spec, trace_dir, progress, alarm, disk)
+
+
+@dataclass
+class WorkloadStudy:
+    """A recorded workload and what was found in it (`study_workload`)."""
+
+    result: WorkloadResult
+    report: DiffReport
+    """The differ's report of the trace."""
+    alarm_counts: dict[str, int] | None = None
+    """The live alarm's episodes by verdict (None: it did not run)."""
+    alarm_warnings: int = 0
+    oracle: list[OracleCase] | None = None
+    """Every shortfall looked up again in isolation (None: the oracle did not run)."""
+
+    @property
+    def disagreements(self) -> list[OracleCase]:
+        return [c for c in self.oracle or () if not c.agree]
+
+
+def study_workload(
+    spec: WorkloadSpec,
+    trace_dir: str,
+    *,
+    alarm: bool = False,
+    oracle: bool = False,
+    progress: ProgressFn | None = None,
+) -> WorkloadStudy:
+    """Record ``spec``'s traffic into ``trace_dir``, diff it, and, as asked, run the live
+    alarm beside the recording and the isolated-lookup oracle on every shortfall
+    (`keytrace.vllm.lab.oracle.check`): what ``keytrace workload`` prints."""
+    from keytrace.analysis.diff import diff
+    from keytrace.format.reader import open_trace
+    from keytrace.live.registry import live_totals
+
+    result = run_workload(
+        spec, trace_dir, progress=progress, alarm=AlarmSettings() if alarm else None
+    )
+    study = WorkloadStudy(result, diff(open_trace(trace_dir)))
+    if alarm:
+        study.alarm_counts, study.alarm_warnings = live_totals()
+    if oracle:
+        from keytrace.vllm.lab.oracle import check
+
+        study.oracle = check(trace_dir, result.prompts, progress=progress)
+    return study
 
 
 def _run(
@@ -282,6 +329,8 @@ def _collect_turn(
     engine, rid, outputs, prompt = c.waiting
     if rid in engines[engine].scheduler.requests:
         return
+    from keytrace.vllm.lab.harness import OUTPUT_TOKEN
+
     c.waiting = None
     c.turns_left -= 1
     c.history = prompt + [OUTPUT_TOKEN] * outputs
