@@ -17,8 +17,19 @@ row and rows per second. Modes: ``record`` (KEYTRACE_DIR with KEYTRACE_ALARM=0),
     python tools/bench_recorder.py --instructions [--conversations 8]
 
 counts the instructions each mode's workload executes under valgrind's callgrind instead
-(one process per mode; imports and a warm-up run are not counted): the same number on a
-busy or an idle machine, where the timings below swing by a third.
+(one process per mode; imports and a warm-up run in the same mode are not counted, so
+what a process pays once, such as the writer's first pyarrow conversion, is not charged
+to the steps): the same number on a busy or an idle machine, where the timings below swing
+by a third.
+
+    python tools/bench_recorder.py --profile [--conversations 8]
+
+the same workload, recording on, once per *part* of keytrace (one process each, callgrind
+collecting only inside that part): the lookup hook, the episode hooks, the step hooks, the
+store and load hooks, the writer's appends (inside the hooks), the writer's encoding and
+part writing (its thread, here flushed at the end), the live alarm (inside the hooks).
+Each is printed in instructions per scheduler step and per key, and as a share of the
+scheduler's own work (the ``off`` run).
 
 Two measures beside wall time, because one mode's round times spread by half on a shared
 2-core machine: the ratio *paired by round* (each round's time over that round's ``off``,
@@ -36,6 +47,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def spec(seed: int, conversations: int = 24):  # type: ignore[no-untyped-def]
@@ -59,7 +71,30 @@ _TOGGLE_C = """
 #include <valgrind/callgrind.h>
 void kt_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
 void kt_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+void kt_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
 """
+
+HOOK_PARTS = {
+    "lookup hook": ("manager.lookup",),
+    "episode hooks": (
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "request_finished",
+        "scan",
+    ),
+    "step hooks": ("build_connector_meta", "reset_cache"),
+    "store and load hooks": (
+        "manager.prepare_store",
+        "manager.complete_store",
+        "manager.prepare_load",
+        "manager.complete_load",
+        "manager.reset_cache",
+    ),
+}
+"""Parts of keytrace measured apart (`--profile`): the observers of the patch table's rows,
+by their ``where`` name (`keytrace.vllm.hook.table`), each with everything it calls."""
+OTHER_PARTS = ("writer append", "writer encode", "alarm")
+PROFILE_PARTS = (*HOOK_PARTS, *OTHER_PARTS)
 
 
 def _toggles():  # type: ignore[no-untyped-def]
@@ -76,62 +111,182 @@ def _toggles():  # type: ignore[no-untyped-def]
     return ctypes.CDLL(lib)
 
 
-def one_run(mode: str, seed: int, conversations: int) -> None:
-    """What one process run under callgrind does: imports and a warm-up run uncounted, then
-    one run of the workload in ``mode``, counted."""
+def one_run(mode: str, seed: int, conversations: int, part: str | None = None) -> None:
+    """What one process run under callgrind does: imports and a warm-up run in ``mode``
+    uncounted, then one run of the workload in ``mode``, counted (``part``: only inside
+    that part of keytrace, `PROFILE_PARTS`)."""
     from keytrace.cli._common import quiet_host_logs
 
     quiet_host_logs()
+    toggles = _toggles()
+    counted = _profiled(part, toggles) if part else None
+    from keytrace.live.registry import AlarmSettings
     from keytrace.vllm.lab.workload import run_workload
 
-    toggles = _toggles()
     s = spec(seed, conversations)
-    run_workload(s, None)
+    alarm = AlarmSettings(warn=False) if mode.endswith("alarm") else None
     if mode.endswith("%"):
         os.environ["KEYTRACE_SAMPLE"] = "0.01"
-    d = tempfile.mkdtemp(prefix="kt-bench-") if mode.startswith("record") else None
-    toggles.kt_start()
-    run_workload(s, d)  # recording: its final flush included
-    toggles.kt_stop()
-    if d is not None:
-        shutil.rmtree(d, ignore_errors=True)
+    for warm in (True, False):  # the warm-up pays what a process pays once
+        d = tempfile.mkdtemp(prefix="kt-bench-") if mode.startswith("record") else None
+        if not warm:
+            if counted is not None:
+                counted.clear()
+            else:
+                toggles.kt_start()
+        run_workload(s, d, alarm=alarm)  # recording: its final flush included
+        if not warm and counted is None:
+            toggles.kt_stop()
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+    if counted is not None:
+        print("COUNTS " + " ".join(f"{k}={v}" for k, v in sorted(counted.items())))
+
+
+def _profiled(part: str, toggles: Any) -> dict[str, int]:
+    """Collect callgrind's counts only inside ``part`` of keytrace (callgrind runs with
+    ``--collect-atstart=no``): its functions are wrapped to toggle collection on at the
+    outermost entry and off at the exit. Writers flush only when closed (on this thread:
+    callgrind's collection is process-wide, and a writer thread's flush would interleave
+    with the scheduler's work). Returns counters of steps and keys, filled as the run goes
+    (outside the collected parts)."""
+    import functools
+
+    os.environ["KEYTRACE_MAX_SECONDS"] = os.environ["KEYTRACE_IDLE_SECONDS"] = "1e9"
+    counted: dict[str, int] = {"steps": 0, "lookup keys": 0, "store keys": 0}
+    depth = [0]
+
+    def collected(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def inside(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                toggles.kt_toggle()
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    toggles.kt_toggle()
+
+        return inside
+
+    from keytrace.vllm.hook import wrappers  # before the patch table is built from it
+
+    wanted = HOOK_PARTS.get(part, ())
+    observed, hot = wrappers._observed, wrappers.observe_hot
+
+    def observed_counted(rec: Any, sched: Any, where: str, *rest: Any) -> Any:
+        if where == "build_connector_meta":
+            counted["steps"] += 1
+        elif where in ("manager.prepare_store", "manager.complete_store"):
+            keys = rest[3][0] if rest[3] else ()
+            counted["store keys"] += len(keys) if isinstance(keys, (list, tuple)) else 0
+        if where in wanted:
+            return collected(observed)(rec, sched, where, *rest)
+        return observed(rec, sched, where, *rest)
+
+    def hot_counted(where: str, after: Any) -> Any:
+        def counting(*args: Any) -> Any:
+            counted["lookup keys"] += 1
+            return (collected(after) if where in wanted else after)(*args)
+
+        return hot(where, counting)
+
+    wrappers._observed = observed_counted  # type: ignore[assignment]
+    wrappers.observe_hot = hot_counted  # type: ignore[assignment]
+    from keytrace.format import writer
+    from keytrace.live.alarm import Alarm
+
+    if part == "writer append":
+        writer.TraceWriter.append = collected(writer.TraceWriter.append)  # type: ignore[method-assign]
+    elif part == "writer encode":
+        writer.TraceWriter._write_part = collected(writer.TraceWriter._write_part)  # type: ignore[method-assign]
+    elif part == "alarm":
+        for name in (
+            "instance_started",
+            "store_called",
+            "tier_called",
+            "episode_began",
+            "episode_ended",
+            "episode_closed",
+            "request_finished",
+            "recorder_closed",
+        ):
+            setattr(Alarm, name, collected(getattr(Alarm, name)))
+    return counted
+
+
+def _callgrind(args: list[str], collect_at_start: bool) -> tuple[int, str]:
+    """(instructions, stdout) of one ``--one`` process under callgrind."""
+    import re
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="kt-callgrind-") as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        run = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=yes" if not collect_at_start else "--instr-atstart=no",
+                f"--collect-atstart={'yes' if collect_at_start else 'no'}",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                __file__,
+                *args,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        m = re.search(r"^totals: (\d+)", Path(out).read_text(), re.M)  # all threads
+        if m is None:
+            raise RuntimeError("no instruction total in callgrind's output")
+        return int(m.group(1)), run.stdout
+
+
+def profile(seed: int, conversations: int) -> int:
+    """Instructions of each part of keytrace (`PROFILE_PARTS`), per scheduler step, per
+    key, and as a share of the scheduler's own work (the ``off`` run)."""
+    common = ["--seed", str(seed), "--conversations", str(conversations)]
+    off, _ = _callgrind(["--one", "off", *common], collect_at_start=True)
+    print(f"off (the scheduler's own work): {off:,} instructions", flush=True)
+    print(f"{'part':38s} {'instructions':>15s} {'of off':>8s} {'per step':>10s} {'per key':>9s}")
+    for part in PROFILE_PARTS:
+        mode = "record+alarm" if part == "alarm" else "record"
+        n, stdout = _callgrind(["--one", mode, "--part", part, *common], collect_at_start=False)
+        counts = dict(
+            (k, int(v))
+            for k, v in (
+                item.split("=")
+                for line in stdout.splitlines()
+                if line.startswith("COUNTS ")
+                for item in line[7:].split(" ")
+            )
+        )
+        keys = counts.get("lookup keys", 0) + counts.get("store keys", 0)
+        print(
+            f"{part:38s} {n:>15,} {n / off:>8.2%} {n / max(counts.get('steps', 1), 1):>10,.0f}"
+            f" {n / max(keys, 1):>9,.0f}",
+            flush=True,
+        )
+    print(
+        "(the hooks' parts include what they call: the writer's appends, and in record+alarm "
+        "the alarm's work; keys: lookup calls plus keys stored)"
+    )
+    return 0
 
 
 def instructions(seed: int, conversations: int) -> int:
     """Instructions the workload executes in each mode (valgrind's callgrind, every
     thread, one process per mode). Counts, not seconds: the same on a busy and an idle
     machine (perf's counters are not available in this VM)."""
-    import re
-    import subprocess
-    import sys
-
     counts: dict[str, int] = {}
     for mode in INSTRUCTION_MODES:
-        with tempfile.TemporaryDirectory(prefix="kt-callgrind-") as tmp:
-            out = os.path.join(tmp, "callgrind.out")
-            t = time.perf_counter()
-            subprocess.run(
-                [
-                    "valgrind",
-                    "--tool=callgrind",
-                    "--instr-atstart=no",
-                    f"--callgrind-out-file={out}",
-                    sys.executable,
-                    __file__,
-                    "--one",
-                    mode,
-                    "--seed",
-                    str(seed),
-                    "--conversations",
-                    str(conversations),
-                ],
-                check=True,
-                capture_output=True,
-            )
-            m = re.search(r"^totals: (\d+)", Path(out).read_text(), re.M)  # all threads
-            if m is None:
-                raise RuntimeError("no instruction total in callgrind's output")
-            counts[mode] = int(m.group(1))
+        t = time.perf_counter()
+        args = ["--one", mode, "--seed", str(seed), "--conversations", str(conversations)]
+        counts[mode], _ = _callgrind(args, collect_at_start=True)
         print(
             f"  {mode:10s} {counts[mode]:,} instructions ({time.perf_counter() - t:.0f} s)",
             flush=True,
@@ -151,12 +306,21 @@ def main() -> int:
         help="count instructions under valgrind (callgrind) instead of timing: one run per "
         "mode, repeatable on any machine (several minutes; use --conversations to shrink)",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="instructions of each part of keytrace (the hooks, the writer, the alarm) under "
+        "callgrind, per scheduler step and per key (one process per part, minutes each)",
+    )
     ap.add_argument("--conversations", type=int, default=24, help=argparse.SUPPRESS)
-    ap.add_argument("--one", choices=INSTRUCTION_MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--one", choices=(*INSTRUCTION_MODES, "record+alarm"), help=argparse.SUPPRESS)
+    ap.add_argument("--part", choices=PROFILE_PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        one_run(args.one, args.seed, args.conversations)
+        one_run(args.one, args.seed, args.conversations, args.part)
         return 0
+    if args.profile:
+        return profile(args.seed, args.conversations)
     if args.instructions:
         return instructions(args.seed, args.conversations)
 
