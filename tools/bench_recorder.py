@@ -130,12 +130,11 @@ def one_run(mode: str, seed: int, conversations: int, part: str | None = None) -
     for warm in (True, False):  # the warm-up pays what a process pays once
         d = tempfile.mkdtemp(prefix="kt-bench-") if mode.startswith("record") else None
         if not warm:
+            toggles.kt_start()  # instrumented from here on; a part's collection toggles
             if counted is not None:
-                counted.clear()
-            else:
-                toggles.kt_start()
+                counted.update(dict.fromkeys(counted, 0))
         run_workload(s, d, alarm=alarm)  # recording: its final flush included
-        if not warm and counted is None:
+        if not warm:
             toggles.kt_stop()
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)
@@ -229,7 +228,7 @@ def _callgrind(args: list[str], collect_at_start: bool) -> tuple[int, str]:
             [
                 "valgrind",
                 "--tool=callgrind",
-                "--instr-atstart=yes" if not collect_at_start else "--instr-atstart=no",
+                "--instr-atstart=no",  # the counted run starts it (kt_start)
                 f"--collect-atstart={'yes' if collect_at_start else 'no'}",
                 f"--callgrind-out-file={out}",
                 sys.executable,
