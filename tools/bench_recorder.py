@@ -179,7 +179,10 @@ def _profiled(part: str, toggles: Any) -> dict[str, int]:
         if where == "build_connector_meta":
             counted["steps"] += 1
         elif where in ("manager.prepare_store", "manager.complete_store"):
-            keys = rest[3][0] if rest[3] else ()
+            call_args = rest[
+                4
+            ]  # _observed(rec, sched, where, before, after, always, wrapped, args, kwargs)
+            keys = call_args[0] if call_args else ()
             counted["store keys"] += len(keys) if isinstance(keys, (list, tuple)) else 0
         if where in wanted:
             return collected(observed)(rec, sched, where, *rest)
