@@ -247,16 +247,22 @@ written = threading.Event()
 real = w.TraceWriter._write_part
 def noting(self, kind, buf, manifest):
     real(self, kind, buf, manifest)
-    print("written by", threading.current_thread().name, flush=True)
+    os.write(1, f"written by {threading.current_thread().name}\\n".encode())
     written.set()
 w.TraceWriter._write_part = noting
 
+def say(line):
+    # os.write, not print: the signal can land while the main thread is still inside
+    # print("ready") (the parent reads the line before that call returns), and a print
+    # from the handler would then be a reentrant call into the same buffered stdout
+    os.write(1, (line + "\\n").encode())
+
 def vllm_handler(signum, frame):
-    print("previous handler ran", flush=True)
+    say("previous handler ran")
     if sys.argv[2] == "exit":
         raise SystemExit(0)  # vLLM's engine core: unwind, tear down, exit through atexit
     # still in vLLM's handler, keytrace's flush is already running beside it
-    print("flushed meanwhile", written.wait(60), flush=True)
+    say(f"flushed meanwhile {written.wait(60)}")
     os._exit(0)  # skips atexit: only the flush that ran beside the handler saved the rows
 signal.signal(signal.SIGTERM, vllm_handler)
 tw = w.TraceWriter(sys.argv[1], {"groups": []}, max_rows=10**9, max_seconds=3600, idle_seconds=3600)
