@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from keytrace.analysis.geometry import REPLAYABLE_TIERS, Geometry, GroupGeom
+from keytrace.vllm.hook.patches import lab_platform
 
 VOCAB = 32_000
 _TINY_MODEL = {
@@ -113,7 +114,8 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
         **geometry.extra,
     }
     cache = CacheConfig(
-        block_size=min(g.block_size for g in geometry.groups),
+        # always the geometry's: vLLM's default moved (16 up to 0.33.0, 64 from 0.34.0)
+        block_size=_cache_block_size(geometry),
         enable_prefix_caching=True,
         prefix_cache_retention_interval=geometry.retention_interval,
     )
@@ -126,16 +128,19 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
         async_scheduling=geometry.async_scheduling,
         is_encoder_decoder=False,
     )
-    config = VllmConfig(
-        model_config=_model_config(geometry.max_model_len),
-        cache_config=cache,
-        scheduler_config=sched,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
-    )
+    # vLLM 0.34.0's CPU platform refuses an x86 CPU without triton-cpu; a scheduler runs
+    # no kernel, so the lab's own row lets the check pass while this config is built
+    with lab_platform():
+        config = VllmConfig(
+            model_config=_model_config(geometry.max_model_len),
+            cache_config=cache,
+            scheduler_config=sched,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            ),
+        )
     # CUDA resolves the HMA on for this connector; a CPU-only platform may not. After
     # __post_init__ the flag is read only by the connector factory's HMA check and by
     # planning, which the harness replaces (build_kv_cache_config).
@@ -148,9 +153,20 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
     return config
 
 
+def _cache_block_size(geometry: Geometry) -> int:
+    """The cache config's block size: the geometry's smallest (each group's own is in its
+    KV-cache spec, `build_kv_cache_config`)."""
+    return min(g.block_size for g in geometry.groups)
+
+
 def _check_unchanged(config: VllmConfig, geometry: Geometry) -> None:
+    """vLLM's config resolution kept what the geometry sets (a platform may rewrite the
+    block size, the budget or the scheduling mode: the harness would then build another
+    geometry than the one it names)."""
     sc, cc = config.scheduler_config, config.cache_config
     problems = []
+    if cc.block_size != _cache_block_size(geometry):
+        problems.append(f"block_size={cc.block_size}")
     if sc.max_num_batched_tokens != geometry.max_num_batched_tokens:
         problems.append(f"max_num_batched_tokens={sc.max_num_batched_tokens}")
     if not sc.enable_chunked_prefill:

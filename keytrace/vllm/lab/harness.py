@@ -15,6 +15,7 @@ Importing this module imports vLLM (and torch). The CLI imports it lazily.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -332,11 +333,11 @@ class Harness:
             # The real runner samples only once the request's known tokens are computed.
             done = req is not None and req.num_computed_tokens >= req.num_tokens
             sampled.append([OUTPUT_TOKEN] if done else [])
+        fields: dict[str, Any] = {}
+        if _RUNNER_OUTPUT_HAS_INDEX:
+            fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
+            req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out, **fields
         )
 
     def _with_tier_dirs(self, geometry: Geometry) -> Geometry:
@@ -465,6 +466,13 @@ class Harness:
     def cpu_keys(self) -> dict[bytes, bool]:
         """Keys the real CPU manager holds now -> ready flag (read-only inspection)."""
         return _policy_keys(self.cpu_tier)
+
+
+_RUNNER_OUTPUT_HAS_INDEX = "req_id_to_index" in {
+    f.name for f in dataclasses.fields(ModelRunnerOutput)
+}
+"""The model runner's output maps request ids to rows itself (required up to 0.33.0;
+0.34.0 dropped the field and indexes ``req_ids``)."""
 
 
 def _digest(out: SchedulerOutput, meta: OffloadingConnectorMetadata) -> tuple[Any, ...]:
