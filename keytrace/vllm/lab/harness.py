@@ -53,7 +53,7 @@ from keytrace.vllm.lab.config import (
     build_vllm_config,
     chunk_bytes,
 )
-from keytrace.vllm.lab.worker import AckWorker
+from keytrace.vllm.lab.worker import AckWorker, is_sync
 
 log = logging.getLogger("keytrace")
 
@@ -487,7 +487,9 @@ def _digest(out: SchedulerOutput, meta: OffloadingConnectorMetadata) -> tuple[An
         tuple(sorted(out.finished_req_ids or ())),
         tuple(sorted((j, t.req_id, spec_ids(t.src_spec)) for j, t in meta.store_jobs.items())),
         tuple(
-            sorted((j, t.req_id, spec_ids(t.dst_spec), t.sync) for j, t in meta.load_jobs.items())
+            sorted(
+                (j, t.req_id, spec_ids(t.dst_spec), is_sync(t)) for j, t in meta.load_jobs.items()
+            )
         ),
         tuple(sorted(meta.jobs_to_flush or ())),
     )
