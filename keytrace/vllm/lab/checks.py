@@ -27,6 +27,21 @@ HARNESS_CALLS: dict[str, tuple[str, ...]] = {
         "cache_config",
         "scheduler_config",
         "kv_transfer_config",
+        "speculative_config",
+    ),
+    "vllm.config.SpeculativeConfig": (
+        "method",
+        "model",
+        "num_speculative_tokens",
+        "target_model_config",
+        "target_parallel_config",
+    ),
+    "vllm.config.ModelConfig": (
+        "model",
+        "tokenizer",
+        "skip_tokenizer_init",
+        "max_model_len",
+        "dtype",
     ),
     "vllm.config.KVTransferConfig": ("kv_connector", "kv_role", "kv_connector_extra_config"),
     "vllm.v1.kv_cache_interface.KVCacheConfig": (
