@@ -14,6 +14,10 @@ from keytrace.judge.rules import group_label, window_chunks
 
 GROUP_KINDS = ("full_attention", "mla", "sliding_window")
 
+DRAFTER_METHODS = ("eagle", "eagle3", "mtp")
+"""The speculative methods whose drafter decides vLLM's hash lookahead (0.34.0: those with
+the EAGLE block drop); the lab builds each as a real ``SpeculativeConfig``."""
+
 
 @dataclass(frozen=True)
 class GroupGeom:
@@ -43,6 +47,52 @@ class GroupGeom:
 
 
 @dataclass(frozen=True)
+class Drafter:
+    """The speculative drafter a deployment runs, as vLLM's ``SpeculativeConfig`` names it:
+    ``method`` (one of `DRAFTER_METHODS`), ``num_speculative_tokens`` (k) and, for MTP,
+    ``mtp_modules``: how many MTP modules the checkpoint has (its ``n_predict``, a
+    DeepSeek-V3 checkpoint's ``num_nextn_predict_layers``).
+
+    vLLM, not keytrace, decides what it implies: from 0.34.0, with an OffloadingConnector,
+    every block hash covers the next L tokens (``VllmConfig.num_hash_lookahead_tokens``:
+    1 for EAGLE and single-module MTP, k for multi-module MTP; 0 on 0.33.0 and before).
+    The lab builds the real config and records vLLM's L in the trace header. The EAGLE/MTP
+    group flag (`GroupGeom.eagle`) stays the geometry's own."""
+
+    method: str
+    num_speculative_tokens: int = 1
+    mtp_modules: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in DRAFTER_METHODS:
+            raise ValueError(
+                f"unknown drafter {self.method!r}; expected one of {', '.join(DRAFTER_METHODS)}"
+            )
+        if self.num_speculative_tokens < 1 or self.mtp_modules < 1:
+            raise ValueError("a drafter proposes at least one token with at least one module")
+        if self.method != "mtp" and self.mtp_modules != 1:
+            raise ValueError(f"{self.method} has no MTP modules")
+
+    @property
+    def spec(self) -> str:
+        """``METHOD:K`` (MTP: ``mtp:K:MODULES``), what `parse_drafter` reads."""
+        text = f"{self.method}:{self.num_speculative_tokens}"
+        return f"{text}:{self.mtp_modules}" if self.method == "mtp" else text
+
+
+def parse_drafter(text: str) -> Drafter | None:
+    """A drafter from ``METHOD[:K[:MODULES]]`` (``eagle``, ``eagle3:2``, ``mtp:2:3``: k 2
+    with 3 MTP modules); ``none`` for no drafter."""
+    method, *numbers = text.strip().lower().split(":")
+    if method == "none" and not numbers:
+        return None
+    if len(numbers) > 2 or not all(n.isdigit() for n in numbers):
+        raise ValueError(f"bad drafter {text!r}: use METHOD[:K[:MODULES]], e.g. mtp:2:3")
+    values = [int(n) for n in numbers]
+    return Drafter(method, *values)
+
+
+@dataclass(frozen=True)
 class Geometry:
     """Everything the harness needs to rebuild a scheduler-side offloading setup."""
 
@@ -57,6 +107,8 @@ class Geometry:
     max_model_len: int = 131_072
     num_gpu_blocks: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    drafter: Drafter | None = None
+    """The speculative drafter (None: no speculative decoding)."""
 
     @property
     def tokens_per_hash(self) -> int:
@@ -81,14 +133,20 @@ class Geometry:
         return bool(self.extra.get("secondary_tiers"))
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data; no ``drafter`` key without a drafter (plans and generated tests
+        written before drafters existed read, and write, exactly as before)."""
         d = asdict(self)
         d["groups"] = [asdict(g) for g in self.groups]
+        if self.drafter is None:
+            del d["drafter"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Geometry:
         d = dict(d)
         d["groups"] = tuple(GroupGeom(**g) for g in d["groups"])
+        if d.get("drafter") is not None:
+            d["drafter"] = Drafter(**d["drafter"])
         return cls(**d)
 
 
@@ -151,9 +209,10 @@ def describe(geo: Geometry) -> str:
         if g.extra_retained_tokens:
             text += f" +{g.extra_retained_tokens}"
         parts.append(text)
+    drafter = f", drafter {geo.drafter.spec}" if geo.drafter is not None else ""
     return (
         f"{len(geo.groups)} groups [{', '.join(parts)}], blocks_per_chunk "
-        f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}"
+        f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}{drafter}"
     )
 
 
@@ -164,11 +223,15 @@ def builtin(name: str) -> Geometry:
         raise ValueError(f"unknown geometry {name!r}; built-in: {', '.join(BUILTIN)}") from None
 
 
-def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dict[str, Any]:
+def synthetic_header(
+    geometry: Geometry, *, vllm_version: str = "0.33.0", num_hash_lookahead_tokens: int = 0
+) -> dict[str, Any]:
     """The header keytrace's hooks would record for ``geometry`` on the harness.
 
     Used for hand-built traces (tests, examples) and checked against the real recorder's
-    header in the integration tests, so the two cannot drift apart silently.
+    header in the integration tests, so the two cannot drift apart silently. The hash
+    lookahead is vLLM's to resolve (from the drafter, the connector and the release), so
+    the caller says what it is.
     """
     bpc = geometry.blocks_per_chunk
     tph = geometry.tokens_per_hash
@@ -222,7 +285,35 @@ def synthetic_header(geometry: Geometry, *, vllm_version: str = "0.33.0") -> dic
         "max_model_len": geometry.max_model_len,
         "cpu_num_chunks": geometry.cpu_chunks,
         "geometry_name": geometry.name,
+        **drafter_header(geometry.drafter),
+        "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
     }
+
+
+def drafter_header(drafter: Drafter | None) -> dict[str, Any]:
+    """The header's drafter fields, as the recorder writes them from vLLM's
+    ``SpeculativeConfig`` (`keytrace.vllm.hook.header`)."""
+    if drafter is None:
+        return {"spec_method": None, "num_speculative_tokens": None, "spec_mtp_modules": None}
+    return {
+        "spec_method": drafter.method,
+        "num_speculative_tokens": drafter.num_speculative_tokens,
+        "spec_mtp_modules": drafter.mtp_modules if drafter.method == "mtp" else None,
+    }
+
+
+def drafter_from_header(header: dict[str, Any]) -> Drafter | None:
+    """The drafter a header names: one of `DRAFTER_METHODS` (absent, as in every header
+    written before drafters were recorded, or another method: none the lab builds; those
+    methods leave vLLM's block hashes as they are)."""
+    method = header.get("spec_method")
+    if method not in DRAFTER_METHODS:
+        return None
+    return Drafter(
+        method=str(method),
+        num_speculative_tokens=int(header.get("num_speculative_tokens") or 1),
+        mtp_modules=int(header.get("spec_mtp_modules") or 1) if method == "mtp" else 1,
+    )
 
 
 def geometry_from_header(header: dict[str, Any]) -> Geometry:
@@ -266,6 +357,7 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
         max_model_len=int(header["max_model_len"]),
         num_gpu_blocks=header.get("num_gpu_blocks"),
         extra=_tier_extra(header),
+        drafter=drafter_from_header(header),
     )
 
 

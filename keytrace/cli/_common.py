@@ -134,6 +134,36 @@ def fix_option(help: str) -> Callable[[Any], Any]:
     )
 
 
+class DrafterSpec(click.ParamType):  # type: ignore[type-arg]  # not generic at runtime in older click
+    """A speculative drafter, ``METHOD[:K[:MODULES]]`` (`keytrace.analysis.geometry.parse_drafter`)
+    or ``none``; checked when parsed, the value stays the string."""
+
+    name = "METHOD[:K[:MODULES]]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from keytrace.analysis.geometry import parse_drafter
+
+        try:
+            parse_drafter(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+def drafter_option(help: str) -> Callable[[Any], Any]:
+    """``--drafter METHOD[:K[:MODULES]]``: the geometry runs a real speculative config."""
+    from keytrace.analysis.geometry import DRAFTER_METHODS
+
+    return click.option(
+        "--drafter",
+        type=DrafterSpec(),
+        default=None,
+        help=f"{help} METHOD is one of {', '.join(DRAFTER_METHODS)}; K the speculative "
+        "tokens (default 1); MODULES an MTP checkpoint's module count (n_predict, default 1): "
+        "mtp:2:3. The trace header records the drafter and vLLM's hash lookahead.",
+    )
+
+
 def echo_trace_warnings(trace: Trace) -> None:
     """Warnings and notes from reading go to stderr, one line each."""
     for w in trace.warnings:

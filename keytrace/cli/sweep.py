@@ -6,9 +6,15 @@ import sys
 
 import click
 
-from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header
+from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header, parse_drafter
 from keytrace.analysis.sweep import SweepRow, compare_fix, parse_lengths
-from keytrace.cli._common import fix_option, inject_option, plain_progress_option, subcommand
+from keytrace.cli._common import (
+    drafter_option,
+    fix_option,
+    inject_option,
+    plain_progress_option,
+    subcommand,
+)
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 from keytrace.report.table import write_rows
@@ -53,6 +59,7 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     "--retention-interval", type=int, default=None, help="prefix_cache_retention_interval."
 )
 @click.option("--blocks-per-chunk", type=int, default=None, help="Offload chunk size in blocks.")
+@drafter_option("Run a speculative drafter ('none': drop the one a --from trace names).")
 @inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
 @fix_option(
     "Apply a candidate fix to vLLM's offload path first (does it close every failing "
@@ -81,6 +88,7 @@ def command(
     budget: int | None,
     retention_interval: int | None,
     blocks_per_chunk: int | None,
+    drafter: str | None,
     inject: str | None,
     fix: str | None,
     compare: bool,
@@ -122,6 +130,8 @@ def command(
         changes["retention_interval"] = retention_interval
     if blocks_per_chunk is not None:
         changes["blocks_per_chunk"] = blocks_per_chunk
+    if drafter is not None:
+        changes["drafter"] = parse_drafter(drafter)
     if max(todo) + 64 > geo.max_model_len:
         changes["max_model_len"] = max(todo) + 1024
     changes["num_gpu_blocks"] = None  # sized per length
@@ -148,6 +158,7 @@ def command(
         bad = sum(r.verdict == "mismatch" for r in rows)
         where = (
             f"{geo.name}: budget {geo.max_num_batched_tokens:,}, blocks_per_chunk {geo.blocks_per_chunk}"
+            f"{', drafter ' + geo.drafter.spec if geo.drafter else ''}"
             f"{', inject ' + inject if inject else ''}"
         )
         paths = [plot_prefix + ".png", plot_prefix + ".svg"]

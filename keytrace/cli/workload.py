@@ -7,7 +7,13 @@ import tempfile
 
 import click
 
-from keytrace.cli._common import fix_option, inject_option, plain_progress_option, subcommand
+from keytrace.cli._common import (
+    drafter_option,
+    fix_option,
+    inject_option,
+    plain_progress_option,
+    subcommand,
+)
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, KeytraceError, UsageError
 
@@ -135,6 +141,7 @@ def _tiers(text: str) -> tuple[str, ...]:
     "(TieringOffloadingSpec) over 'fs' (files in a temporary folder the engines share) "
     "and/or 'example' (in memory). Pair it with a small --cpu-chunks for promotions.",
 )
+@drafter_option("Run the geometry with a speculative drafter (vLLM's own SpeculativeConfig).")
 @inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
 @fix_option(
     "Apply a candidate fix to vLLM's offload path for the whole run (does it hold on "
@@ -174,6 +181,7 @@ def command(
     async_scheduling: bool,
     budget: int | None,
     tiers: str,
+    drafter: str | None,
     inject: str | None,
     fix: str | None,
     oracle: bool,
@@ -192,6 +200,7 @@ def command(
     Example: keytrace workload --geometry dsv4 --seed 3 --out /tmp/kt --oracle
     Exit status: 0 no mismatch, 1 mismatch found, 2 trouble (or the oracle disagreed).
     """
+    from keytrace.analysis.geometry import parse_drafter
     from keytrace.report.text import render_diff
     from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
 
@@ -218,6 +227,7 @@ def command(
         inject=inject,
         fix=fix,
         tiers=_tiers(tiers),
+        drafter=parse_drafter(drafter) if drafter is not None else None,
     )
     show = progress if progress is not None else sys.stderr.isatty()
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")

@@ -1,7 +1,8 @@
-"""keytrace on the vLLM users run: another release's own code (0.31.0 records and names the
-17,975-token miss; 0.29.0 and 0.30.0 are refused with the exact reason), and the installed
-0.33.0 code under source-build version strings (records, diffs and doctors as the release
-does, with vllm_verified: false). Each case runs in a fresh interpreter (vllm_builds)."""
+"""keytrace on the vLLM users run: another release's own code (0.31.0 loads, records and
+names the 17,975-token miss; 0.29.0 and 0.30.0 are refused with the exact reason), and the
+installed 0.33.0 code under source-build version strings (records, diffs and doctors as the
+release does, with vllm_verified: false). Each case runs in a fresh interpreter
+(vllm_builds)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,26 @@ def test_0_31_records_and_names_the_17975_miss(tmp_path: Path) -> None:
     assert (header["vllm_version"], header["vllm_verified"]) == ("0.31.0", True)
     assert header["cache_hit_alignment_tokens"] is None  # 0.31.0 has no such field
     assert _first_mismatch(trace_dir) == (2, 277, "never_offered")
+
+
+LOAD_1000 = """
+import json
+from keytrace.analysis.geometry import HYBRID
+from keytrace.vllm.lab.harness import Harness
+with Harness(HYBRID, max_prompt_tokens=1000) as h:
+    r = h.scenario(1000)
+    print(json.dumps({"external": r.external_tokens, "loads": h.worker.loads_issued}))
+"""
+
+
+def test_0_31_loads_what_it_stored() -> None:
+    """0.31.0's load jobs have no ``sync`` field (every load is asynchronous there): the
+    harness loads the resend's 960 tokens (15 full-attention chunks of 64) from its CPU
+    tier as on later releases."""
+    r = run_python(LOAD_1000, release="0.31.0")
+    assert r.returncode == 0, r.stderr[-4000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert found["external"] == 960 and found["loads"] > 0
 
 
 def test_doctor_on_0_31_records_and_refuses_what_it_lacks() -> None:

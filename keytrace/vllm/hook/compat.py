@@ -18,6 +18,9 @@ CONFIG_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config"
 TIERING_MODULE = "vllm.v1.kv_offload.tiering.manager"
 TIERING_CLASS = "TieringOffloadingManager"
 """vLLM's tiered manager (a candidate fix patches its class; recording wraps instances)."""
+CPU_PLATFORM_MODULE = "vllm.platforms.cpu"
+CPU_PLATFORM_CLASS = "CpuPlatform"
+"""vLLM's CPU platform (the lab's own row wraps its config check; never in a server)."""
 
 
 def config_module() -> Any:
@@ -32,6 +35,14 @@ def tiering_class() -> Any:
     """``TieringOffloadingManager``, or None when this vLLM has no tiered offloading."""
     try:
         return getattr(importlib.import_module(TIERING_MODULE), TIERING_CLASS, None)
+    except Exception:
+        return None
+
+
+def cpu_platform_class() -> Any:
+    """``CpuPlatform``, or None when this vLLM has no CPU platform module."""
+    try:
+        return getattr(importlib.import_module(CPU_PLATFORM_MODULE), CPU_PLATFORM_CLASS, None)
     except Exception:
         return None
 

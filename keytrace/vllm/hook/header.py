@@ -78,7 +78,6 @@ def build_header(
     manager = sched.manager
     cc = vllm_config.cache_config
     sc = vllm_config.scheduler_config
-    spec_cfg = vllm_config.speculative_config
     extra = dict(getattr(spec, "extra_config", {}) or {})
     return {
         "vllm_version": vllm_version(),
@@ -113,16 +112,52 @@ def build_header(
         "pythonhashseed_set": "PYTHONHASHSEED" in os.environ,
         "cache_block_size": int(cc.block_size),
         "num_gpu_blocks": int(kv_cache_config.num_blocks),
-        "spec_method": getattr(spec_cfg, "method", None) if spec_cfg else None,
-        "num_speculative_tokens": getattr(spec_cfg, "num_speculative_tokens", None)
-        if spec_cfg
-        else None,
+        **lookahead_fields(sched, vllm_config),
         "model": _model_name(vllm_config.model_config.model),
         "max_model_len": int(vllm_config.model_config.max_model_len),
         "max_num_batched_tokens": int(sc.max_num_batched_tokens),
         "long_prefill_token_threshold": int(sc.long_prefill_token_threshold or 0),
         "async_scheduling": bool(sc.async_scheduling),
     }
+
+
+def lookahead_fields(sched: Any, vllm_config: Any) -> dict[str, Any]:
+    """What decides a release's key rules around speculative decoding, read only where it
+    exists (this runs inside a server, on any release that passes the recording checks):
+
+    - ``spec_method``, ``num_speculative_tokens``: the drafter (None without one);
+    - ``spec_mtp_modules``: an MTP drafter's module count, its draft config's
+      ``n_predict`` (1 when unset, as vLLM reads it; None for other methods);
+    - ``num_hash_lookahead_tokens``: ``VllmConfig.num_hash_lookahead_tokens``, the tokens
+      after each block that its hash covers (0.34.0; 0 where the config has no such
+      field, as before 0.33.0, and 0.33.0's property is always 0 with a connector);
+    - ``use_lookahead_block_hashes``: the connector's own switch (0.34.0; None where the
+      scheduler has none);
+    - ``eagle_proof_margins``: the scheduler's ``_eagle_proof_margins`` as
+      {group id (a string, as JSON writes it): margin}; None where it has none."""
+    spec_cfg = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec_cfg, "method", None) if spec_cfg is not None else None
+    switch = getattr(sched, "use_lookahead_block_hashes", None)
+    margins = getattr(sched, "_eagle_proof_margins", None)
+    return {
+        "spec_method": method,
+        "num_speculative_tokens": getattr(spec_cfg, "num_speculative_tokens", None)
+        if spec_cfg is not None
+        else None,
+        "spec_mtp_modules": _mtp_modules(spec_cfg) if method == "mtp" else None,
+        "num_hash_lookahead_tokens": int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0),
+        "use_lookahead_block_hashes": None if switch is None else bool(switch),
+        "eagle_proof_margins": None
+        if not isinstance(margins, dict)
+        else {str(int(g)): int(m) for g, m in sorted(margins.items())},
+    }
+
+
+def _mtp_modules(spec_cfg: Any) -> int:
+    """An MTP drafter's module count as vLLM 0.34.0 reads it (``num_mtp_modules``: the
+    draft config's ``n_predict``, 1 when unset)."""
+    draft = getattr(spec_cfg, "draft_model_config", None)
+    return int(getattr(getattr(draft, "hf_config", None), "n_predict", None) or 1)
 
 
 def secondary_tiers(manager: Any, spec: Any) -> list[dict[str, Any]]:

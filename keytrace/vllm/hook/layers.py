@@ -30,7 +30,15 @@ from keytrace.vllm.hook.compat import resolve
 log = logging.getLogger("keytrace")
 
 Target = Literal[
-    "scheduler", "config", "tiering_class", "manager", "tiering", "primary", "tier", "connector"
+    "scheduler",
+    "config",
+    "tiering_class",
+    "platform",
+    "manager",
+    "tiering",
+    "primary",
+    "tier",
+    "connector",
 ]
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 Binding = Any  # None for class rows; what the instance rows need, e.g. (recorder, scheduler)

@@ -83,18 +83,9 @@ def enable(feature: str) -> bool:
             return False
         cls, _ = scheduler_class()
         layers.STATE.enabled.add(feature)
-        for row in rows(feature, "scheduler"):
-            layers.apply(feature, cls, row, None)
-        if rows(feature, "config"):
-            from keytrace.vllm.hook.compat import config_module
-
-            for row in rows(feature, "config"):
-                layers.apply(feature, config_module(), row, None)
-        if rows(feature, "tiering_class"):
-            from keytrace.vllm.hook.compat import tiering_class
-
-            for row in rows(feature, "tiering_class"):
-                layers.apply(feature, tiering_class(), row, None)
+        for target, owner in _class_owners(cls).items():
+            for row in rows(feature, target):
+                layers.apply(feature, owner(), row, None)
         if feature == "record":
             SESSION.exact_scans = all(
                 resolve(cls, p.attr) is not None for p in rows(feature, "scheduler")
@@ -109,6 +100,19 @@ def enable(feature: str) -> bool:
                 known[name],
             )
         return True
+
+
+def _class_owners(scheduler: Any) -> dict[layers.Target, Callable[[], Any]]:
+    """The class-level targets (`keytrace.vllm.hook.table`), each with what finds its
+    owner (called only for a feature that has rows there)."""
+    from keytrace.vllm.hook import compat
+
+    return {
+        "scheduler": lambda: scheduler,
+        "config": compat.config_module,
+        "tiering_class": compat.tiering_class,
+        "platform": compat.cpu_platform_class,
+    }
 
 
 def disable(feature: str) -> None:
@@ -284,6 +288,29 @@ def _scoped(kind: str, apply: Callable[[str], None], name: str | None) -> Iterat
         yield
     finally:
         disable(f"{kind}:{name}")
+
+
+@contextlib.contextmanager
+def lab_platform() -> Iterator[None]:
+    """The lab's own rows (feature ``lab``: vLLM's CPU platform check runs as if Triton
+    were installed, `keytrace.vllm.hook.wrappers.with_triton_seen`) inside the block, undone
+    after it unless they were on before. Only the CPU lab enters it, around the
+    ``VllmConfig`` it builds (`keytrace.vllm.lab.config.build_vllm_config`); nothing a
+    server runs does (`install` enables ``record`` alone)."""
+    from keytrace.errors import VllmUnavailableError
+
+    if support.LAB in layers.STATE.enabled:
+        yield
+        return
+    if not enable(support.LAB):
+        raise VllmUnavailableError(
+            "keytrace's lab cannot build a vLLM config on this CPU: "
+            + "; ".join(missing_hooks(support.LAB))
+        )
+    try:
+        yield
+    finally:
+        disable(support.LAB)
 
 
 def inject_from_env() -> str | None:

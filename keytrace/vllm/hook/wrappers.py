@@ -174,3 +174,29 @@ def notify(method: str) -> Callable[[Binding], Wrapper]:
         return wrapper
 
     return make
+
+
+def with_triton_seen(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The CPU lab's wrapper of ``CpuPlatform.check_and_update_config``: the check runs
+    with ``vllm.triton_utils.HAS_TRITON`` true, and only while it runs.
+
+    From vLLM 0.34.0 the check refuses every config on an x86 CPU without triton-cpu
+    ("vLLM on x86 CPUs requires Triton (triton-cpu)"; a warning before). Triton compiles
+    the model's kernels; the lab builds a scheduler, a connector and a manager and runs no
+    kernel, so the refusal is not about anything the lab does. The check imports the flag
+    from the ``vllm.triton_utils`` module at call time, reads it for that refusal alone and
+    imports no module that could copy it (the row's source digests pin exactly that code,
+    `keytrace.vllm.hook.support.REPLACED_SOURCES`), so the flag is put back as it was the
+    moment the check returns or raises. Applied by the lab only
+    (`keytrace.vllm.hook.patches.lab_platform`), never in a server: a server that lacks
+    Triton must keep being refused."""
+    import vllm.triton_utils as triton_utils
+
+    saved = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        triton_utils.HAS_TRITON = saved

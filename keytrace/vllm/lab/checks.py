@@ -9,7 +9,7 @@ import inspect
 from collections.abc import Iterator
 
 from keytrace.vllm.hook.patches import TABLE
-from keytrace.vllm.hook.support import Capability, Check, importable, record_checks
+from keytrace.vllm.hook.support import Capability, Check, importable, lab_checks, record_checks
 
 HARNESS_CALLS: dict[str, tuple[str, ...]] = {
     "vllm.config.CacheConfig": ("block_size", "enable_prefix_caching"),
@@ -27,6 +27,21 @@ HARNESS_CALLS: dict[str, tuple[str, ...]] = {
         "cache_config",
         "scheduler_config",
         "kv_transfer_config",
+        "speculative_config",
+    ),
+    "vllm.config.SpeculativeConfig": (
+        "method",
+        "model",
+        "num_speculative_tokens",
+        "target_model_config",
+        "target_parallel_config",
+    ),
+    "vllm.config.ModelConfig": (
+        "model",
+        "tokenizer",
+        "skip_tokenizer_init",
+        "max_model_len",
+        "dtype",
     ),
     "vllm.config.KVTransferConfig": ("kv_connector", "kv_role", "kv_connector_extra_config"),
     "vllm.v1.kv_cache_interface.KVCacheConfig": (
@@ -42,14 +57,11 @@ HARNESS_CALLS: dict[str, tuple[str, ...]] = {
         "pooling_params",
         "block_hasher",
     ),
-    "vllm.v1.outputs.ModelRunnerOutput": (
-        "req_ids",
-        "req_id_to_index",
-        "sampled_token_ids",
-        "kv_connector_output",
-    ),
+    "vllm.v1.outputs.ModelRunnerOutput": ("req_ids", "sampled_token_ids", "kv_connector_output"),
 }
-"""Every vLLM constructor the CPU harness calls with keywords, and the keywords."""
+"""Every vLLM constructor the CPU harness calls with keywords, and the keywords it always
+passes (``ModelRunnerOutput``'s ``req_id_to_index`` only where the class has it: 0.34.0
+dropped it)."""
 
 
 def _accepts(dotted: str, keywords: tuple[str, ...]) -> Check:
@@ -67,8 +79,10 @@ def _accepts(dotted: str, keywords: tuple[str, ...]) -> Check:
 
 
 def harness_checks() -> Iterator[Check]:
-    """The checks behind ``harness``: recording's, then the harness's own."""
+    """The checks behind ``harness``: recording's, the lab's own row on vLLM's CPU
+    platform (`keytrace.vllm.hook.support.lab_checks`), then the harness's calls."""
     yield from record_checks(TABLE)
+    yield from lab_checks(TABLE)
     for dotted, keywords in HARNESS_CALLS.items():
         yield _accepts(dotted, keywords)
     yield importable(

@@ -1,9 +1,9 @@
 """The vLLM configuration of a `Geometry`, as a CPU-only machine can build it: the
-``VllmConfig`` (a normal ``kv_transfer_config`` naming the real ``OffloadingConnector``), a
-tiny model ``config.json`` written to a temporary folder (no weights are read), and the
-``KVCacheConfig`` that KV-cache planning would produce, with the fields
-``EngineCore._initialize_kv_caches`` sets. What `keytrace.vllm.lab.harness` builds its
-real scheduler from.
+``VllmConfig`` (a normal ``kv_transfer_config`` naming the real ``OffloadingConnector``, and
+a real ``SpeculativeConfig`` for a geometry's drafter), tiny model ``config.json`` files
+written to a temporary folder (no weights are read), and the ``KVCacheConfig`` that
+KV-cache planning would produce, with the fields ``EngineCore._initialize_kv_caches`` sets.
+What `keytrace.vllm.lab.harness` builds its real scheduler from.
 
 Importing this module imports vLLM (and torch).
 """
@@ -22,7 +22,9 @@ from vllm.config import (
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.v1.core import kv_cache_utils
@@ -36,7 +38,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from keytrace.analysis.geometry import REPLAYABLE_TIERS, Geometry, GroupGeom
+from keytrace.analysis.geometry import REPLAYABLE_TIERS, Drafter, Geometry, GroupGeom
+from keytrace.vllm.hook.patches import lab_platform
 
 VOCAB = 32_000
 _TINY_MODEL = {
@@ -52,25 +55,127 @@ _TINY_MODEL = {
 }
 
 
-@functools.lru_cache(maxsize=8)
-def _model_config(max_model_len: int) -> ModelConfig:
-    """ModelConfig from a tiny local config.json; cached because it costs seconds.
+_TINY_EAGLE = {
+    **_TINY_MODEL,
+    "architectures": ["EagleLlamaForCausalLM"],
+    "num_hidden_layers": 1,
+}
+"""An EAGLE head for the tiny Llama: vLLM reads a draft's ``config.json`` (never its
+weights) and accepts only a registered draft architecture."""
 
-    The folder name is fixed per max_model_len, so every process records the same model
-    name in its header (the reader refuses traces whose headers differ).
-    """
-    folder = os.path.join(tempfile.gettempdir(), f"keytrace-tiny-llama-{max_model_len}")
+_TINY_EAGLE3 = {**_TINY_EAGLE, "architectures": ["LlamaForCausalLMEagle3"]}
+
+_TINY_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB,
+    "torch_dtype": "bfloat16",
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "rope_theta": 10000,
+}
+"""A DeepSeek-V3-like checkpoint whose ``num_nextn_predict_layers`` MTP modules vLLM's MTP
+drafter reads (as ``n_predict``). Only the speculative config's target: the harness's own
+model stays the tiny Llama (vLLM's CPU platform forces block size 16 on an MLA model)."""
+
+
+def _local_model(name: str, config: dict[str, Any]) -> str:
+    """A folder holding ``config`` as its ``config.json``, at a fixed path per ``name`` (so
+    every process records the same model name in its header: the reader refuses traces
+    whose headers differ); replaced atomically, as concurrent processes write it too."""
+    folder = os.path.join(tempfile.gettempdir(), f"keytrace-{name}")
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".config.json.{os.getpid()}")
     with open(tmp, "w") as fh:
-        json.dump({**_TINY_MODEL, "max_position_embeddings": max_model_len}, fh)
+        json.dump(config, fh)
     os.replace(tmp, os.path.join(folder, "config.json"))
+    return folder
+
+
+@functools.lru_cache(maxsize=8)
+def _model_config(max_model_len: int) -> ModelConfig:
+    """ModelConfig from a tiny local config.json; cached because it costs seconds."""
+    return _tiny_model_config(
+        _local_model(
+            f"tiny-llama-{max_model_len}",
+            {**_TINY_MODEL, "max_position_embeddings": max_model_len},
+        ),
+        max_model_len,
+        "float16",
+    )
+
+
+def _tiny_model_config(folder: str, max_model_len: int, dtype: str) -> ModelConfig:
     return ModelConfig(
         model=folder,
         tokenizer=None,
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
-        dtype="float16",
+        dtype=dtype,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _mtp_target_config(max_model_len: int, mtp_modules: int) -> ModelConfig:
+    """The DeepSeek-V3-like checkpoint an MTP drafter of ``mtp_modules`` modules reads."""
+    folder = _local_model(
+        f"tiny-deepseek-v3-{mtp_modules}mtp-{max_model_len}",
+        {
+            **_TINY_DEEPSEEK_V3,
+            "max_position_embeddings": max_model_len,
+            "num_nextn_predict_layers": mtp_modules,
+        },
+    )
+    return _tiny_model_config(folder, max_model_len, "bfloat16")
+
+
+def speculative_config(drafter: Drafter, max_model_len: int) -> SpeculativeConfig:
+    """A real ``SpeculativeConfig`` for ``drafter``, built offline from tiny local
+    ``config.json`` files: vLLM resolves everything that follows from it (the hash
+    lookahead above all) by its own rules, on every release.
+
+    EAGLE and EAGLE3 draft for the harness's tiny Llama, with a registered draft
+    architecture; MTP drafts from a DeepSeek-V3-like checkpoint with ``mtp_modules`` MTP
+    modules (vLLM rewrites it into its MTP draft config, ``n_predict`` modules), which is
+    the speculative target only. A new config every call: ``VllmConfig`` may change it."""
+    if drafter.method == "mtp":
+        return SpeculativeConfig(
+            method="mtp",
+            num_speculative_tokens=drafter.num_speculative_tokens,
+            target_model_config=_mtp_target_config(max_model_len, drafter.mtp_modules),
+            target_parallel_config=ParallelConfig(),
+        )
+    head = _TINY_EAGLE3 if drafter.method == "eagle3" else _TINY_EAGLE
+    folder = _local_model(
+        f"tiny-{drafter.method}-{max_model_len}",
+        {**head, "max_position_embeddings": max_model_len},
+    )
+    return SpeculativeConfig(
+        method=drafter.method,
+        model=folder,
+        num_speculative_tokens=drafter.num_speculative_tokens,
+        target_model_config=_model_config(max_model_len),
+        target_parallel_config=ParallelConfig(),
     )
 
 
@@ -113,7 +218,8 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
         **geometry.extra,
     }
     cache = CacheConfig(
-        block_size=min(g.block_size for g in geometry.groups),
+        # always the geometry's: vLLM's default moved (16 up to 0.33.0, 64 from 0.34.0)
+        block_size=_cache_block_size(geometry),
         enable_prefix_caching=True,
         prefix_cache_retention_interval=geometry.retention_interval,
     )
@@ -126,16 +232,24 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
         async_scheduling=geometry.async_scheduling,
         is_encoder_decoder=False,
     )
-    config = VllmConfig(
-        model_config=_model_config(geometry.max_model_len),
-        cache_config=cache,
-        scheduler_config=sched,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
-    )
+    # vLLM 0.34.0's CPU platform refuses an x86 CPU without triton-cpu; a scheduler runs
+    # no kernel, so the lab's own row lets the check pass while this config is built
+    drafter = geometry.drafter
+    with lab_platform():
+        config = VllmConfig(
+            model_config=_model_config(geometry.max_model_len),
+            cache_config=cache,
+            scheduler_config=sched,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            ),
+            # given here, so VllmConfig resolves what follows from it (the hash lookahead)
+            speculative_config=None
+            if drafter is None
+            else speculative_config(drafter, geometry.max_model_len),
+        )
     # CUDA resolves the HMA on for this connector; a CPU-only platform may not. After
     # __post_init__ the flag is read only by the connector factory's HMA check and by
     # planning, which the harness replaces (build_kv_cache_config).
@@ -148,9 +262,20 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
     return config
 
 
+def _cache_block_size(geometry: Geometry) -> int:
+    """The cache config's block size: the geometry's smallest (each group's own is in its
+    KV-cache spec, `build_kv_cache_config`)."""
+    return min(g.block_size for g in geometry.groups)
+
+
 def _check_unchanged(config: VllmConfig, geometry: Geometry) -> None:
+    """vLLM's config resolution kept what the geometry sets (a platform may rewrite the
+    block size, the budget or the scheduling mode: the harness would then build another
+    geometry than the one it names)."""
     sc, cc = config.scheduler_config, config.cache_config
     problems = []
+    if cc.block_size != _cache_block_size(geometry):
+        problems.append(f"block_size={cc.block_size}")
     if sc.max_num_batched_tokens != geometry.max_num_batched_tokens:
         problems.append(f"max_num_batched_tokens={sc.max_num_batched_tokens}")
     if not sc.enable_chunked_prefill:

@@ -15,6 +15,8 @@ Importing this module imports vLLM (and torch). The CLI imports it lazily.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import shutil
@@ -52,7 +54,7 @@ from keytrace.vllm.lab.config import (
     build_vllm_config,
     chunk_bytes,
 )
-from keytrace.vllm.lab.worker import AckWorker
+from keytrace.vllm.lab.worker import AckWorker, is_sync
 
 log = logging.getLogger("keytrace")
 
@@ -186,7 +188,7 @@ class Harness:
         self._check_built()
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(hash_bs, hash_fn)
+        self._hasher = _block_hasher(hash_bs, hash_fn, self.num_hash_lookahead_tokens)
         self.worker = AckWorker(store_delay)
         self.request_prefix = request_prefix
         self.observations: dict[str, EpisodeObservation] = {}
@@ -219,6 +221,13 @@ class Harness:
         self.close()
 
     # ------------------------------------------------------------ construction
+    @property
+    def num_hash_lookahead_tokens(self) -> int:
+        """vLLM's own L: the tokens after each block its hash covers
+        (``VllmConfig.num_hash_lookahead_tokens``, resolved from the geometry's drafter and
+        the connector; 0 where this vLLM has no such field)."""
+        return int(getattr(self.vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+
     def _check_built(self) -> None:
         """The connector must have exactly the geometry asked for, and a real manager (a
         CPU tier, alone or as the primary of a tiered manager)."""
@@ -248,6 +257,19 @@ class Harness:
                 raise RuntimeError(
                     f"group {cfg.group_idx}: window {cfg.sliding_window_size_in_chunks}"
                 )
+        self._check_lookahead()
+
+    def _check_lookahead(self) -> None:
+        """The scheduler and the connector use the config's hash lookahead, which the
+        harness's block hasher uses too (the connector never checks that the request's
+        hashes were computed with it)."""
+        lookahead = self.num_hash_lookahead_tokens
+        used = getattr(self.scheduler, "num_hash_lookahead_tokens", lookahead)
+        switch = getattr(self.connector_scheduler, "use_lookahead_block_hashes", lookahead > 0)
+        if used != lookahead or bool(switch) != (lookahead > 0):
+            raise RuntimeError(
+                f"hash lookahead: config {lookahead}, scheduler {used}, connector {switch}"
+            )
 
     def _observe_connector(self) -> None:
         """Watch the connector's public API through the patch table's ``harness`` rows."""
@@ -332,11 +354,11 @@ class Harness:
             # The real runner samples only once the request's known tokens are computed.
             done = req is not None and req.num_computed_tokens >= req.num_tokens
             sampled.append([OUTPUT_TOKEN] if done else [])
+        fields: dict[str, Any] = {}
+        if _RUNNER_OUTPUT_HAS_INDEX:
+            fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
+            req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out, **fields
         )
 
     def _with_tier_dirs(self, geometry: Geometry) -> Geometry:
@@ -467,6 +489,25 @@ class Harness:
         return _policy_keys(self.cpu_tier)
 
 
+def _block_hasher(hash_block_size: int, hash_fn: Any, lookahead: int) -> Any:
+    """vLLM's request block hasher as ``EngineCore`` builds it: with the hash lookahead
+    where ``get_request_block_hasher`` takes one (0.33.0+), else the two-argument form of
+    older releases, which have no lookahead to pass."""
+    takes = len(inspect.signature(get_request_block_hasher).parameters)
+    if takes >= 3:
+        return get_request_block_hasher(hash_block_size, hash_fn, lookahead)
+    if lookahead:
+        raise RuntimeError(f"hash lookahead {lookahead}, but this vLLM's hasher takes none")
+    return get_request_block_hasher(hash_block_size, hash_fn)
+
+
+_RUNNER_OUTPUT_HAS_INDEX = "req_id_to_index" in {
+    f.name for f in dataclasses.fields(ModelRunnerOutput)
+}
+"""The model runner's output maps request ids to rows itself (required up to 0.33.0;
+0.34.0 dropped the field and indexes ``req_ids``)."""
+
+
 def _digest(out: SchedulerOutput, meta: OffloadingConnectorMetadata) -> tuple[Any, ...]:
     """A comparable summary of one step's scheduling and transfer decisions."""
 
@@ -479,7 +520,9 @@ def _digest(out: SchedulerOutput, meta: OffloadingConnectorMetadata) -> tuple[An
         tuple(sorted(out.finished_req_ids or ())),
         tuple(sorted((j, t.req_id, spec_ids(t.src_spec)) for j, t in meta.store_jobs.items())),
         tuple(
-            sorted((j, t.req_id, spec_ids(t.dst_spec), t.sync) for j, t in meta.load_jobs.items())
+            sorted(
+                (j, t.req_id, spec_ids(t.dst_spec), is_sync(t)) for j, t in meta.load_jobs.items()
+            )
         ),
         tuple(sorted(meta.jobs_to_flush or ())),
     )

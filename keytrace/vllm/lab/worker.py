@@ -17,7 +17,8 @@ class AckWorker:
     the start of step t+1 and reported complete in t+1's output (``store_delay`` 1; a
     larger delay models slow transfers, so later lookups see the keys HIT_PENDING);
     flushed jobs are waited for (complete at once); loads complete in the step they are
-    issued, asynchronous ones also report their request in ``finished_recving``.
+    issued, asynchronous ones (every load before 0.33.0) also report their request in
+    ``finished_recving``.
     """
 
     def __init__(self, store_delay: int = 1) -> None:
@@ -47,7 +48,7 @@ class AckWorker:
         for job, entry in meta.load_jobs.items():
             self.loads_issued += 1
             completed[job] = 1
-            if not entry.sync:
+            if not is_sync(entry):
                 recving.add(entry.req_id)
         completed = {j: c for j, c in completed.items() if j not in self.acked}
         self.acked.update(completed)
@@ -60,3 +61,9 @@ class AckWorker:
     @property
     def idle(self) -> bool:
         return not self.deferred_stores
+
+
+def is_sync(job: object) -> bool:
+    """A load job the worker completes inside the step (``TransferJob.sync``, 0.33.0+);
+    older releases have no such field and report every load in ``finished_recving``."""
+    return bool(getattr(job, "sync", False))

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from keytrace.analysis.diff import DiffReport
-from keytrace.analysis.geometry import Geometry, builtin
+from keytrace.analysis.geometry import Drafter, Geometry, builtin
 from keytrace.errors import KeytraceError
 from keytrace.live.registry import AlarmSettings
 from keytrace.vllm import require_vllm
@@ -71,6 +71,7 @@ class WorkloadSpec:
     inject: str | None = None
     fix: str | None = None  # a candidate fix (keytrace.vllm.mods.fixes) active for the whole run
     tiers: tuple[str, ...] = ()  # secondary tiers under the CPU tier (keytrace.vllm.lab.harness)
+    drafter: Drafter | None = None  # a speculative drafter on the built-in geometry
 
 
 @dataclass
@@ -124,6 +125,8 @@ def workload_geometry(spec: WorkloadSpec) -> Geometry:
     churns and running requests get preempted.
     """
     geo = builtin(spec.geometry)
+    if spec.drafter is not None:
+        geo = geo.with_(drafter=spec.drafter)
     a = _unit(geo)
     budget = spec.budget or geo.max_num_batched_tokens
 

@@ -1,0 +1,265 @@
+"""The lab on vLLM 0.34.0, the newest release (its sdist's own Python over the installed
+dependencies, in a fresh interpreter: vllm_builds), and the same drafters on the installed
+0.33.0.
+
+0.34.0 refuses an x86 CPU without triton-cpu while building a config, and hashes each block
+over the next L tokens when an EAGLE/MTP drafter runs with an OffloadingConnector
+(``VllmConfig.num_hash_lookahead_tokens``). So the lab must get past the first (its own
+patch row, never a server's) and build the drafter as vLLM does, so that L, the request
+hashes and the trace header are vLLM's own. Each 0.34.0 case costs an interpreter and an
+import of vLLM: one script checks the harness, L and a recorded scenario; the CLI and the
+doctor have one each."""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.analysis.geometry import HYBRID, Drafter  # noqa: E402
+from tests.integration.vllm_builds import (  # noqa: E402
+    DEFAULT_CACHE,
+    capability_table,
+    doctor,
+    run_python,
+)
+
+pytestmark = pytest.mark.vllm
+
+RELEASE = "0.34.0"
+P = 1025
+"""A prompt one token past 64 blocks of 16: with L = 2 its 64th block hash needs two tokens
+it does not have, so it has 63 ((P - L) // tph); with L = 0 or 1, 64."""
+
+LOOKAHEAD = {"none": 0, "eagle:2": 1, "mtp:1:3": 1, "mtp:2:3": 2, "mtp:3:3": 3, "mtp:2:1": 1}
+"""vLLM 0.34.0's own L with the OffloadingConnector (docs of record: the 0.34.0 notes, §1.1):
+EAGLE 1 for any k; MTP with n_predict 3 modules k; a single-module MTP drafter 1."""
+
+HEADER_KEYS = (
+    "spec_method",
+    "num_speculative_tokens",
+    "spec_mtp_modules",
+    "num_hash_lookahead_tokens",
+    "use_lookahead_block_hashes",
+    "eagle_proof_margins",
+    "hash_algo",
+    "retention_interval",
+    "vllm_version",
+)
+
+LAB = """
+import json, tempfile
+import vllm
+import vllm.triton_utils as triton_utils
+from vllm.platforms import current_platform
+from keytrace.analysis.geometry import HYBRID, parse_drafter
+from keytrace.format.reader import open_trace
+from keytrace.vllm.hook import layers, patches
+from keytrace.vllm.lab.config import build_vllm_config
+from keytrace.vllm.lab.harness import Harness
+from keytrace.vllm.lab.replay import replay
+
+P, KEYS, DRAFTERS = {P}, {keys!r}, {drafters!r}
+had_triton = triton_utils.HAS_TRITON
+
+
+def refusal(cfg):
+    try:
+        current_platform.check_and_update_config(cfg)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+out = {{"version": vllm.__version__, "had_triton": had_triton}}
+out["lookahead"] = {{
+    d: build_vllm_config(HYBRID.with_(drafter=parse_drafter(d)), cpu_bytes_to_use=1 << 20)
+    .num_hash_lookahead_tokens
+    for d in DRAFTERS
+}}
+out["hashes"] = {{}}
+for d in ("none", "mtp:2:3"):
+    with Harness(HYBRID.with_(drafter=parse_drafter(d)), max_prompt_tokens=P) as h:
+        rid = h.submit(P)
+        out["hashes"][d] = [
+            h.num_hash_lookahead_tokens, h.hash_block_size,
+            len(h.scheduler.requests[rid].block_hashes),
+        ]
+        cfg = h.vllm_config
+out["lab_after_build"] = layers.active("lab")
+out["triton_after_build"] = triton_utils.HAS_TRITON
+out["refused_outside_the_lab"] = refusal(cfg)
+with tempfile.TemporaryDirectory() as d:
+    out["server_installed"] = patches.install(d)  # what the plugin does in a server
+    out["lab_in_server"] = layers.active("lab")
+    out["refused_in_server"] = refusal(cfg)
+    patches.uninstall()
+with tempfile.TemporaryDirectory() as d:
+    r = replay(HYBRID.with_(drafter=parse_drafter("mtp:2:3")), [P], P, trace_dir=d)
+    header = open_trace(d).header
+    out["header"] = {{k: header.get(k) for k in KEYS}}
+    out["resend_external"] = r.external_tokens
+print(json.dumps(out))
+"""
+
+TRITON_REFUSAL = "vLLM on x86 CPUs requires Triton (triton-cpu)."
+
+
+def _where() -> dict[str, Any]:
+    """0.34.0's code, with a model-info cache of its own (vLLM inspects each architecture in
+    a subprocess and caches it; shared with 0.33.0's it would mix the two releases)."""
+    return {"release": RELEASE, "env": {"VLLM_CACHE_ROOT": str(DEFAULT_CACHE / "vllm-cache-0.34")}}
+
+
+@pytest.fixture(scope="module")
+def lab() -> dict[str, Any]:
+    code = LAB.format(P=P, keys=HEADER_KEYS, drafters=tuple(LOOKAHEAD))
+    r = run_python(code, **_where())
+    assert r.returncode == 0, r.stderr[-4000:]
+    found: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert found["version"] == RELEASE
+    return found
+
+
+def test_the_harness_builds_on_0_34_with_the_triton_row_only_in_the_lab(
+    lab: dict[str, Any],
+) -> None:
+    assert lab["lab_after_build"] is False  # switched on around the lab's config only
+    assert lab["triton_after_build"] == lab["had_triton"]  # the flag put back
+    assert lab["server_installed"] is True and lab["lab_in_server"] is False
+    if platform.machine().lower() in ("x86_64", "amd64") and not lab["had_triton"]:
+        # the check the lab's row lets pass is intact outside it, and in a server
+        assert lab["refused_outside_the_lab"] == TRITON_REFUSAL
+        assert lab["refused_in_server"] == TRITON_REFUSAL
+
+
+def test_the_hash_lookahead_is_vllm_s_own(lab: dict[str, Any]) -> None:
+    assert lab["lookahead"] == LOOKAHEAD
+
+
+def test_a_request_has_one_hash_per_block_before_its_last_L_tokens(lab: dict[str, Any]) -> None:
+    for drafter, (lookahead, tph, hashes) in lab["hashes"].items():
+        assert lookahead == LOOKAHEAD[drafter]
+        assert hashes == (P - lookahead) // tph, drafter
+    assert [n for _, _, n in lab["hashes"].values()] == [64, 63]
+
+
+def test_a_recorded_scenario_s_header_says_what_decides_the_rules(lab: dict[str, Any]) -> None:
+    assert lab["header"] == {
+        "spec_method": "mtp",
+        "num_speculative_tokens": 2,
+        "spec_mtp_modules": 3,
+        "num_hash_lookahead_tokens": 2,
+        "use_lookahead_block_hashes": True,
+        "eagle_proof_margins": {},  # no partial tails on this geometry
+        "hash_algo": "sha256",
+        "retention_interval": 0,
+        "vllm_version": RELEASE,
+    }
+
+
+SWEEP = """
+import sys
+from keytrace.cli import main
+sys.exit(main(["sweep", "--geometry", "hybrid", "--lengths", "1024:1025", "--drafter",
+               "mtp:2:3", "--quiet", "--csv", {csv!r}]))
+"""
+
+
+def test_keytrace_sweep_runs_a_drafter_on_0_34(tmp_path: Path) -> None:
+    table = tmp_path / "sweep.csv"
+    r = run_python(SWEEP.format(csv=str(table)), **_where())
+    assert r.returncode in (0, 1), r.stderr[-4000:]  # 1: a length mismatched
+    with table.open() as fh:
+        external = {int(row["length"]): int(row["external"]) for row in csv.DictReader(fh)}
+    # vLLM's own outcome with L = 2: 1,024 tokens key 63 hashes (15 full-attention chunks);
+    # 1,025 stored the windows' tails at 1,024, which a resend hashing 63 blocks never reaches
+    assert external == {1024: 960, 1025: 0}
+
+
+def test_doctor_says_the_lab_works_on_0_34() -> None:
+    code, found = doctor(**_where())
+    assert found["vllm"]["version"] == RELEASE and code == 0
+    assert capability_table(found)["harness"] and capability_table(found)["record"]
+    harness = next(c for c in found["capabilities"] if c["name"] == "harness")
+    checks = {c["check"]: c["ok"] for c in harness["checks"]}
+    row = "CpuPlatform.check_and_update_config is the code keytrace's wrapper was written against"
+    assert (
+        checks[row] and checks["ModelRunnerOutput(req_ids, sampled_token_ids, kv_connector_output)"]
+    )
+    assert "lab" not in capability_table(found)  # part of the harness, not a capability
+
+
+# ----------------------------------------------------------- the installed 0.33.0
+def test_on_0_33_a_drafter_leaves_the_hashes_legacy(tmp_path: Path) -> None:
+    """0.33.0 keeps legacy hashes with any connector: L 0 whatever the drafter, and the
+    header says so."""
+    from keytrace.format.reader import open_trace
+    from keytrace.vllm.lab.harness import Harness
+    from keytrace.vllm.lab.replay import replay
+
+    geo = HYBRID.with_(drafter=Drafter("mtp", 3, 3))
+    with Harness(geo, max_prompt_tokens=P) as h:
+        rid = h.submit(P)
+        assert h.num_hash_lookahead_tokens == 0
+        assert len(h.scheduler.requests[rid].block_hashes) == P // h.hash_block_size
+    replay(geo, [P], P, trace_dir=tmp_path / "t")
+    header = open_trace(str(tmp_path / "t")).header
+    assert {k: header[k] for k in HEADER_KEYS[:5]} == {
+        "spec_method": "mtp",
+        "num_speculative_tokens": 3,
+        "spec_mtp_modules": 3,
+        "num_hash_lookahead_tokens": 0,
+        "use_lookahead_block_hashes": None,  # 0.33.0's connector has no such switch
+    }
+
+
+def test_the_lab_row_is_scoped_idempotent_and_never_a_server_s(tmp_path: Path) -> None:
+    from keytrace.vllm.hook import layers, patches
+    from keytrace.vllm.hook.compat import cpu_platform_class
+
+    cls = cpu_platform_class()
+    original = inspect.getattr_static(cls, "check_and_update_config")
+    with patches.lab_platform():
+        assert layers.active("lab")
+        wrapped = inspect.getattr_static(cls, "check_and_update_config")
+        assert wrapped is not original and wrapped.__wrapped__ is original
+        with patches.lab_platform():  # nested: the outer block keeps it on
+            pass
+        assert layers.active("lab")
+    assert inspect.getattr_static(cls, "check_and_update_config") is original
+    assert not layers.active("lab")
+    assert patches.install(tmp_path / "t")
+    try:
+        assert not layers.active("lab")
+        assert inspect.getattr_static(cls, "check_and_update_config") is original
+    finally:
+        patches.uninstall()
+
+
+def test_the_lab_row_sees_triton_only_while_the_check_runs() -> None:
+    import vllm.triton_utils as triton_utils
+
+    from keytrace.vllm.hook.wrappers import with_triton_seen
+
+    before = triton_utils.HAS_TRITON
+    seen = []
+    with_triton_seen(lambda: seen.append(triton_utils.HAS_TRITON), None, (), {})
+    assert (seen, triton_utils.HAS_TRITON) == ([True], before)
+
+    def refuses() -> None:
+        raise RuntimeError("vLLM says no")
+
+    with pytest.raises(RuntimeError, match="vLLM says no"):
+        with_triton_seen(refuses, None, (), {})
+    assert (triton_utils.HAS_TRITON, sys.modules["vllm.triton_utils"]) == (before, triton_utils)
