@@ -295,7 +295,7 @@ def test_the_disk_cap_is_never_exceeded_and_the_trace_says_it_was_capped(
     ],
 )
 def test_max_bytes_spellings(text: str | None, value: int) -> None:
-    from keytrace.format.remote import parse_bytes
     from keytrace.format.budget import DEFAULT_MAX_BYTES
+    from keytrace.format.remote import parse_bytes
 
     assert parse_bytes(text, DEFAULT_MAX_BYTES) == value
