@@ -41,6 +41,7 @@ taking the core and by the writer's thread, whose cost is reported apart as proc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -139,7 +140,7 @@ def one_run(mode: str, seed: int, conversations: int, part: str | None = None) -
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)
     if counted is not None:
-        print("COUNTS " + " ".join(f"{k}={v}" for k, v in sorted(counted.items())))
+        print("COUNTS " + json.dumps(counted, sort_keys=True))
 
 
 def _profiled(part: str, toggles: Any) -> dict[str, int]:
@@ -258,14 +259,9 @@ def profile(seed: int, conversations: int) -> int:
     for part in PROFILE_PARTS:
         mode = "record+alarm" if part == "alarm" else "record"
         n, stdout = _callgrind(["--one", mode, "--part", part, *common], collect_at_start=False)
-        counts = dict(
-            (k, int(v))
-            for k, v in (
-                item.split("=")
-                for line in stdout.splitlines()
-                if line.startswith("COUNTS ")
-                for item in line[7:].split(" ")
-            )
+        counts = next(
+            (json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("COUNTS ")),
+            {},
         )
         keys = counts.get("lookup keys", 0) + counts.get("store keys", 0)
         print(
