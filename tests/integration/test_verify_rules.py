@@ -87,3 +87,30 @@ def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
     st = rulecode.status()
     assert st.trust is RulesTrust.VERIFIED and st.episodes == out["episodes"]
     assert (own_cache / "verified" / f"{st.digest}.json").exists()
+
+
+def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
+    from keytrace.vllm.lab.verify import DRAFTERS, LAYOUTS, plan
+
+    specs = list(plan())
+    first = specs[: len(DRAFTERS) * len(LAYOUTS)]
+    assert {(s.drafter, s.geometry, s.tiers) for s in first} == {
+        (d, g, t) for d in DRAFTERS for g, t, _ in LAYOUTS
+    }
+    assert len({s.seed for s in specs}) == len(specs)  # every workload its own traffic
+    assert {s.drafter for s in plan(drafters=DRAFTERS[1:])} == set(DRAFTERS[1:])
+
+
+def test_a_workload_vllm_fails_on_is_skipped_with_where_not_a_crash(
+    own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from keytrace.vllm.lab import verify as v
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise AssertionError("vLLM's own assert")
+
+    monkeypatch.setattr(v, "study_workload", fails)
+    out = v.verify(budget_seconds=1, keep=True)
+    assert out.workloads == 0 and out.episodes == 0 and not out.verified
+    assert out.skipped and "AssertionError at test_verify_rules.py:" in out.skipped[0]
+    assert not (own_cache / "verified").exists()  # nothing checked: nothing kept
