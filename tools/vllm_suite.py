@@ -23,6 +23,10 @@ Prints both results, the per-test differences and the number of parts written. E
 only when every test has the same outcome in both runs and recording wrote parts; 1
 otherwise. ``.ci/run`` runs it.
 
+``--lab-platform`` runs both passes with keytrace's lab-only platform row: vLLM 0.34.0
+refuses an x86 CPU without triton-cpu while building any ``VllmConfig``, so without it
+every test that builds one fails, with or without keytrace, and nothing records.
+
 ``--fix NAME`` records with a candidate fix applied (``KEYTRACE_FIX``): which of vLLM's own
 tests does the fix change? (Evidence for an upstream report, not a transparency check.)
 """
@@ -71,6 +75,32 @@ def pytest_configure(config):
 '''
 
 
+LAB_PLATFORM = '''\
+"""pytest plugin: keytrace's lab-only platform row for the whole session.
+
+vLLM 0.34.0 refuses an x86 CPU without triton-cpu while it builds a VllmConfig; a CPU
+scheduler test runs no kernel, so the lab's row (keytrace.vllm.hook.patches.lab_platform)
+lets the check run as if Triton were installed. Loaded in both runs, with and without
+recording, so that the comparison is of recording alone.
+"""
+
+_BLOCK = None
+
+
+def pytest_configure(config):
+    global _BLOCK
+    from keytrace.vllm.hook import patches
+
+    _BLOCK = patches.lab_platform()
+    _BLOCK.__enter__()
+
+
+def pytest_unconfigure(config):
+    if _BLOCK is not None:
+        _BLOCK.__exit__(None, None, None)
+'''
+
+
 def outcomes(junit: Path) -> dict[str, str]:
     """Test id -> passed / failed / error / skipped, from a JUnit XML report."""
     result: dict[str, str] = {}
@@ -94,6 +124,7 @@ def run_suites(
     fix: str | None = None,
     expect: tuple[str, Path | None] = ("", None),
     via: str = "env",
+    lab_platform: bool = False,
 ) -> tuple[dict[str, str], float]:
     """Every suite of `SUITES`, one pytest each (each has its own conftest root).
     ``expect``: the vLLM version each run must import, and the folder it must come from
@@ -102,7 +133,7 @@ def run_suites(
     total = 0.0
     for suite, confcutdir in SUITES:
         found, seconds = run_suite(
-            tree, home, work, suite, confcutdir, record_dir, fix, expect, via
+            tree, home, work, suite, confcutdir, record_dir, fix, expect, via, lab_platform
         )
         results.update(found)
         total += seconds
@@ -119,6 +150,7 @@ def run_suite(
     fix: str | None = None,
     expect: tuple[str, Path | None] = ("", None),
     via: str = "env",
+    lab_platform: bool = False,
 ) -> tuple[dict[str, str], float]:
     if not (tree / suite).exists():
         raise SystemExit(f"vllm_suite: {suite} is not in vLLM {expect[0] or '?'}'s sdist")
@@ -145,6 +177,8 @@ def run_suite(
         "-p",
         "keytrace_suite_checker",
     ]
+    if lab_platform:
+        cmd += ["-p", "keytrace_suite_lab"]
     if record_dir is not None and via == "plugin":
         if fix:
             env["KEYTRACE_FIX"] = fix  # read when the plugin installs recording
@@ -185,6 +219,12 @@ def main() -> int:
         help="How to record: KEYTRACE_DIR with vLLM's plugin loader (a server's way), or "
         "keytrace's pytest plugin (pytest --keytrace DIR).",
     )
+    ap.add_argument(
+        "--lab-platform",
+        action="store_true",
+        help="Run both passes with keytrace's lab-only platform row (vLLM 0.34.0 refuses an "
+        "x86 CPU without triton-cpu while building a config; its scheduler tests need none).",
+    )
     args = ap.parse_args()
 
     t = time.monotonic()
@@ -196,14 +236,20 @@ def main() -> int:
         work = Path(tmp)
         (work / "keytrace_suite_loader.py").write_text(LOADER)
         (work / "keytrace_suite_checker.py").write_text(CHECKER)
+        (work / "keytrace_suite_lab.py").write_text(LAB_PLATFORM)
         record_dir = args.keep or work / "trace"
-        plain, t_plain = run_suites(tree, home, work, None, None, expect)
-        recorded, t_rec = run_suites(tree, home, work, record_dir, args.fix, expect, args.record)
+        lab = args.lab_platform
+        plain, t_plain = run_suites(tree, home, work, None, None, expect, lab_platform=lab)
+        recorded, t_rec = run_suites(
+            tree, home, work, record_dir, args.fix, expect, args.record, lab_platform=lab
+        )
         parts = sorted(record_dir.rglob("*.parquet")) if record_dir.exists() else []
 
     code = f"its own Python code from the sdist ({tree / 'vllm'})" if overlaid else "as installed"
     print(f"vLLM {args.version} {' and '.join(suite for suite, _ in SUITES)}")
     print(f"  vLLM code: {code}; tree ready in {t_tree:.1f} s")
+    if lab:
+        print("  both passes with keytrace's lab-only platform row (no Triton check on x86)")
     print(f"  without keytrace:        {summary(plain)}  ({t_plain:.0f} s)")
     how = "KEYTRACE_DIR" if args.record == "env" else "pytest --keytrace"
     label = f"recording ({how}), fix {args.fix}" if args.fix else f"recording ({how})"

@@ -171,20 +171,41 @@ def test_a_recorded_scenario_s_header_says_what_decides_the_rules(lab: dict[str,
 SWEEP = """
 import sys
 from keytrace.cli import main
-sys.exit(main(["sweep", "--geometry", "hybrid", "--lengths", "1024:1025", "--drafter",
-               "mtp:2:3", "--quiet", "--csv", {csv!r}]))
+codes = [
+    main(["sweep", "--geometry", "hybrid", "--lengths", "1024:1027", "--drafter", drafter,
+          "--quiet", "--csv", f"{{out}}/{{drafter.replace(':', '_')}}.csv"])
+    for drafter in ("mtp:2:3", "mtp:3:3")
+]
+sys.exit(max(codes))
 """
 
 
-def test_keytrace_sweep_runs_a_drafter_on_0_34(tmp_path: Path) -> None:
-    table = tmp_path / "sweep.csv"
-    r = run_python(SWEEP.format(csv=str(table)), **_where())
-    assert r.returncode in (0, 1), r.stderr[-4000:]  # 1: a length mismatched
-    with table.open() as fh:
-        external = {int(row["length"]): int(row["external"]) for row in csv.DictReader(fh)}
+def test_the_0_34_resend_hole_is_vllm_s_and_keytrace_names_it(tmp_path: Path) -> None:
+    """docs/findings.md, vLLM 0.34.0: with multi-module MTP (lookahead L >= 2), an identical
+    resend of P tokens gets 0 external tokens exactly when P mod A is in [1, L - 1] (A = 64
+    here): the store kept the windows' tails at its own boundary (P - 1 rounded down), which
+    the resend's hashes (P - L) no longer reach. On stock 0.34.0 this is red, as a strict
+    xfail would be: when vLLM fixes it, the external counts change and this test says so."""
+    r = run_python(SWEEP.format(out=str(tmp_path)), **_where())
+    assert r.returncode == 1, r.stderr[-4000:]  # 1: a length mismatched (and nothing else)
+    found = {}
+    for drafter in ("mtp_2_3", "mtp_3_3"):
+        with (tmp_path / f"{drafter}.csv").open() as fh:
+            found[drafter] = {
+                int(row["length"]): (int(row["external"]), row["verdict"], row["cause"])
+                for row in csv.DictReader(fh)
+            }
+    hit, hole = (960, "hit", ""), (0, "mismatch", "never_offered")
     # vLLM's own outcome with L = 2: 1,024 tokens key 63 hashes (15 full-attention chunks);
     # 1,025 stored the windows' tails at 1,024, which a resend hashing 63 blocks never reaches
-    assert external == {1024: 960, 1025: 0}
+    assert found["mtp_2_3"] == {
+        1024: hit,
+        1025: hole,
+        1026: (1024, "hit", ""),
+        1027: (1024, "hit", ""),
+    }
+    # L = 3: P mod 64 in [1, 2]
+    assert found["mtp_3_3"] == {1024: hit, 1025: hole, 1026: hole, 1027: (1024, "hit", "")}
 
 
 def test_doctor_says_the_lab_works_on_0_34() -> None:
