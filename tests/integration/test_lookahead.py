@@ -173,7 +173,7 @@ import sys
 from keytrace.cli import main
 codes = [
     main(["sweep", "--geometry", "hybrid", "--lengths", "1024:1027", "--drafter", drafter,
-          "--quiet", "--csv", f"{{out}}/{{drafter.replace(':', '_')}}.csv"])
+          "--quiet", "--csv", {out!r} + "/" + drafter.replace(":", "_") + ".csv"])
     for drafter in ("mtp:2:3", "mtp:3:3")
 ]
 sys.exit(max(codes))
