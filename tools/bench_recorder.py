@@ -251,6 +251,9 @@ def _callgrind(args: list[str], collect_at_start: bool) -> tuple[int, str]:
             check=True,
             capture_output=True,
             text=True,
+            # one hash seed for every counted process: vLLM's sets order its evictions, so
+            # with a random seed each mode would schedule (and count) other steps
+            env={**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")},
         )
         m = re.search(r"^totals: (\d+)", Path(out).read_text(), re.M)  # all threads
         if m is None:
