@@ -127,6 +127,9 @@ class Recorder:
         self._scan: Scan | None = None
         self._pending: dict[str, Episode] = {}
         self.failures = 0
+        self.identity_settled = False
+        """Whether the hook has read the engine's hash identity into the header (at its
+        first lookup: vLLM draws NONE_HASH after the scheduler is built)."""
         if listener is not None:
             me = weakref.ref(self)
             info = InstanceInfo(
