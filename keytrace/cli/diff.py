@@ -169,7 +169,9 @@ def command(
         write_page(html_path, report)
         if not as_json:
             click.echo(f"chunk map: {html_path}")
-    return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK
+    # a mismatched episode, engines that share a tier and hash differently, or tokens a
+    # shared tier held that an engine did not read (`DiffReport.verdict`)
+    return EXIT_MISMATCH if report.verdict == "mismatch" else EXIT_OK
 
 
 def _runner(jobs: int, ray_address: str | None) -> Runner:

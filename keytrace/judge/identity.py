@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from keytrace.judge.ops import Num, Truth, lt
+
 
 class Scope(StrEnum):
     """Who can read a tier's keys."""
@@ -95,6 +97,14 @@ def shares_tier(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two engines (their headers) read and write one shared tier: the scope rule.
     Two engines never share a private tier."""
     return bool(set(shared_places(a)) & set(shared_places(b)))
+
+
+def on_shared_tier(written_at: Num, at: Num) -> Truth:
+    """Whether a key another engine wrote through to a tier shared with this one (scope:
+    `shares_tier`) was there for a lookup at wall clock ``at``: its write-through
+    completed before. Such a key counts toward this engine's intended boundaries (E) as if
+    its own request had stored it: the tier is one for both. Values or polars columns."""
+    return lt(written_at, at)
 
 
 def hash_identity_of(header: Mapping[str, Any]) -> dict[str, Any]:

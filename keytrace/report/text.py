@@ -150,6 +150,8 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
 def render_diff(report: Any, file: IO[str]) -> None:
     """Verdict line first, then evidence per reported episode."""
     partial = " (on INCOMPLETE evidence)" if report.evidence_incomplete else ""
+    for f in getattr(report, "identity", []):  # engines compared before any key
+        file.write(f"MISMATCH{partial}: {f.text}\n")
     if report.first_mismatch is not None and report.first_mismatch.verdict == "stalled":
         v = report.first_mismatch
         file.write(f"STALLED{partial}: request {v.req_id}: {v.reason} (E={fmt_int(v.E)})\n")
@@ -163,7 +165,12 @@ def render_diff(report: Any, file: IO[str]) -> None:
             f"MISMATCH{partial}: request {v.req_id} got {v.external_tokens:,} external tokens, expected "
             f"{(v.E or 0) - v.S:,} (E={v.E:,}); binding group {v.binding_group} ({v.binding_label}){key_txt}\n"
         )
-    else:
+    elif report.verdict == "mismatch" and not getattr(report, "identity", []):
+        file.write(
+            f"MISMATCH{partial}: cold episodes did not read what a shared tier held for them "
+            "(the token table's 'cold: on a shared tier this engine should have read')\n"
+        )
+    elif report.verdict != "mismatch":
         n = sum(report.counts.values())
         of = " of the sampled chains" if report.sample is not None else ""
         file.write(f"AGREE{partial}: no store/lookup mismatch in {n} episode(s){of}\n")
