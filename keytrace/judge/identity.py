@@ -75,6 +75,42 @@ HASH_FIELDS: tuple[tuple[str, str], ...] = (
 that differs names a finding (``canary`` catches what the others did not record)."""
 
 
+RANDOM_SEED_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
+"""Hash functions vLLM seeds at random per process when PYTHONHASHSEED is unset."""
+
+
+def seed_source(hash_algo: str | None, pythonhashseed_set: bool) -> str:
+    """Where vLLM's ``NONE_HASH`` seed comes from (`SEED_SOURCES`), as vLLM resolves it:
+    PYTHONHASHSEED wins; else random for xxhash/xxhash_cbor, a fixed default otherwise."""
+    if pythonhashseed_set:
+        return "PYTHONHASHSEED"
+    return "random" if (hash_algo or "sha256") in RANDOM_SEED_ALGOS else "default"
+
+
+def config_header(
+    hash_algo: str, secondary_tiers: Sequence[Mapping[str, Any]], pythonhashseed_set: bool
+) -> dict[str, Any]:
+    """The part of a header `seed_warnings` reads, from a configuration not yet run (what
+    ``keytrace doctor --hash-algo/--kv-transfer-config`` is given): the hash function,
+    the seed's source, and each secondary tier (``type``; its place as configured)."""
+    return {
+        "hash_identity": {
+            "hash_algo": hash_algo,
+            "seed_source": seed_source(hash_algo, pythonhashseed_set),
+        },
+        "tier_scope": {
+            "secondary": [
+                {
+                    "index": i,
+                    "type": str(t.get("type")),
+                    "identity": f"{t.get('type')}:{t.get('root_dir') or t.get('prefix') or i}",
+                }
+                for i, t in enumerate(secondary_tiers)
+            ]
+        },
+    }
+
+
 def scope_of(tier_type: str | None) -> Scope:
     """The scope of a tier of this type (``secondary_tiers[*].type``; ``"cpu"``: the
     primary)."""

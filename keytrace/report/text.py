@@ -339,6 +339,8 @@ def render_doctor(d: dict[str, Any], file: IO[str], *, checks: bool = False) -> 
                 file.write(f"{'':<{width + 9}}{'ok' if k['ok'] else 'FAILED'}: {k['check']}\n")
     for note in d["notes"]:
         file.write(f"\nnote: {note}\n")
+    for warning in d.get("identity_warnings") or []:
+        file.write(f"\nwarning: {warning}\n")
     file.write(
         "\nrecording works here\n" if d["can_record"] else "\nrecording does NOT work here\n"
     )

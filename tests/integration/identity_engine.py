@@ -3,7 +3,7 @@ that records into a trace folder and serves one prompt, over a tiered manager wh
 tier sits in a folder other engines may share (or over a CPU tier alone).
 
 ``python -m tests.integration.identity_engine TRACE DISK TOKENS [--algo A] [--dp R]
-[--cpu-only]``; PYTHONHASHSEED comes from the environment, as for vLLM."""
+[--cpu-only] [--alarm]``; PYTHONHASHSEED comes from the environment, as for vLLM."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--algo", default="sha256")
     ap.add_argument("--dp", type=int, default=None)
     ap.add_argument("--cpu-only", action="store_true")
+    ap.add_argument("--alarm", action="store_true", help="with the live alarm on")
     args = ap.parse_args()
 
     from keytrace.analysis.geometry import builtin
@@ -38,7 +39,9 @@ def main() -> None:
     geo = builtin("small").with_(cpu_chunks=24)
     if not args.cpu_only:
         geo = tiered(geo, ("fs",), args.disk)
-    with recording(args.trace):
+    from keytrace.live.registry import AlarmSettings
+
+    with recording(args.trace, AlarmSettings() if args.alarm else None):
         h = lab_harness.Harness(geo, max_prompt_tokens=4_000, dp_rank=args.dp)
         try:
             h.submit(args.tokens)

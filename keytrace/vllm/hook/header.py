@@ -251,12 +251,10 @@ def hash_identity(sched: Any, vllm_config: Any) -> dict[str, Any]:
     try:
         from vllm.v1.core import kv_cache_utils as K
 
-        env = os.environ.get("PYTHONHASHSEED")
-        random_seed = env is None and algo.startswith("xxhash")
-        out["seed_source"] = (
-            "PYTHONHASHSEED" if env is not None else "random" if random_seed else "default"
-        )
-        if not random_seed:
+        from keytrace.judge.identity import seed_source
+
+        out["seed_source"] = seed_source(algo, "PYTHONHASHSEED" in os.environ)
+        if out["seed_source"] != "random":
             from vllm.utils.hashing import get_hash_fn_by_name
 
             fn = get_hash_fn_by_name(algo)
