@@ -89,7 +89,7 @@ def test_same_seed_engine_b_is_served_from_a_s_files(tmp_path: Path) -> None:
     # B's lookup was served from the files A wrote: a hit at A's boundary, never cold
     assert [(v.verdict, v.E, v.external_tokens) for v in mine] == [(Verdict.HIT, E, E)]
     rows = _rows(report, _engine_names(trace), b)
-    assert rows.get("offload tier, promoted from secondary tier 0 (fs)") == E
+    assert rows.get("offload tier, promoted from secondary tier 0") == E
     assert "cold: not stored anywhere" not in rows
     assert main(["diff", str(trace)]) == 0
 
