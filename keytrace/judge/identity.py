@@ -44,8 +44,9 @@ class Finding(StrEnum):
     """Engines that share a tier hash differently: none reads what another stored."""
 
 
-PRIVATE_TIERS = frozenset({"cpu"})
-"""Tier types whose keys only their own engine reads."""
+PRIVATE_TIERS = frozenset({"cpu", "example"})
+"""Tier types whose keys only their own engine reads: the CPU tier, and vLLM's in-memory
+``example`` tier (a dictionary in its manager)."""
 
 SEED_SOURCES = ("PYTHONHASHSEED", "default", "random")
 """Where an engine's ``NONE_HASH`` seed came from (vLLM's ``resolve_none_hash_seed``):

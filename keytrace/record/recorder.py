@@ -40,6 +40,7 @@ from keytrace.format.schema import (
 )
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
 from keytrace.judge import definitions as d
+from keytrace.judge.identity import shared_places
 from keytrace.judge.rules import STORE_OFFERS, groups_from_header, lookup_cap, retention_of
 from keytrace.record.chain import ChainBook
 from keytrace.record.events import (
@@ -139,6 +140,7 @@ class Recorder:
                 dp_rank,
                 directory,
                 lambda: _health(me()),
+                shared_places(header),
             )
             self._tell(listener.instance_started, info, self.book)
 

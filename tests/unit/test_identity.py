@@ -57,6 +57,7 @@ def _header(
 
 def test_cpu_is_private_and_every_secondary_tier_shared() -> None:
     assert scope_of("cpu") is Scope.PRIVATE and scope_of(None) is Scope.PRIVATE
+    assert scope_of("example") is Scope.PRIVATE  # vLLM's in-memory tier: a dict per manager
     assert {scope_of(t) for t in ("fs", "obj", "p2p", "kvcr")} == {Scope.SHARED}
 
 
