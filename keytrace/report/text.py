@@ -215,6 +215,8 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
     bad = [e for e in fleet.engines if e.mismatches]
     head = "MISMATCH" if fleet.verdict == "mismatch" else "AGREE"
     file.write(f"{head}{partial}: {len(bad)} of {len(fleet.engines)} engine(s) with mismatches\n")
+    for f in getattr(fleet, "identity", []):  # engines compared before any key
+        file.write(f"MISMATCH{partial}: {f.text}\n")
     if fleet.sample is not None:
         file.write(
             f"sampled trace (KEYTRACE_SAMPLE={fleet.sample:g}): counts cover the sampled "
