@@ -117,10 +117,12 @@ def chain(lookups: pl.LazyFrame, offers: pl.DataFrame) -> pl.LazyFrame:
 
 
 def shared_writes(offers: pl.DataFrame, tiers: pl.LazyFrame, shared: pl.DataFrame) -> pl.DataFrame:
-    """(other, key, b, written): each boundary key (``offers``: (inst, key, b), every
-    instance's, as `keytrace.analysis.partition.CrossEngine.elsewhere` holds them) an
+    """(other, key, b, written): each boundary key (``offers``: (inst, key, b, first_ts),
+    every instance's, as `keytrace.analysis.partition.CrossEngine.elsewhere` holds them) an
     instance wrote through to a tier another instance shares (``shared``: (inst, other,
-    tier), the scope rule's pairs), with when the write first completed (wall clock)."""
+    tier), the scope rule's pairs); ``written``: from when the boundary was both offered
+    and on the tier (the later of its first offer and the first completed write, wall
+    clock)."""
     if shared.height == 0 or offers.height == 0:
         return pl.DataFrame(
             schema={"other": pl.Int64, "key": pl.Binary, "b": pl.Int64, "written": pl.Int64}
@@ -133,12 +135,18 @@ def shared_writes(offers: pl.DataFrame, tiers: pl.LazyFrame, shared: pl.DataFram
         .group_by("inst", "key")
         .agg(pl.col("ts").min().alias("written"))
     )
+    # the boundary was intended (offered for it) and the key on the tier: the later of both
     return frames.collect(
         offers.lazy()
-        .select("inst", "key", pl.col("b").cast(pl.Int64))
-        .unique()
+        .group_by("inst", "key", pl.col("b").cast(pl.Int64))
+        .agg(pl.col("first_ts").min())
         .join(written, on=["inst", "key"])
-        .rename({"inst": "other"})
+        .select(
+            pl.col("inst").alias("other"),
+            "key",
+            "b",
+            pl.max_horizontal("written", "first_ts").alias("written"),
+        )
     )
 
 

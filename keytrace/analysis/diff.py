@@ -192,7 +192,7 @@ def _judge_all(
 
     writes = None
     if options.shared is not None and options.shared.height:
-        every = cross.elsewhere.select(pl.col("other").alias("inst"), "key", "b")
+        every = cross.elsewhere.select(pl.col("other").alias("inst"), "key", "b", "first_ts")
         writes = shared_writes(every, frames.tiers(shipped), options.shared)
     options = dataclasses.replace(options, writes=writes)
     return runner.map(

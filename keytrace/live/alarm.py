@@ -109,7 +109,6 @@ class Alarm:
                 info.name, info.engine, info.dp_rank, info.directory, info.health, book
             )
             st.tag = len(self._inst).to_bytes(2, "big")
-            st.shared = dict(info.shared)
             self._inst[info.instance_id] = st
             self.judge.instances = tuple(self._inst.values())
 

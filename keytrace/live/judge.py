@@ -18,7 +18,6 @@ from keytrace.format.keys import chunk_ending_at
 from keytrace.format.schema import LookupResult
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import UNSEEN, Cause, Verdict
-from keytrace.judge.identity import on_shared_tier
 from keytrace.judge.rules import Group, lookup_cap, needed_range
 from keytrace.live.judged import Judged
 from keytrace.live.state import InstanceState, KeyStore
@@ -94,29 +93,10 @@ class Judge:
         anchor_keys = [k for sc in ep.scans if sc.gid == self.anchor.gid for k in sc.keys]
         anchor_keys += ep.unqueried.get(self.anchor.gid, {}).values()
         boundaries, chain_P = st.book.intended(anchor_keys, ep.seq)
-        boundaries |= self._shared_boundaries(st, anchor_keys, ep.seq)
+        boundaries |= st.book.shared_intended(anchor_keys, ep.seq)
         chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
         standing = d.standing_boundaries(top, self.groups, self.retention)
         return d.expected_boundary(S, chain_best, standing), chain_P
-
-    def _shared_boundaries(
-        self, st: InstanceState, anchor_keys: Sequence[bytes], before: int
-    ) -> set[int]:
-        """The boundaries whose anchor key another instance of this process wrote through
-        to a tier ``st`` shares, before the episode (`keytrace.judge.identity.on_shared_tier`;
-        the differ: `keytrace.analysis.boundaries.shared_boundaries`)."""
-        out: set[int] = set()
-        if not st.shared:
-            return out
-        for other in self.instances:
-            if other is st or not set(other.shared) & set(st.shared):
-                continue
-            for key in anchor_keys:
-                written = other.shared_written.get(bytes(key))
-                if written is None or not on_shared_tier(written, before):
-                    continue
-                out.update(b for _req, b, _first, _P in other.book.offers.get(key, ()))
-        return out
 
     def _lead(
         self, st: InstanceState, g: Group, sc: Scan | None, S: int, listed: Mapping[int, bytes]

@@ -73,11 +73,6 @@ class InstanceState:
     """The recorder's chain book: the intended boundaries (`keytrace.record.chain`)."""
     tag: bytes = b""
     """2 bytes appended to a key to name its record on this instance."""
-    shared: dict[str, int] = field(default_factory=dict)
-    """The tiers it shares with other engines: place -> tier index (`InstanceInfo.shared`)."""
-    shared_written: dict[bytes, int] = field(default_factory=dict)
-    """Boundary key (one its chain book holds) -> the first sequence number a write-through
-    of it to a shared tier completed (`keytrace.analysis.boundaries.shared_writes`)."""
     reset: int | None = None
     first_prep: dict[int, int] = field(default_factory=dict)
     """Group id -> the first sequence number it reached the store path at."""
@@ -240,12 +235,6 @@ class KeyStore:
             elif holds:
                 if event is TierEvent.LOOKUP and call.result is not LookupResult.HIT:
                     continue
-                if (
-                    event in d.DURABLE_EVENTS
-                    and call.tier in st.shared.values()
-                    and key in st.book.offers
-                ):
-                    st.shared_written.setdefault(bytes(key), call.seq)
                 rec = self.touch(st, key)
                 held_gone = (rec.tiers or {}).get(call.tier) or [None, None]
                 held_gone[event is TierEvent.TIER_EVICTED] = call.seq

@@ -9,7 +9,7 @@ filter. Nothing here imports vLLM or polars: it runs in every serving process th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -181,9 +181,6 @@ class InstanceInfo:
     directory: str | None
     health: Callable[[], Health | None]
     """The recorder's counters now (None once it is gone)."""
-    shared: Mapping[str, int] = field(default_factory=dict)
-    """The tiers it shares with other engines: place -> tier index
-    (`keytrace.judge.identity.shared_places` of its header)."""
 
 
 class Listener(Protocol):
