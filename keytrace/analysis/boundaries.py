@@ -20,10 +20,19 @@ import polars as pl
 
 from keytrace.analysis import frames
 from keytrace.format.reader import Trace
-from keytrace.judge.definitions import anchor, boundary_chunk
+from keytrace.judge.definitions import DURABLE_EVENTS, anchor, boundary_chunk
+from keytrace.judge.identity import on_shared_tier
 from keytrace.judge.rules import STORE_OFFERS, Group, align_down, store_boundary
 
-__all__ = ["anchor", "anchor_offers", "boundary_offers", "chain", "request_boundaries"]
+__all__ = [
+    "anchor",
+    "anchor_offers",
+    "boundary_offers",
+    "chain",
+    "request_boundaries",
+    "shared_boundaries",
+    "shared_writes",
+]
 
 
 def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
@@ -104,4 +113,57 @@ def chain(lookups: pl.LazyFrame, offers: pl.DataFrame) -> pl.LazyFrame:
             pl.col("req_id").unique(maintain_order=True).alias("chain"),
             pl.col("P").max().alias("chain_P"),
         )
+    )
+
+
+def shared_writes(offers: pl.DataFrame, tiers: pl.LazyFrame, shared: pl.DataFrame) -> pl.DataFrame:
+    """(other, key, b, written): each boundary key (``offers``: (inst, key, b, first_ts),
+    every instance's, as `keytrace.analysis.partition.CrossEngine.elsewhere` holds them) an
+    instance wrote through to a tier another instance shares (``shared``: (inst, other,
+    tier), the scope rule's pairs); ``written``: from when the boundary was both offered
+    and on the tier (the later of its first offer and the first completed write, wall
+    clock)."""
+    if shared.height == 0 or offers.height == 0:
+        return pl.DataFrame(
+            schema={"other": pl.Int64, "key": pl.Binary, "b": pl.Int64, "written": pl.Int64}
+        )
+    places = shared.select(pl.col("other").alias("inst"), "tier").unique()
+    written = (
+        tiers.filter(pl.col("event").cast(pl.String).is_in([str(e) for e in DURABLE_EVENTS]))
+        .join(offers.select("key").unique().lazy(), on="key")
+        .join(places.lazy(), on=["inst", "tier"])
+        .group_by("inst", "key")
+        .agg(pl.col("ts").min().alias("written"))
+    )
+    # the boundary was intended (offered for it) and the key on the tier: the later of both
+    return frames.collect(
+        offers.lazy()
+        .group_by("inst", "key", pl.col("b").cast(pl.Int64))
+        .agg(pl.col("first_ts").min())
+        .join(written, on=["inst", "key"])
+        .select(
+            pl.col("inst").alias("other"),
+            "key",
+            "b",
+            pl.max_horizontal("written", "first_ts").alias("written"),
+        )
+    )
+
+
+def shared_boundaries(
+    lookups: pl.LazyFrame, episodes: pl.LazyFrame, writes: pl.DataFrame, shared: pl.DataFrame
+) -> pl.LazyFrame:
+    """(inst, s, shared_b): per episode the boundaries whose anchor key another instance
+    wrote through to a tier this one reads, before the episode (`on_shared_tier`): intended
+    for it as if its own chain had stored them. ``lookups``: (inst, s, key) of the anchor
+    group; ``writes``: `shared_writes`."""
+    pairs = shared.select("inst", "other").unique()
+    return (
+        lookups.select("inst", "s", "key")
+        .join(episodes.select("inst", "s", "t"), on=["inst", "s"])
+        .join(writes.lazy(), on="key")
+        .join(pairs.lazy(), on=["inst", "other"])
+        .filter(on_shared_tier(pl.col("written"), pl.col("t")))
+        .group_by("inst", "s")
+        .agg(pl.col("b").unique().alias("shared_b"))
     )

@@ -22,7 +22,7 @@ from typing import Any
 import polars as pl
 
 from keytrace.analysis import frames, lost, partition, scans, unknown
-from keytrace.analysis.boundaries import anchor, chain
+from keytrace.analysis.boundaries import anchor, chain, shared_boundaries, shared_writes
 from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.history import causes, crowding, durable
 from keytrace.analysis.results import (
@@ -38,11 +38,18 @@ from keytrace.analysis.results import (
 from keytrace.analysis.runners import LocalRunner, Runner
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
-from keytrace.format.reader import Trace, raise_unknown_results
+from keytrace.format.reader import Trace, engine_headers, raise_unknown_results
 from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.shape import has_episodes
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import Verdict
+from keytrace.judge.identity import (
+    IdentityFinding,
+    identity_classes,
+    identity_findings,
+    shared_places,
+    shares_tier,
+)
 from keytrace.judge.ops import eq, lit, plain
 from keytrace.judge.rules import Group, groups_from_header, lookup_cap, needed_range, retention_of
 from keytrace.judge.trust import trace_rules
@@ -133,11 +140,40 @@ def _diff(
 ) -> DiffReport:
     tick = progress or (lambda stage, done, total: None)
     groups = _groups(trace)
+    # engines compared first (keytrace.judge.identity): engines that hash differently are
+    # judged apart (their keys can never match), and those sharing a tier are a finding
+    engines = engine_headers(trace)
+    headers = {name: h for name, (h, _) in engines.items()}
+    findings = identity_findings(headers)
+    classes = identity_classes(headers) if len(headers) > 1 else []
+    split = frozenset(i for f in findings for e in f.engines for i in engines[e][1])
+    shipped_all = trace.absolute()  # what workers are handed: any working directory reads it
+    subsets = (
+        [shipped_all.of_instances(i for e in cls for i in engines[e][1]) for cls in classes]
+        if len(classes) > 1
+        else [shipped_all]
+    )
+    shared = _shared_tiers(trace, headers, engines)
+    options = _Options(groups, (request, engine, rank), all_episodes, batch_episodes, split, shared)
+    results: list[PartitionResult] = []
+    for shipped in subsets:
+        results.extend(_judge_all(shipped, options, runner, partitions, tick))
+    return _merge(trace, results, all_episodes, findings)
+
+
+def _judge_all(
+    shipped: Trace,
+    options: _Options,
+    runner: Runner,
+    partitions: int | None,
+    tick: ProgressFn,
+) -> list[PartitionResult]:
+    """Every episode of ``shipped`` (engines that hash alike), in partitions."""
+    groups = options.groups
     cut = partitions or runner.partitions
-    shipped = trace.absolute()  # what workers are handed: any working directory reads it
     # one partition is the whole trace: no instance is counted, no row filtered
     views = (
-        [shipped.of_instances(p) for p in partition.plan(trace.instance_rows(), cut)]
+        [shipped.of_instances(p) for p in partition.plan(shipped.instance_rows(), cut)]
         if cut > 1
         else [shipped]
     )
@@ -155,14 +191,38 @@ def _diff(
         finished[0] += exported[i].episodes
         tick("episodes", finished[0], total)
 
-    options = _Options(groups, (request, engine, rank), all_episodes, batch_episodes)
-    results: list[PartitionResult] = runner.map(
+    writes = None
+    if options.shared is not None and options.shared.height:
+        every = cross.elsewhere.select(pl.col("other").alias("inst"), "key", "b", "first_ts")
+        writes = shared_writes(every, frames.tiers(shipped), options.shared)
+    options = dataclasses.replace(options, writes=writes)
+    return runner.map(
         judge_partition,
         [(v, e.offers, options) for v, e in zip(views, exported, strict=True)],
         cross,
         done=judged,
     )
-    return _merge(trace, results, all_episodes)
+
+
+def _shared_tiers(
+    trace: Trace,
+    headers: Mapping[str, Mapping[str, Any]],
+    engines: Mapping[str, tuple[dict[str, Any], frozenset[int]]],
+) -> pl.DataFrame:
+    """(inst, other, tier): the pairs of recorder instances that share a tier
+    (`keytrace.judge.identity.shares_tier`, the scope rule), with the index of the shared
+    tier on ``other`` (its writes reach ``inst``)."""
+    rows: list[tuple[int, int, int]] = []
+    for a, (_, ids_a) in engines.items():
+        for b, (_, ids_b) in engines.items():
+            if a == b or not shares_tier(headers[a], headers[b]):
+                continue
+            common = set(shared_places(headers[a])) & set(shared_places(headers[b]))
+            tiers = sorted(shared_places(headers[b])[p] for p in common)
+            rows.extend((i, j, t) for i in ids_a for j in ids_b for t in tiers)
+    return pl.DataFrame(
+        rows, schema={"inst": pl.Int64, "other": pl.Int64, "tier": pl.Int32}, orient="row"
+    )
 
 
 def _cross_engine(
@@ -186,6 +246,13 @@ class _Options:
     selection: tuple[str | None, str | None, int | None]
     all_episodes: bool
     batch_episodes: int
+    split: frozenset[int] = frozenset()
+    """Recorder instances of engines in a hash-identity finding (their cold tokens are
+    ``cold_hash_identity``)."""
+    shared: pl.DataFrame | None = None
+    """`_shared_tiers`: which instances read which others' shared tiers."""
+    writes: pl.DataFrame | None = None
+    """`boundaries.shared_writes` of the engines judged together (None: no shared tier)."""
 
 
 @dataclasses.dataclass
@@ -218,7 +285,10 @@ def judge_partition(
     # every batch's chain first, back to back: this query's memory is the largest of a
     # batch's, and run one after another the allocator hands each the pages of the last
     # (measured at 150M rows: +90 MB for the first, +10 MB for each next one)
-    chains = [_chains(view.episode_range(lo, hi), groups, offers) for lo, hi, _ in ranges]
+    chains = [
+        _chains(view.episode_range(lo, hi), groups, offers, options.writes, options.shared)
+        for lo, hi, _ in ranges
+    ]
     del offers  # what the batches need of it is in `routing` and `chains`
     others = cross.offers if cross.partitions > 1 else None
     batches = [
@@ -231,13 +301,19 @@ def judge_partition(
             sel,
             options.all_episodes,
             others,
+            options,
         )
         for (lo, hi, _), chained in zip(ranges, chains, strict=True)
     ]
     return PartitionResult(batches, stores_without_lookups(view))
 
 
-def _merge(trace: Trace, results: list[PartitionResult], all_episodes: bool) -> DiffReport:
+def _merge(
+    trace: Trace,
+    results: list[PartitionResult],
+    all_episodes: bool,
+    findings: list[IdentityFinding] | None = None,
+) -> DiffReport:
     """One report from every partition's judgement: counts and token accounts added up,
     reported episodes in sequence order (instance breaking ties), whatever ran them."""
     batches = [b for r in results for b in r.batches]
@@ -266,8 +342,10 @@ def _merge(trace: Trace, results: list[PartitionResult], all_episodes: bool) -> 
             f"incomplete trace: {len(unlooked)} request(s) stored keys and have no lookup "
             f"rows at all ({shown}): their lookups are not in this trace"
         )
+    summary = lost.summarize([b.lost for b in batches if b.lost is not None])
+    found = bool(first or findings or lost.shared_missed(summary))
     return DiffReport(
-        verdict="mismatch" if first else "agree",
+        verdict="mismatch" if found else "agree",
         first_mismatch=first,
         episodes=verdicts,
         counts=dict(sorted(counts.items())),
@@ -275,10 +353,11 @@ def _merge(trace: Trace, results: list[PartitionResult], all_episodes: bool) -> 
         warnings=warnings,
         header=trace.header,
         all_episodes=all_episodes,
-        lost=lost.summarize([b.lost for b in batches if b.lost is not None]),
+        lost=summary,
         sample=sample_of(trace.header),
         rules=trace_rules(trace.header),
         engine_counts={e: dict(sorted(c.items())) for e, c in sorted(engine_counts.items())},
+        identity=list(findings or []),
     )
 
 
@@ -325,6 +404,7 @@ def _judge(
     sel: pl.Expr,
     all_episodes: bool,
     others: partition.FirstOffers | None = None,
+    options: _Options | None = None,
 ) -> _Batch:
     """The episodes ``lo <= s < hi`` of a partition (``trace``: `Trace.of_instances`):
     their own lookup rows are read from ``view`` (`Trace.episode_range`), the store history
@@ -351,7 +431,7 @@ def _judge(
         .len()
         .iter_rows()
     )
-    partial = _lost_tokens(judged, routing, promotions)
+    partial = _lost_tokens(judged, routing, promotions, options)
     reported = (
         judged
         if all_episodes
@@ -429,7 +509,10 @@ def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFra
 
 
 def _lost_tokens(
-    judged: pl.DataFrame, routing: lost.Routing, promotions: pl.DataFrame | None
+    judged: pl.DataFrame,
+    routing: lost.Routing,
+    promotions: pl.DataFrame | None,
+    options: _Options | None = None,
 ) -> lost.Partial:
     """The per-engine account of every prompt token (`keytrace.analysis.lost`), folded
     over these episodes (``promotions``: `lost.promotions` of a tiered trace)."""
@@ -444,13 +527,21 @@ def _lost_tokens(
         eq(pl.col("verdict"), Verdict.COLD)
     )
     boundaries = lost.routing_boundaries(cold, routing)
+    split: frozenset[int] = frozenset()
+    if options is not None:
+        split = options.split
+        on_shared = lost.shared_boundaries(cold, routing, options.writes, options.shared)
+        if on_shared.height:
+            boundaries = boundaries.join(on_shared, on=KEY, how="full", coalesce=True)
     counted = j.select("engine", "N", "verdict").filter(
         ~pl.col("verdict").is_in(plain(d.ASKED_AGAIN))
     )
     per_episode = j.select(
         *KEY, "req_id", "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid"
     )
-    return lost.fold(lost.account(per_episode, boundaries, promotions), counted.drop("verdict"))
+    return lost.fold(
+        lost.account(per_episode, boundaries, promotions, split), counted.drop("verdict")
+    )
 
 
 # ------------------------------------------------------------------ episodes
@@ -475,9 +566,35 @@ def _groups(trace: Trace) -> list[Group]:
     return groups
 
 
-def _chains(trace: Trace, groups: list[Group], offers: pl.DataFrame) -> pl.DataFrame:
-    """`boundaries.chain` of the episodes of ``trace`` (one row per episode with any)."""
-    return frames.collect(chain(frames.lookup_keys(trace, anchor(groups).gid), offers))
+def _chains(
+    trace: Trace,
+    groups: list[Group],
+    offers: pl.DataFrame,
+    writes: pl.DataFrame | None = None,
+    shared: pl.DataFrame | None = None,
+) -> pl.DataFrame:
+    """`boundaries.chain` of the episodes of ``trace`` (one row per episode with any); with
+    ``writes`` (`boundaries.shared_writes`), the boundaries other engines wrote through to
+    a tier this one shares join each episode's ``boundaries`` (`shared_boundaries`)."""
+    lookups = frames.lookup_keys(trace, anchor(groups).gid)
+    own = frames.collect(chain(lookups, offers))
+    if writes is None or shared is None or writes.height == 0:
+        return own
+    extra = frames.collect(shared_boundaries(lookups, frames.episodes(trace), writes, shared))
+    if extra.height == 0:
+        return own
+    return (
+        own.join(extra, on=KEY, how="full", coalesce=True)
+        .with_columns(
+            pl.concat_list(
+                pl.col("boundaries").fill_null(pl.lit([], pl.List(pl.Int64))),
+                pl.col("shared_b").fill_null(pl.lit([], pl.List(pl.Int64))),
+            )
+            .list.unique()
+            .alias("boundaries")
+        )
+        .drop("shared_b")
+    )
 
 
 def _episodes(

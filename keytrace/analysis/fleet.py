@@ -15,6 +15,7 @@ from typing import Any
 from keytrace.analysis.lost import LostRow
 from keytrace.analysis.results import DiffReport, EpisodeVerdict
 from keytrace.judge import definitions as d
+from keytrace.judge.identity import IdentityFinding
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class FleetReport:
     sample: float | None
     engines: list[EngineVerdict]
     warnings: list[str] = field(default_factory=list)
+    identity: list[IdentityFinding] = field(default_factory=list)
+    """Engines that share a tier and hash differently (`DiffReport.identity`)."""
 
 
 def engine_of(v: EpisodeVerdict) -> str:
@@ -77,6 +80,7 @@ def by_engine(report: DiffReport) -> FleetReport:
         sample=report.sample,
         engines=engines,
         warnings=list(report.warnings),
+        identity=list(report.identity),
     )
 
 

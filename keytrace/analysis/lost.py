@@ -15,8 +15,15 @@ episode is asked again; a resumed request is recomputed, so it counts again):
   between what was served and the expected boundary, by the first decisive cause
   (``in_flight``, ``evicted``, ``other_engine``, ``store_failed`` explain it; the rest are
   rule disagreements);
-- ``cold_routing``: for a cold episode, the tokens up to a boundary another engine held for
-  this prompt at that moment (the conversation's earlier turn ran there);
+- ``cold_shared``: for a cold episode, the tokens up to a boundary another engine had
+  written through to a tier this engine shares (`keytrace.judge.identity.shares_tier`)
+  before the episode: this engine should have read it there, a finding (exit 1);
+- ``cold_routing``: for a cold episode, the rest of the tokens up to a boundary another
+  engine held for this prompt at that moment in a tier this engine cannot read (its
+  private CPU tier: by design, routing; the conversation's earlier turn ran there);
+- ``cold_hash_identity``: the rest of a cold episode's tokens on an engine that shares a
+  tier with an engine hashing differently (`keytrace.judge.identity.identity_findings`):
+  what the other stored was never findable under this engine's keys;
 - ``cold_not_stored``: the rest of a cold episode's tokens;
 - ``past_boundary``: everything after E (or after what was served): recomputed by design.
 
@@ -46,14 +53,18 @@ CATEGORIES = (
     "offload",
     "promoted",
     "short",
+    "cold_shared",
     "cold_routing",
+    "cold_hash_identity",
     "cold_not_stored",
     "past_boundary",
 )
 LABELS = {
     "gpu_prefix": "GPU prefix cache",
     "offload": "offload tier (loaded)",
-    "cold_routing": "cold: stored on another engine (routing)",
+    "cold_shared": "cold: on a shared tier this engine should have read (finding)",
+    "cold_routing": "cold: stored on another engine's private tier (routing)",
+    "cold_hash_identity": "cold: an engine on its shared tier hashes differently (hash identity)",
     "cold_not_stored": "cold: not stored anywhere",
     "past_boundary": "recomputed past E (by design)",
 }
@@ -96,15 +107,20 @@ class LostTokens:
 
 
 def account(
-    judged: pl.DataFrame, routing: pl.DataFrame, promotions: pl.DataFrame | None = None
+    judged: pl.DataFrame,
+    routing: pl.DataFrame,
+    promotions: pl.DataFrame | None = None,
+    split: frozenset[int] = frozenset(),
 ) -> pl.LazyFrame:
     """Per counted episode its tokens in each of `CATEGORIES` (one column each; on a tiered
     trace ``promoted_<tier>`` per secondary tier in place of ``promoted``), from judged
     episodes.
 
     ``judged`` holds per episode: inst, s, req_id, engine, verdict, S, N, X, A, E, cause,
-    bind_gid; ``routing``: (inst, s, E_other) for cold episodes another engine held a
-    boundary for; ``promotions``: `promotions` (None: not a tiered trace).
+    bind_gid; ``routing``: (inst, s, E_other, E_shared) for cold episodes another engine
+    held a boundary for (`routing_boundaries`; E_shared: on a tier this one shares);
+    ``promotions``: `promotions` (None: not a tiered trace); ``split``: the recorder
+    instances of engines in a hash-identity finding.
     """
     gpu, offload = served(pl.col("S"), pl.col("N"), pl.col("A"), pl.col("X"))
     ep = (
@@ -132,19 +148,26 @@ def account(
     short = pl.when(pl.col("verdict").is_in(plain(SHORTFALLS))).then(
         short_of_E(pl.col("E"), pl.col("gpu_prefix"), pl.col("served") - pl.col("gpu_prefix"))
     )
-    routed = pl.when(eq(pl.col("verdict"), Verdict.COLD)).then(
+    cold = eq(pl.col("verdict"), Verdict.COLD)
+    if "E_shared" not in ep.collect_schema().names():
+        ep = ep.with_columns(pl.lit(None, pl.Int64).alias("E_shared"))
+    on_shared = pl.when(cold).then(
+        pl.max_horizontal(pl.col("E_shared").fill_null(0) - pl.col("served"), 0)
+    )
+    routed = pl.when(cold).then(
         pl.max_horizontal(pl.col("E_other").fill_null(0) - pl.col("served"), 0)
     )
     ep = ep.with_columns(
-        short.fill_null(0).alias("short"), routed.fill_null(0).alias("cold_routing")
+        short.fill_null(0).alias("short"), on_shared.fill_null(0).alias("cold_shared")
+    ).with_columns(
+        pl.max_horizontal(routed.fill_null(0) - pl.col("cold_shared"), 0).alias("cold_routing")
     )
-    cold_rest = pl.col("N") - pl.col("served") - pl.col("cold_routing")
+    cold_rest = pl.col("N") - pl.col("served") - pl.col("cold_shared") - pl.col("cold_routing")
+    in_split = pl.col("inst").is_in(sorted(split))
     rest = [c for c in CATEGORIES if c != "promoted"]
     return ep.with_columns(
-        pl.when(eq(pl.col("verdict"), Verdict.COLD))
-        .then(cold_rest)
-        .otherwise(0)
-        .alias("cold_not_stored"),
+        pl.when(cold & in_split).then(cold_rest).otherwise(0).alias("cold_hash_identity"),
+        pl.when(cold & ~in_split).then(cold_rest).otherwise(0).alias("cold_not_stored"),
         pl.when(eq(pl.col("verdict"), Verdict.COLD))
         .then(0)
         .otherwise(pl.col("N") - pl.col("served") - pl.col("short"))
@@ -337,6 +360,45 @@ def routing(stores: pl.LazyFrame, elsewhere: pl.DataFrame, groups: list[Group]) 
         .unique()
     )
     return Routing(own, elsewhere)
+
+
+def shared_missed(summary: LostTokens) -> int:
+    """Tokens of cold episodes that a tier this engine shares held for it (``cold_shared``,
+    all engines): a finding."""
+    return sum(r.tokens for r in summary.rows if r.engine == "all" and r.category == "cold_shared")
+
+
+def shared_boundaries(
+    cold: pl.DataFrame, facts: Routing, writes: pl.DataFrame | None, shared: pl.DataFrame | None
+) -> pl.DataFrame:
+    """(inst, s, E_shared) for cold episodes: the largest boundary ``b`` in (S, L] whose
+    key (one this episode's request offered) another instance had written through to a
+    tier this one shares before the episode (`keytrace.judge.identity.on_shared_tier`):
+    there for this engine to read. ``writes``: `keytrace.analysis.boundaries.shared_writes`;
+    ``shared``: (inst, other, tier)."""
+    from keytrace.judge.identity import on_shared_tier
+
+    empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_shared": pl.Int64})
+    if cold.height == 0 or facts.own.height == 0 or writes is None or shared is None:
+        return empty
+    if writes.height == 0:
+        return empty
+    mine = facts.own.join(cold.select("inst", "req_id").unique(), on=["inst", "req_id"])
+    return (
+        cold.select("inst", "s", "req_id", "t", "S", "L")
+        .lazy()
+        .join(mine.lazy(), on=["inst", "req_id"])
+        .join(writes.lazy(), on="key")
+        .join(shared.select("inst", "other").unique().lazy(), on=["inst", "other"])
+        .filter(
+            on_shared_tier(pl.col("written"), pl.col("t"))
+            & (pl.col("b") > pl.col("S"))
+            & (pl.col("b") <= pl.col("L"))
+        )
+        .group_by("inst", "s")
+        .agg(pl.col("b").max().cast(pl.Int64).alias("E_shared"))
+        .pipe(frames.collect)
+    )
 
 
 def routing_boundaries(cold: pl.DataFrame, facts: Routing) -> pl.DataFrame:

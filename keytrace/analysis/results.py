@@ -14,6 +14,7 @@ import polars as pl
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.verdict import reason
 from keytrace.judge.definitions import SHORTFALLS, Verdict
+from keytrace.judge.identity import IdentityFinding
 from keytrace.judge.rules import Group
 from keytrace.judge.trust import RulesStatus
 
@@ -170,6 +171,9 @@ class DiffReport:
     `keytrace.analysis.fleet.by_engine` reads (``keytrace diff --by engine``)."""
     maps: list[EpisodeMap] = field(default_factory=list, metadata=NOT_IN_JSON)
     """Chunk maps of the first reported shortfalls (``diff(..., maps=N)``; the HTML page)."""
+    identity: list[IdentityFinding] = field(default_factory=list)
+    """Engines that share a tier and hash differently (`keytrace.judge.identity`): each a
+    finding, judged before any key (their keys are never judged against each other)."""
 
 
 PLAIN_FIELDS = (

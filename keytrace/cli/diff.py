@@ -170,14 +170,16 @@ def command(
         write_page(html_path, report)
         if not as_json:
             click.echo(f"chunk map: {html_path}")
-    if report.first_mismatch is None and agree_refused(report.rules):
+    if report.verdict != "mismatch" and agree_refused(report.rules):
         assert report.rules is not None
         raise RulesDisputedError(
             f"no AGREE: the oracle disagreed with keytrace's rules on the vLLM code that "
             f"recorded this trace (rules digest {report.rules.digest}); see docs/diff.md, "
             "Rules verified by the oracle"
         )
-    return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK
+    # a mismatched episode, engines that share a tier and hash differently, or tokens a
+    # shared tier held that an engine did not read (`DiffReport.verdict`)
+    return EXIT_MISMATCH if report.verdict == "mismatch" else EXIT_OK
 
 
 def _runner(jobs: int, ray_address: str | None) -> Runner:

@@ -17,6 +17,23 @@ from keytrace.report.text import render_doctor, render_verify
 @json_option
 @click.option("--checks", is_flag=True, help="List every check behind each capability.")
 @click.option(
+    "--hash-algo",
+    default=None,
+    help="The --prefix-caching-hash-algo the engines will run with (warns when a shared "
+    "tier meets a random per-process seed: xxhash without PYTHONHASHSEED).",
+)
+@click.option(
+    "--kv-transfer-config",
+    default=None,
+    help="The engines' --kv-transfer-config JSON (its secondary_tiers are checked).",
+)
+@click.option(
+    "--trace",
+    "trace",
+    default=None,
+    help="A recorded trace: each engine's hash identity and tier scope are checked.",
+)
+@click.option(
     "--verify",
     is_flag=True,
     help="Run the isolated-lookup oracle on the installed vLLM (seeded workloads through "
@@ -43,6 +60,9 @@ from keytrace.report.text import render_doctor, render_verify
 def command(
     as_json: bool,
     checks: bool,
+    hash_algo: str | None,
+    kv_transfer_config: str | None,
+    trace: str | None,
     verify: bool,
     seconds: float,
     episodes: int,
@@ -60,6 +80,10 @@ def command(
     oracle ran on: shipped with keytrace for the releases it supports, or checked here
     with --verify.
 
+    With --hash-algo/--kv-transfer-config or --trace it also checks hash identity: a shared
+    tier (fs, obj, p2p) under a random NONE_HASH seed is read by no other engine and no
+    restart (a warning), and engines of a trace that share a tier and hash differently.
+
     vLLM is only inspected, never patched (--verify runs it in the CPU lab).
 
     \b
@@ -69,9 +93,10 @@ def command(
     """
     if verify:
         return _verify(as_json, seconds, episodes, progress)
-    from keytrace.vllm.lab.doctor import diagnose
+    from keytrace.vllm.lab.doctor import diagnose, identity_warnings
 
     found = diagnose().as_json()
+    found["identity_warnings"] = identity_warnings(hash_algo, kv_transfer_config, trace)
     if as_json:
         write_json(found, sys.stdout)
     else:

@@ -352,7 +352,9 @@ def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None
                 f"{p.path}: schema version {p.version} mixed with version {parts[0].version} "
                 f"({parts[0].path}); keep one version per trace (re-record or compact separately)"
             )
-        if p.header_json != header_json:
+        if p.header_json != header_json and _configuration(p.header_json) != _configuration(
+            header_json
+        ):
             raise TraceError(_mixed_message(parts[0], p))
     header = json.loads(header_json)
     # a trace directory stands for every kind; one of its kind=X folders, for that kind
@@ -550,6 +552,40 @@ def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
     """A part's column holds the values its schema version says (a ``seq`` rewritten as
     strings would order events by text, silently; a narrower integer would overflow)."""
     return bool(_plain(found) == _plain(expected))
+
+
+PER_ENGINE_KEYS = frozenset({"hash_identity", "tier_scope", "hash_algo", "pythonhashseed_set"})
+"""Header keys that describe one engine, not the configuration: parts may differ in them
+(two engines, two runs, a random seed per process) and still be one trace. The differ
+compares them across engines (`keytrace.judge.identity`) before it judges any key."""
+
+
+def _configuration(header_json: str) -> str:
+    """A header without its `PER_ENGINE_KEYS`: what every part of a trace must share."""
+    header = json.loads(header_json)
+    return json.dumps({k: v for k, v in header.items() if k not in PER_ENGINE_KEYS}, sort_keys=True)
+
+
+def engine_headers(trace: Trace) -> dict[str, tuple[dict[str, Any], frozenset[int]]]:
+    """Per writing engine, named ``<engine id> (<instance>)`` (the recorder instance alone
+    without an engine id): its header and its recorder instance ids. A part naming no
+    instance (compacted) is left out: its engines are not known apart."""
+    out: dict[str, tuple[dict[str, Any], set[int]]] = {}
+    cache: dict[str, dict[str, Any]] = {}
+    for p in trace.parts:
+        inst = _instance_of(p)
+        if inst is None:
+            continue
+        if trace.only is not None and inst not in trace.only:
+            continue
+        instance = str(p.source.get("instance") or inst)
+        engine = p.source.get("engine_id")
+        name = f"{engine} ({instance})" if engine else instance
+        header = cache.get(p.header_json)
+        if header is None:
+            header = cache[p.header_json] = json.loads(p.header_json)
+        out.setdefault(name, (header, set()))[1].add(inst)
+    return {n: (h, frozenset(ids)) for n, (h, ids) in sorted(out.items())}
 
 
 def _mixed_message(a: Part, b: Part) -> str:

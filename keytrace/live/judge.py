@@ -93,6 +93,7 @@ class Judge:
         anchor_keys = [k for sc in ep.scans if sc.gid == self.anchor.gid for k in sc.keys]
         anchor_keys += ep.unqueried.get(self.anchor.gid, {}).values()
         boundaries, chain_P = st.book.intended(anchor_keys, ep.seq)
+        boundaries |= st.book.shared_intended(anchor_keys, ep.seq)
         chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
         standing = d.standing_boundaries(top, self.groups, self.retention)
         return d.expected_boundary(S, chain_best, standing), chain_P

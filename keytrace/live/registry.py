@@ -106,3 +106,27 @@ def forget_alarms() -> None:
     """Drop every alarm (a new recording session starts from nothing)."""
     with _ALARMS_LOCK:
         _ALARMS.clear()
+        _ENGINES.clear()
+
+
+_ENGINES: list[dict[str, Any]] = []
+"""The headers of the engines this process has started (their hash identity settled)."""
+
+
+def identity_at_startup(header: Mapping[str, Any], directory: str | None) -> str | None:
+    """Once per engine, at its first lookup: does it hash differently from an engine it
+    shares a tier with (`keytrace.judge.identity.disagreeing`)? The engines it can know of:
+    those of this process, and those whose parts are already in its trace folder. Logs
+    the finding once (a WARNING) and returns it, else None."""
+    from keytrace.format.headers import folder_headers
+    from keytrace.judge.identity import disagreeing
+
+    with _ALARMS_LOCK:
+        known = list(_ENGINES)
+        _ENGINES.append(dict(header))
+    found = disagreeing(header, known + folder_headers(directory))
+    if found is None:
+        return None
+    message = f"keytrace: {found.text}"
+    log.warning(message)
+    return message

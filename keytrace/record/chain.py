@@ -21,11 +21,16 @@ boundaries go when vLLM finishes it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 
 from keytrace.format.keys import gid_tail, key_tail
 from keytrace.judge.definitions import anchor, boundary_chunk, request_boundaries
+from keytrace.judge.identity import on_shared_tier
 from keytrace.judge.rules import Group
+
+_BOOKS: weakref.WeakSet[ChainBook] = weakref.WeakSet()
+"""Every chain book of this process: the instances `ChainBook.shared_intended` can see."""
 
 DEFAULT_MAX_OFFERS = 65_536
 """(request, boundary) offers kept per recorder: about 300 bytes each (the key, its entry
@@ -51,6 +56,60 @@ class ChainBook:
         self._count = 0
         self.forgotten = 0
         """Offers dropped to stay under ``max_offers``."""
+        self.shared: dict[str, int] = {}
+        """The tiers this instance shares with other engines: place -> tier index
+        (`keytrace.judge.identity.shared_places` of its header; `share`)."""
+        self.shared_written: dict[bytes, int] = {}
+        """Anchor key -> the first sequence number its write-through to a shared tier
+        completed (`written`); at most ``max_offers``, the oldest forgotten first."""
+        _BOOKS.add(self)
+
+    @property
+    def anchor_tail(self) -> bytes:
+        """The 4-byte group-id tail of the anchor group's keys."""
+        return self._tail
+
+    def share(self, places: Mapping[str, int]) -> None:
+        """The tiers this instance shares with other engines (place -> tier index)."""
+        self.shared = dict(places)
+
+    def written(self, tier: int | None, keys: Iterable[bytes | None], seq: int) -> None:
+        """A write-through of ``keys`` to ``tier`` completed (a `DURABLE_EVENTS` row): note
+        each anchor key's first such write when the tier is a shared one."""
+        if tier is None or tier not in self.shared.values():
+            return
+        for key in keys:
+            if key is not None and key_tail(key) == self._tail:
+                self.shared_written.setdefault(bytes(key), seq)
+        if len(self.shared_written) > self.max_offers:  # bounded as the offers are
+            victims = list(itertools.islice(self.shared_written, self.max_offers // 10 + 1))
+            for key in victims:
+                self.shared_written.pop(key, None)
+
+    def shared_intended(self, anchor_keys: Iterable[bytes], before: int) -> set[int]:
+        """The boundaries another instance of this process meant for an episode at sequence
+        number ``before`` through a tier both share: one of its requests offered the
+        anchor key for the boundary and the key's write-through to the shared tier
+        completed, both before the episode (`keytrace.judge.identity.on_shared_tier`; the
+        differ: `keytrace.analysis.boundaries.shared_boundaries`). Engines in other
+        processes are not seen here."""
+        out: set[int] = set()
+        if not self.shared:
+            return out
+        keys = [bytes(k) for k in anchor_keys]
+        for other in list(_BOOKS):
+            if other is self or not set(other.shared) & set(self.shared):
+                continue
+            for key in keys:
+                written = other.shared_written.get(key)
+                if written is None:
+                    continue
+                out.update(
+                    b
+                    for _req, b, first, _P in other.offers.get(key, ())
+                    if on_shared_tier(max(written, first), before)
+                )
+        return out
 
     def begin(self, req_id: str, prompt: int, junction: int | None) -> None:
         """An episode of ``req_id`` began: the boundaries its stores will keep tails for

@@ -40,6 +40,8 @@ from keytrace.format.schema import (
 )
 from keytrace.format.writer import NullWriter, TraceWriter, call_columns
 from keytrace.judge import definitions as d
+from keytrace.judge.definitions import DURABLE_EVENTS
+from keytrace.judge.identity import shared_places
 from keytrace.judge.rules import STORE_OFFERS, groups_from_header, lookup_cap, retention_of
 from keytrace.record.chain import ChainBook
 from keytrace.record.events import (
@@ -112,6 +114,7 @@ class Recorder:
         self.tph = int(header.get("tokens_per_hash") or 1)
         self.retention = retention_of(dict(header))
         self.book = ChainBook(self.groups)
+        self.book.share(shared_places(dict(header)))
         """Which boundaries requests meant later lookups to hit (`keytrace.record.chain`)."""
         self.listener = listener
         """The live judge this recorder feeds (`keytrace.live.alarm`), or None."""
@@ -127,6 +130,9 @@ class Recorder:
         self._scan: Scan | None = None
         self._pending: dict[str, Episode] = {}
         self.failures = 0
+        self.identity_settled = False
+        """Whether the hook has read the engine's hash identity into the header (at its
+        first lookup: vLLM draws NONE_HASH after the scheduler is built)."""
         if listener is not None:
             me = weakref.ref(self)
             info = InstanceInfo(
@@ -316,6 +322,7 @@ class Recorder:
             anchor_keys = [k for sc in ep.scans if sc.gid == anchor.gid for k in sc.keys]
             anchor_keys += ep.unqueried.get(anchor.gid, {}).values()
         intended, _ = self.book.intended(anchor_keys, ep.seq)
+        intended |= self.book.shared_intended(anchor_keys, ep.seq)
         ends = d.listing_boundaries(
             S, top, sorted(intended), self.groups, self.retention, self.tiered
         )
@@ -622,6 +629,8 @@ class Recorder:
         call = TierCall(
             next(_SEQ), time.time_ns(), event, req_id, tier, ks, ends, episode, result, job_id
         )
+        if event in DURABLE_EVENTS:  # what a shared tier holds for other engines' lookups
+            self.book.written(tier, ks, call.seq)
         if self.listener is not None:
             self._tell(self.listener.tier_called, self.inst, call)
         if self.sampler is not None and keys:

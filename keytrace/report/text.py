@@ -154,6 +154,8 @@ def render_diff(report: Any, file: IO[str]) -> None:
     rules = trust_line(report.rules)
     if rules is not None:
         file.write(rules + "\n")
+    for f in getattr(report, "identity", []):  # engines compared before any key
+        file.write(f"MISMATCH{partial}: {f.text}\n")
     if report.first_mismatch is not None and report.first_mismatch.verdict == "stalled":
         v = report.first_mismatch
         file.write(f"STALLED{partial}: request {v.req_id}: {v.reason} (E={fmt_int(v.E)})\n")
@@ -167,7 +169,12 @@ def render_diff(report: Any, file: IO[str]) -> None:
             f"MISMATCH{partial}: request {v.req_id} got {v.external_tokens:,} external tokens, expected "
             f"{(v.E or 0) - v.S:,} (E={v.E:,}); binding group {v.binding_group} ({v.binding_label}){key_txt}\n"
         )
-    else:
+    elif report.verdict == "mismatch" and not getattr(report, "identity", []):
+        file.write(
+            f"MISMATCH{partial}: cold episodes did not read what a shared tier held for them "
+            "(the token table's 'cold: on a shared tier this engine should have read')\n"
+        )
+    elif report.verdict != "mismatch":
         n = sum(report.counts.values())
         of = " of the sampled chains" if report.sample is not None else ""
         claim = "NO VERDICT (rules disputed)" if agree_refused(report.rules) else "AGREE"
@@ -213,6 +220,8 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
     bad = [e for e in fleet.engines if e.mismatches]
     head = "MISMATCH" if fleet.verdict == "mismatch" else "AGREE"
     file.write(f"{head}{partial}: {len(bad)} of {len(fleet.engines)} engine(s) with mismatches\n")
+    for f in getattr(fleet, "identity", []):  # engines compared before any key
+        file.write(f"MISMATCH{partial}: {f.text}\n")
     if fleet.sample is not None:
         file.write(
             f"sampled trace (KEYTRACE_SAMPLE={fleet.sample:g}): counts cover the sampled "
@@ -337,6 +346,8 @@ def render_doctor(d: dict[str, Any], file: IO[str], *, checks: bool = False) -> 
                 file.write(f"{'':<{width + 9}}{'ok' if k['ok'] else 'FAILED'}: {k['check']}\n")
     for note in d["notes"]:
         file.write(f"\nnote: {note}\n")
+    for warning in d.get("identity_warnings") or []:
+        file.write(f"\nwarning: {warning}\n")
     file.write(
         "\nrecording works here\n" if d["can_record"] else "\nrecording does NOT work here\n"
     )

@@ -77,7 +77,8 @@ def test_a_routing_miss_is_not_plain_cold(tmp_path: Path) -> None:
     a.close()
     bb.close()
     assert _rows(d, "A") == {
-        "cold: stored on another engine (routing)": 96,  # B held boundary 96 for this prefix
+        # B held boundary 96 for this prefix, in its own CPU tier
+        "cold: stored on another engine's private tier (routing)": 96,
         "cold: not stored anywhere": 24,
     }
     assert _rows(d, "B") == {"cold: not stored anywhere": 100}

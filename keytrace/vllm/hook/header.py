@@ -117,6 +117,8 @@ def build_header(
         "cache_block_size": int(cc.block_size),
         "num_gpu_blocks": int(kv_cache_config.num_blocks),
         **lookahead_fields(sched, vllm_config),
+        "hash_identity": hash_identity(sched, vllm_config),
+        "tier_scope": tier_scope(sched, spec, vllm_config),
         "model": _model_name(vllm_config.model_config.model),
         "max_model_len": int(vllm_config.model_config.max_model_len),
         "max_num_batched_tokens": int(sc.max_num_batched_tokens),
@@ -203,3 +205,174 @@ def engine_identity(vllm_config: Any) -> tuple[str | None, int | None]:
         str(engine_id) if engine_id is not None else None,
         int(rank) if rank is not None else None,
     )
+
+
+# ------------------------------------------------- hash identity and tier scope
+# Per engine, not per configuration: the reader compares these across engines with
+# `keytrace.judge.identity` instead of refusing a trace whose headers differ in them
+# (`keytrace.format.reader.PER_ENGINE_KEYS`).
+
+CANARY_FIRST_TOKEN = 100
+"""The canary block is the tokens ``100, 101, ...`` (a block and its lookahead)."""
+
+
+def _digest(value: bytes) -> str:
+    """16 hex digits of SHA-256: equal digests mean equal values, and the value (a
+    NONE_HASH, which is enough to precompute collisions) is never written."""
+    import hashlib
+
+    return hashlib.sha256(bytes(value)).hexdigest()[:16]
+
+
+def hash_identity(sched: Any, vllm_config: Any) -> dict[str, Any]:
+    """What decides the block hashes this engine computes, so engines that share a tier
+    can be compared (`keytrace.judge.identity`), never the seed itself:
+
+    - ``hash_algo``: ``--prefix-caching-hash-algo``; ``hash_len``: bytes per block hash;
+    - ``seed_source``: where ``NONE_HASH``'s seed came from, ``PYTHONHASHSEED`` (it wins),
+      ``default`` (sha256, sha256_cbor) or ``random`` (xxhash, xxhash_cbor: a new seed per
+      process); ``none_hash``: a 16-hex digest of ``NONE_HASH``;
+    - ``lookahead_tokens``: L; ``tokens_per_hash``: the hash block size;
+    - ``canary``: a 16-hex digest of the hash of one fixed token block (parent
+      ``NONE_HASH``), computed with vLLM's own functions: equal canaries mean the same
+      function, seed, block size and lookahead.
+
+    vLLM draws ``NONE_HASH`` after the scheduler is built (``EngineCore.__init__``), so
+    a random seed's digest and canary are None here; `settle_hash_identity` fills them
+    in at the first lookup. Never raises: what cannot be read is None."""
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    tph = int(sched.config.tokens_per_hash)
+    out: dict[str, Any] = {
+        "hash_algo": algo,
+        "hash_len": None,
+        "seed_source": None,
+        "none_hash": None,
+        "lookahead_tokens": lookahead,
+        "tokens_per_hash": tph,
+        "canary": None,
+    }
+    try:
+        from vllm.v1.core import kv_cache_utils as K
+
+        from keytrace.judge.identity import seed_source
+
+        out["seed_source"] = seed_source(algo, "PYTHONHASHSEED" in os.environ)
+        if out["seed_source"] != "random":
+            from vllm.utils.hashing import get_hash_fn_by_name
+
+            fn = get_hash_fn_by_name(algo)
+            # the seed vLLM will draw (deterministic here), read and dropped
+            out.update(_hashes(K, fn, bytes(fn(K.resolve_none_hash_seed(fn))), tph, lookahead))
+    except Exception:  # a release without these functions: the fields stay unknown
+        pass
+    return out
+
+
+def _hashes(K: Any, fn: Any, none_hash: bytes, tph: int, lookahead: int) -> dict[str, Any]:
+    """``hash_len``, ``none_hash`` and ``canary`` of `hash_identity` from a NONE_HASH."""
+    toks = list(range(CANARY_FIRST_TOKEN, CANARY_FIRST_TOKEN + tph + lookahead))
+    extra = None if lookahead == 0 else (None, *toks[tph : tph + lookahead])
+    canary = K.hash_block_tokens(fn, K.BlockHash(none_hash), toks[:tph], extra)
+    return {"hash_len": len(none_hash), "none_hash": _digest(none_hash), "canary": _digest(canary)}
+
+
+def settle_hash_identity(header: dict[str, Any]) -> bool:
+    """Read the ``NONE_HASH`` vLLM drew (``init_none_hash`` has run by a scheduler's first
+    lookup) into ``header["hash_identity"]``, in place: the seed's source and the digests
+    as the engine really hashes. Returns whether anything changed. Never raises."""
+    ident = header.get("hash_identity")
+    if not isinstance(ident, dict):
+        return False
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils as K
+
+        seed = getattr(K, "_NONE_HASH_SEED", None)
+        none_hash = getattr(K, "NONE_HASH", None)
+        if seed is None or none_hash is None:
+            return False
+        source = (
+            "PYTHONHASHSEED"
+            if os.environ.get("PYTHONHASHSEED") is not None
+            else "default"
+            if seed == getattr(K, "DEFAULT_NONE_HASH_SEED", None)
+            else "random"
+        )
+        del seed
+        fn = get_hash_fn_by_name(str(ident["hash_algo"]))
+        new = {
+            **ident,
+            "seed_source": source,
+            **_hashes(
+                K,
+                fn,
+                bytes(none_hash),
+                int(ident["tokens_per_hash"]),
+                int(ident["lookahead_tokens"]),
+            ),
+        }
+    except Exception:
+        return False
+    if new == ident:
+        return False
+    header["hash_identity"] = new
+    return True
+
+
+def tier_scope(sched: Any, spec: Any, vllm_config: Any) -> dict[str, Any]:
+    """Each tier's identity and whether other engines share it
+    (`keytrace.judge.identity.scope_of`): ``cpu``, the primary, private to this engine
+    and DP rank (its ``/dev/shm`` region, named after ``engine_id``, which vLLM suffixes
+    with ``_dp<rank>``); ``secondary`` per tier (as ``secondary_tiers``): ``fs``, its
+    namespace folder (root, model and the file mapper's fields); ``obj``, endpoint,
+    bucket and the namespace (no credentials); ``p2p``, its group, the peers' config
+    fingerprint. Never raises: what cannot be read is None."""
+    from keytrace.judge.identity import Scope, scope_of
+
+    engine_id, rank = engine_identity(vllm_config)
+    manager = sched.manager
+    primary = getattr(manager, "primary_tier", manager)
+    region = getattr(getattr(primary, "_mmap_region", None), "mmap_path", None)
+    cpu = {
+        "identity": str(region or f"/dev/shm/vllm_offload_{engine_id}.mmap"),
+        "engine_id": engine_id,
+        "dp_rank": rank,
+        "shared": scope_of("cpu") is Scope.SHARED,
+    }
+    tiers = getattr(manager, "secondary_tiers", None)
+    configs = list(getattr(spec, "secondary_tier_configs", None) or [])
+    secondary = []
+    for i, tier in enumerate(tiers if isinstance(tiers, list) else []):
+        kind = str(getattr(tier, "tier_type", type(tier).__name__))
+        settings = configs[i] if i < len(configs) and isinstance(configs[i], dict) else {}
+        secondary.append(
+            {
+                "index": i,
+                "type": kind,
+                "identity": _tier_place(kind, tier, settings),
+                "shared": scope_of(kind) is Scope.SHARED,
+            }
+        )
+    return {"cpu": cpu, "secondary": secondary}
+
+
+def _tier_place(kind: str, tier: Any, settings: dict[str, Any]) -> str | None:
+    """Where a secondary tier keeps its keys: what two engines must both name to share it."""
+    try:
+        base = getattr(getattr(tier, "file_mapper", None), "base_path", None)
+        rank = getattr(getattr(tier, "file_mapper", None), "rank", 0)
+        if kind == "fs":
+            root = base or settings.get("root_dir")
+            return f"fs:{os.path.abspath(str(root))}_r{rank}" if base else f"fs:{root}"
+        if kind == "obj":
+            store = settings.get("store_config") or {}
+            where = f"{store.get('endpoint_override') or ''}/{store.get('bucket') or ''}"
+            return f"obj:{where}:{base or settings.get('prefix') or ''}"
+        if kind == "p2p":
+            transport = getattr(tier, "_transport", None)
+            fp = getattr(transport, "config_fingerprint", None)
+            return f"p2p:{fp or 'default'}"
+        return f"{kind}:{json.dumps(settings, sort_keys=True, default=str)}"
+    except Exception:
+        return None

@@ -104,6 +104,8 @@ def start_recording(
 # ------------------------------------------------------- scheduler methods
 def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
     """``get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens)``."""
+    if not rec.identity_settled:
+        settle_identity(rec)
     request = arg(args, kw, 0, "request")
     max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
     spb = getattr(request, "shared_prefix_boundary", None)
@@ -118,6 +120,21 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
         int(spb) if spb else None,
         bytes(hashes[0]) if rec.sampler is not None and hashes else None,
     )
+
+
+def settle_identity(rec: Recorder) -> None:
+    """At a scheduler's first lookup (vLLM has drawn NONE_HASH by then): the engine's hash
+    identity into the header its parts carry, and, with the live alarm on, the start-up
+    check against the engines it can know of (`keytrace.live.registry.identity_at_startup`)."""
+    from keytrace.vllm.hook.header import settle_hash_identity
+
+    rec.identity_settled = True
+    settle_hash_identity(rec.writer.header)
+    if rec.listener is not None:
+        from keytrace.live.registry import identity_at_startup
+
+        directory = getattr(rec.writer, "directory", None)
+        identity_at_startup(rec.writer.header, directory if isinstance(directory, str) else None)
 
 
 def episode_end(

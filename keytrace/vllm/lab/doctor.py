@@ -127,6 +127,40 @@ def _notes(info: VllmInfo, caps: list[Capability]) -> list[str]:
     return notes
 
 
+def identity_warnings(
+    hash_algo: str | None = None,
+    kv_transfer_config: str | None = None,
+    trace: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> list[str]:
+    """What ``keytrace doctor`` warns about hash identity (`keytrace.judge.identity`): a
+    shared tier under a random per-process seed, for a configuration (``hash_algo``, the
+    ``--kv-transfer-config`` JSON, PYTHONHASHSEED from ``environ``) and for every engine
+    of a recorded ``trace``; in a trace, engines that share a tier and hash differently."""
+    import json
+    import os
+
+    from keytrace.judge.identity import config_header, identity_findings, seed_warnings
+
+    env = os.environ if environ is None else environ
+    out: list[str] = []
+    if hash_algo is not None or kv_transfer_config is not None:
+        extra = {}
+        if kv_transfer_config:
+            extra = dict(json.loads(kv_transfer_config).get("kv_connector_extra_config") or {})
+        tiers = list(extra.get("secondary_tiers") or [])
+        header = config_header(hash_algo or "sha256", tiers, "PYTHONHASHSEED" in env)
+        out.extend(seed_warnings(header))
+    if trace is not None:
+        from keytrace.format.reader import engine_headers, open_trace
+
+        engines = engine_headers(open_trace(trace))
+        for name, (header, _) in engines.items():
+            out.extend(f"{name}: {w}" for w in seed_warnings(header))
+        out.extend(f.text for f in identity_findings({n: h for n, (h, _) in engines.items()}))
+    return out
+
+
 def diagnose() -> Diagnosis:
     """Inspect the environment (imports vLLM if installed; patches nothing)."""
     info = vllm_info()
