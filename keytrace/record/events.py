@@ -106,6 +106,12 @@ class Episode:
     hashes: int
     max_new: int | None
     spb: int | None
+    max_load: int | None = None
+    """The request's ``max_load_tokens`` (`keytrace.judge.rules.request_limits`)."""
+    max_offload: int | None = None
+    """The request's ``max_offload_tokens``."""
+    load_tiers: str | None = None
+    """The request's ``kv_load_tiers`` (canonical JSON of the recognised entries)."""
     external: int | None = None
     load_async: bool | None = None
     accepted: int | None = None

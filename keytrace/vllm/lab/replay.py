@@ -208,6 +208,7 @@ def isolated_lookup(
     secondary: Sequence[bytes] = (),
     pinned_local: int = 0,
     max_steps: int = 400,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """(local, external) tokens the real scheduler gives ``token_ids`` on a fresh engine
     whose real CPU manager holds exactly ``resident`` (keys with their end-token positions),
@@ -227,6 +228,8 @@ def isolated_lookup(
     ``expect``: a recorded (key, end token) of this request; raises `TraceError` unless the
     request hashes to it here (other token ids, or a different ``PYTHONHASHSEED``, which
     seeds vLLM's hash chain, would make every key differ and the answer meaningless).
+    ``kv_transfer_params``: what the request asks of the connector (a recorded request's
+    ``max_load_tokens``, say), as a server passes them.
     """
     require_vllm()
     from vllm.v1.kv_offload.base import ReqContext
@@ -234,7 +237,7 @@ def isolated_lookup(
     from keytrace.vllm.lab.harness import Harness
 
     with Harness(geometry, max_prompt_tokens=len(token_ids)) as h:
-        rid = h.submit_tokens(list(token_ids), max_tokens=1)
+        rid = h.submit_tokens(list(token_ids), max_tokens=1, kv_transfer_params=kv_transfer_params)
         resident = list(resident) + _local_keys(h, rid, pinned_local)
         if resident:
             ctx = ReqContext(req_id="keytrace-isolation")
