@@ -112,7 +112,19 @@ def episodes(trace: Trace) -> pl.LazyFrame:
         "step",
         *(pl.col(c).alias(a) for c, a in _EPISODE_COLUMNS.items()),
         pl.col("spb").cast(pl.Int64),
+        *(_or_null(ep, c, a) for c, a in _LIMIT_COLUMNS.items()),
     )
+
+
+_LIMIT_COLUMNS = {"max_load_tokens": "max_load", "max_offload_tokens": "max_offload"}
+"""Episode columns of schema v4 (what the request asked of the connector); null before."""
+
+
+def _or_null(frame: pl.LazyFrame, column: str, alias: str) -> pl.Expr:
+    """``column`` as ``alias``, or a null Int64 where the trace's schema has no such column."""
+    if column in frame.collect_schema().names():
+        return pl.col(column).cast(pl.Int64).alias(alias)
+    return pl.lit(None, pl.Int64).alias(alias)
 
 
 def scans(trace: Trace) -> pl.LazyFrame:
