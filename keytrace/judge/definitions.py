@@ -659,7 +659,7 @@ def by_request_tokens(verdict: Any, E: Num, E_free: Num, L: Num, served_end: Num
     what was served to E without the cap, or to the lookup cap L where a store limit (no
     E without it is known: the key was never stored) named it; 0 otherwise.
     ``served_end``: S plus the accepted external tokens."""
-    shortfall = member(verdict, SHORTFALLS) & known(E_free)
+    shortfall = member(verdict, SHORTFALLS) & known(E_free) & known(E)
     limited = eq(verdict, Verdict.LIMITED)
     return cases(
         [
