@@ -47,6 +47,7 @@ from keytrace.judge.ops import eq, lit, plain
 from keytrace.judge.rules import (
     Group,
     groups_from_header,
+    load_cap,
     lookup_cap,
     needed_range,
     retention_of,
@@ -523,7 +524,9 @@ def _episodes(
     N, S, max_new = pl.col("N"), pl.col("S"), pl.col("max_new")
     base = frames.collect(
         eps.with_columns(
-            lookup_cap(groups, N, S, max_new, pl.col("max_load"), trim).alias("L"),
+            lookup_cap(
+                groups, N, S, max_new, load_cap(pl.col("max_load"), pl.col("skip")), trim
+            ).alias("L"),
             lookup_cap(groups, N, S, max_new, None, trim).alias("L_free"),
         )
     ).lazy()
@@ -531,9 +534,9 @@ def _episodes(
         base.join(F, on=KEY, how="left").join(B, on=KEY, how="left").with_columns(top.alias("top"))
     )
     # E had the request not capped its load: only for the episodes that asked for a cap
-    free = out.filter(pl.col("max_load").is_not_null()).with_columns(
-        d.free_ceiling(pl.col("L"), pl.col("F"), pl.col("L_free")).alias("top")
-    )
+    free = out.filter(
+        pl.col("max_load").is_not_null() | pl.col("skip").fill_null(False)
+    ).with_columns(d.free_ceiling(pl.col("L"), pl.col("F"), pl.col("L_free")).alias("top"))
     E_free = _expected_boundary(free, groups, trace.header).rename({"E": "E_free"})
     out = (
         out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left")
@@ -545,12 +548,12 @@ def _episodes(
         out.with_columns(base_verdict().alias("verdict"))
         .with_columns(
             pl.when(pl.col("verdict") == Verdict.LIMITED.value)
-            .then(d.limit_of(pl.col("E"), pl.col("E_free"), pl.col("stored_limit")))
+            .then(d.limit_of(pl.col("E"), pl.col("E_free"), pl.col("stored_limit"), pl.col("skip")))
             .when(
                 (pl.col("verdict") == Verdict.SHORTFALL.value)
                 & d.load_capped(pl.col("E"), pl.col("E_free"))
             )
-            .then(pl.lit(d.Limit.MAX_LOAD_TOKENS.value))
+            .then(d.limit_of(pl.col("E"), pl.col("E_free"), None, pl.col("skip")))
             .alias("limit")
         )
         .filter(sel)

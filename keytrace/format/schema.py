@@ -32,7 +32,7 @@ v3: v2 plus the ``tier`` kind (what a tiered offloading manager does below its p
 methods: secondary-tier lookups, promotions, write-through jobs) and the header's tier
 layout; a v2 trace reads as a v3 trace with no tier rows. v4: v3 plus what a request asked of
 the offloading connector (the episode row's ``max_load_tokens``, ``max_offload_tokens`` and
-``kv_load_tiers``, the recognised ``kv_transfer_params`` keys) and the store events
+``kv_load_tiers``, the recognised ``kv_transfer_params`` keys, and ``skip_reading_kv``) and the store events
 ``withheld`` and ``filtered`` (a request's own ``max_offload_tokens``, the manager's
 ``store_threshold``); a v3 trace reads with those columns null."""
 
@@ -315,6 +315,9 @@ _LOOKUP_V4: tuple[pa.Field[Any], ...] = (
     pa.field("max_load_tokens", pa.int64()),
     pa.field("max_offload_tokens", pa.int64()),
     pa.field("kv_load_tiers", pa.string()),  # canonical JSON of the recognised entries
+    # the request's own "do not read external KV" flag the connector honours (vLLM 0.33.0:
+    # Request.skip_reading_prefix_cache; 0.34.0: skip_reading_external_kv): no lookup at all
+    pa.field("skip_reading_kv", pa.bool_()),
 )
 
 _TIER: tuple[pa.Field[Any], ...] = (

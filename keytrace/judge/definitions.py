@@ -112,12 +112,16 @@ class Limit(StrEnum):
     ``kv_transfer_params`` or the spec's store admission. Members are strings."""
 
     MAX_LOAD_TOKENS = "max_load_tokens"
+    SKIP_READING = "skip_reading_prefix_cache"
+    """The request asked not to read external KV at all (vLLM 0.33.0's
+    ``skip_reading_prefix_cache``; 0.34.0 reads it as ``skip_reading_external_kv``)."""
     MAX_OFFLOAD_TOKENS = "max_offload_tokens"
     STORE_THRESHOLD = "store_threshold"
 
 
 LIMIT_LABELS: dict[str, str] = {
     Limit.MAX_LOAD_TOKENS: "by request: max_load_tokens",
+    Limit.SKIP_READING: "by request: skip_reading_prefix_cache",
     Limit.MAX_OFFLOAD_TOKENS: "by request: max_offload_tokens",
     Limit.STORE_THRESHOLD: "filtered: store_threshold",
 }
@@ -632,11 +636,17 @@ again and served nothing. ``limited`` (`limited`) agrees; a shortfall below a lo
 judged against the boundary the cap allows, as any other."""
 
 
-def limit_of(E: Num, E_free: Num, stored_limit: Any) -> Any:
-    """The `Limit` an episode's verdict and token account name: ``max_load_tokens`` where
-    the cap kept a boundary away (`load_capped`), else the limit that kept its missed key
-    from the tier (`store_limit`), else unknown."""
-    return cases([(lambda: load_capped(E, E_free), Limit.MAX_LOAD_TOKENS)], stored_limit)
+def limit_of(E: Num, E_free: Num, stored_limit: Any, skip_reading: Any = False) -> Any:
+    """The `Limit` an episode's verdict and token account name: where its own load cap kept
+    a boundary away (`load_capped`), ``skip_reading_prefix_cache`` when it asked not to
+    read external KV at all, else ``max_load_tokens``; otherwise the limit that kept its
+    missed key from the tier (`store_limit`), else unknown."""
+    capped = load_capped(E, E_free)
+    skip = skip_reading.fill_null(False) if is_expr(skip_reading) else bool(skip_reading)
+    return cases(
+        [(lambda: capped & skip, Limit.SKIP_READING), (capped, Limit.MAX_LOAD_TOKENS)],
+        stored_limit,
+    )
 
 
 def store_limit(last_event: Any) -> Any:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keytrace.judge.ops import Num, greatest, least
+from keytrace.judge.ops import Num, greatest, is_expr, least, lit
 
 OFFER_EVENTS = ("prepared", "rejected", "failed")
 """Store events by which the store path decided about a key (a completion follows one)."""
@@ -177,6 +177,18 @@ def lookup_cap(
         cap = least(cap, num_tokens - lookahead)
     u = unit(groups)
     return greatest(0, cap // u * u)
+
+
+def load_cap(max_load: Any, skip_reading: Any) -> Any:
+    """A request's own cap on the external tokens its lookup may return: 0 when it asked not
+    to read external KV at all (``skip_reading_prefix_cache`` / ``skip_reading_external_kv``:
+    the connector answers 0 without a lookup), else its ``max_load_tokens`` (None: none).
+    Duck-typed: a column where ``skip_reading`` is one."""
+    if is_expr(skip_reading, max_load):
+        import polars as pl
+
+        return pl.when(lit(skip_reading).fill_null(False)).then(0).otherwise(lit(max_load))
+    return 0 if skip_reading else max_load
 
 
 def trim_first_of(header: dict[str, Any]) -> bool:

@@ -102,7 +102,7 @@ class Judge:
         else:
             lead = {gid: sc.lead for gid, sc in first.items()}
         F = d.resident_prefix(S, self.groups, lead.get)
-        L = lookup_cap(self.groups, ep.tokens, S, ep.max_new, ep.max_load, self.trim_first)
+        L = lookup_cap(self.groups, ep.tokens, S, ep.max_new, ep.load_cap, self.trim_first)
         top = d.match_ceiling(L, F)
         anchor_keys = [k for sc in ep.scans if sc.gid == self.anchor.gid for k in sc.keys]
         anchor_keys += ep.unqueried.get(self.anchor.gid, {}).values()
@@ -114,7 +114,7 @@ class Judge:
             return d.expected_boundary(S, chain_best, standing)
 
         E_free = None
-        if ep.max_load is not None:
+        if ep.load_cap is not None:
             free = lookup_cap(self.groups, ep.tokens, S, ep.max_new, None, self.trim_first)
             E_free = best(d.free_ceiling(L, F, free))
         return best(top), chain_P, E_free
@@ -176,7 +176,7 @@ class Judge:
             numbers = d.EpisodeNumbers(S=S, X=X, E=E, E_free=E_free, stored_limit=stored)
         verdict = Verdict(d.base_verdict(numbers))
         if verdict is Verdict.LIMITED:
-            limit = d.limit_of(E, E_free, stored)
+            limit = d.limit_of(E, E_free, stored, ep.skip_reading)
             return Judged(verdict, st.name, ep.req_id, ep.seq, S, E, X, limit=limit)
         if verdict is not Verdict.SHORTFALL:
             return Judged(verdict, st.name, ep.req_id, ep.seq, S, E, X)

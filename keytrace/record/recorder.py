@@ -210,6 +210,7 @@ class Recorder:
             max_load=lim.get("max_load_tokens"),
             max_offload=lim.get("max_offload_tokens"),
             load_tiers=lim.get("kv_load_tiers"),
+            skip_reading=bool(lim.get("skip_reading_kv")),
         )
         self.book.begin(req_id, num_prompt_tokens, shared_prefix_boundary)
         if self.listener is not None:
@@ -278,6 +279,7 @@ class Recorder:
             max_load_tokens=ep.max_load,
             max_offload_tokens=ep.max_offload,
             kv_load_tiers=ep.load_tiers,
+            skip_reading_kv=ep.skip_reading,
         )
 
     def close_all_episodes(self) -> None:
@@ -310,7 +312,7 @@ class Recorder:
         if ep is None or not self.groups:
             return []
         S = ep.local
-        cap = lookup_cap(self.groups, ep.tokens, S, ep.max_new, ep.max_load, self.trim_first)
+        cap = lookup_cap(self.groups, ep.tokens, S, ep.max_new, ep.load_cap, self.trim_first)
         first = ep.first_scans()
         leads = {gid: sc.lead for gid, sc in first.items()}
         top = (
@@ -321,7 +323,7 @@ class Recorder:
         seen = ep.seen_ends()
         keyed_tokens = ep.hashes * self.tph
         anchor = self.book.anchor
-        if ep.max_load is not None and anchor is not None and anchor.full_attention:
+        if ep.load_cap is not None and anchor is not None and anchor.full_attention:
             # a capped lookup never asks past its cap: list the anchor group's keys up to
             # the cap without it, so the chain names the boundaries the cap kept away
             free = lookup_cap(self.groups, ep.tokens, S, ep.max_new, None, self.trim_first)

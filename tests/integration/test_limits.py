@@ -44,10 +44,12 @@ def _record(
     caplog: pytest.LogCaptureFixture,
     sends: list[dict[str, Any] | None],
     geometry: Any = HYBRID,
+    skip: tuple[bool, ...] = (),
 ) -> tuple[DiffReport, list[int]]:
     """Send the same prompt once per entry of ``sends`` (its kv_transfer_params), the GPU
     prefix cache reset before each resend; the differ's report (the alarm agreeing on
-    every episode, and no write-only warning) and each send's external tokens."""
+    every episode, and no write-only warning) and each send's external tokens. ``skip``:
+    which sends set the sampling params' ``skip_reading_prefix_cache``."""
     from keytrace.vllm.hook.patches import recording
     from keytrace.vllm.lab.harness import Harness
 
@@ -59,7 +61,13 @@ def _record(
         for i, params in enumerate(sends):
             if i:
                 h.reset_gpu_prefix_cache()
-            rids.append(h.submit(P, kv_transfer_params=params))
+            rids.append(
+                h.submit_tokens(
+                    h.tokens(P),
+                    kv_transfer_params=params,
+                    skip_reading_prefix_cache=True if i < len(skip) and skip[i] else None,
+                )
+            )
             h.run_until_idle()
         TOKENS.clear()
         TOKENS.update(dict.fromkeys(rids, h.tokens(P)))
@@ -106,6 +114,27 @@ def test_a_resend_that_asked_to_load_less_is_limited_by_max_load_tokens(
     assert rows["cold: not stored anywhere"] == P  # the prime's alone
     assert rows["recomputed past E (by design)"] == P - OWN
     assert report.counts == {"cold": 1, "limited": 1}
+
+
+def test_a_resend_that_asked_not_to_read_external_kv_is_limited_by_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # skip_reading_prefix_cache (a sampling parameter, not kv_transfer_params): vLLM
+    # 0.33.0's connector answers 0 without a lookup (0.34.0 reads it as
+    # skip_reading_external_kv). As max_load_tokens 0: L = 0, E without it 18,816.
+    report, external = _record(tmp_path, caplog, [None, None], skip=(False, True))
+    prime, resend = _episodes(report)
+    assert external == [0, 0]
+    assert prime.verdict == "cold"
+    assert (resend.verdict, resend.limit, resend.L, resend.E_free) == (
+        "limited",
+        "skip_reading_prefix_cache",
+        0,
+        OWN,
+    )
+    rows = _rows(report)
+    assert rows["by request: skip_reading_prefix_cache"] == OWN
+    assert rows["cold: not stored anywhere"] == P
 
 
 def test_a_cap_that_serves_what_it_allows_names_the_rest(

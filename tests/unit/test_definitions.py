@@ -115,10 +115,12 @@ EPISODE_SCHEMA = {
 def test_base_verdicts_give_one_answer(rows: list[dict]) -> None:  # type: ignore[type-arg]
     plain = [d.base_verdict(d.EpisodeNumbers(**r)) for r in rows]
     assert evaluated(lambda c: d.base_verdict(d.EpisodeNumbers(**c)), rows, EPISODE_SCHEMA) == plain
-    limits = [d.limit_of(r["E"], r["E_free"], r["stored_limit"]) for r in rows]
+    skips = [{**r, "skip": i % 2 == 0} for i, r in enumerate(rows)]
+    limits = [d.limit_of(r["E"], r["E_free"], r["stored_limit"], r["skip"]) for r in skips]
+    schema = {**EPISODE_SCHEMA, "skip": pl.Boolean}
     assert (
         evaluated(
-            lambda c: d.limit_of(c["E"], c["E_free"], c["stored_limit"]), rows, EPISODE_SCHEMA
+            lambda c: d.limit_of(c["E"], c["E_free"], c["stored_limit"], c["skip"]), skips, schema
         )
         == limits
     )
@@ -173,6 +175,7 @@ def test_what_a_limit_decides() -> None:
     # max_load_tokens=0 (or a cap below every boundary): no E, E_free 18,816
     assert verdict(S=0, X=0, E=None, E_free=18_816) == "limited"
     assert d.limit_of(None, 18_816, None) == "max_load_tokens"
+    assert d.limit_of(None, 18_816, None, True) == "skip_reading_prefix_cache"
     # the cap served E = 960 of E_free = 18,816
     assert verdict(S=0, X=960, E=960, E_free=18_816) == "limited"
     # ... but short of E under the cap is a shortfall, whatever the cap kept away

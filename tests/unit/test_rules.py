@@ -18,6 +18,7 @@ from keytrace.judge.rules import (
     eagle_peek_unkeyable,
     group_label,
     groups_from_header,
+    load_cap,
     load_window,
     lookup_cap,
     needed_chunks,
@@ -284,6 +285,19 @@ def test_only_the_recognised_kv_transfer_params_are_read_as_vllm_validates_them(
     assert tiers == '[{"locality":"LOCAL","medium":"CPU"},{}]'
     assert request_limits({"kv_load_tiers": []})["kv_load_tiers"] == "[]"  # allows none
     assert request_limits({"kv_load_tiers": "cpu"})["kv_load_tiers"] is None  # vLLM: all
+
+
+def test_a_request_that_skips_external_kv_has_a_load_cap_of_0() -> None:
+    assert load_cap(None, False) is None
+    assert load_cap(1024, False) == 1024
+    assert load_cap(1024, True) == 0
+    assert load_cap(None, True) == 0
+    df = pl.DataFrame(
+        {"m": [None, 1024, 1024, None], "skip": [False, False, True, None]},
+        schema={"m": pl.Int64, "skip": pl.Boolean},
+    )
+    got = df.select(load_cap(pl.col("m"), pl.col("skip")).alias("c"))["c"].to_list()
+    assert got == [None, 1024, 0, None]
 
 
 def test_the_chunk_max_offload_tokens_withholds() -> None:

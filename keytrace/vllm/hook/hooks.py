@@ -118,8 +118,22 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
         len(hashes),
         int(spb) if spb else None,
         bytes(hashes[0]) if rec.sampler is not None and hashes else None,
-        request_limits(getattr(request, "kv_transfer_params", None)),
+        {
+            **request_limits(getattr(request, "kv_transfer_params", None)),
+            "skip_reading_kv": skips_external_kv(request),
+        },
     )
+
+
+def skips_external_kv(request: Any) -> bool:
+    """The request asked not to read external KV, which the offloading connector honours
+    by answering 0 without a lookup: ``skip_reading_external_kv`` (vLLM 0.34.0: a prefix
+    cache hit limit is set) or ``skip_reading_prefix_cache`` (0.33.0: the sampling or
+    pooling params' flag). Only a real True counts."""
+    for name in ("skip_reading_external_kv", "skip_reading_prefix_cache"):
+        if hasattr(type(request), name) or name in getattr(request, "__dict__", {}):
+            return getattr(request, name, False) is True
+    return False
 
 
 def episode_end(

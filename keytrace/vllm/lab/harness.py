@@ -326,13 +326,20 @@ class Harness:
         max_tokens: int = 1,
         req_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        skip_reading_prefix_cache: bool | None = None,
     ) -> str:
         """Add a request with these prompt token ids; returns its id. ``kv_transfer_params``
-        reach the connector as a server's request body's do (``SamplingParams.extra_args``)."""
+        reach the connector as a server's request body's do (``SamplingParams.extra_args``);
+        ``skip_reading_prefix_cache`` is the sampling params' own flag."""
         self._req_counter += 1
         rid = req_id or f"{self.request_prefix}{self._req_counter}"
         extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args=extra,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
         req = Request(
             request_id=rid,
             prompt_token_ids=list(token_ids),
