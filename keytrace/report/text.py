@@ -107,7 +107,14 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
     where = f"request {v.req_id} (engine {v.engine_id or '?'}, rank {v.dp_rank}, step {v.step})"
     e_txt = "-" if v.E is None else f"{v.E:,}"
     limit = getattr(v, "limit", None)
-    named = f" ({LIMIT_LABELS.get(limit, limit)})" if limit else ""
+    label = LIMIT_LABELS.get(limit, limit) if limit else ""
+    named = (
+        ""
+        if not limit
+        else f" ({label})"
+        if v.verdict == "limited"
+        else f" (judged under the request's cap; past it {label})"
+    )
     file.write(
         f"{v.verdict.upper()}{named}: {where}: {v.num_prompt_tokens:,} prompt tokens, local {v.S:,}, "
         f"external {ext}, expected boundary E={e_txt} (cap L={v.L:,})\n"

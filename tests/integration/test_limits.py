@@ -45,17 +45,20 @@ def _record(
     sends: list[dict[str, Any] | None],
     geometry: Any = HYBRID,
     skip: tuple[bool, ...] = (),
+    inject: str | None = None,
+    warned: int = 0,
 ) -> tuple[DiffReport, list[int]]:
     """Send the same prompt once per entry of ``sends`` (its kv_transfer_params), the GPU
     prefix cache reset before each resend; the differ's report (the alarm agreeing on
     every episode, and no write-only warning) and each send's external tokens. ``skip``:
-    which sends set the sampling params' ``skip_reading_prefix_cache``."""
-    from keytrace.vllm.hook.patches import recording
+    which sends set the sampling params' ``skip_reading_prefix_cache``; ``inject``: a
+    historical store bug (`keytrace.vllm.mods.inject`), then ``warned`` warnings."""
+    from keytrace.vllm.hook.patches import injected, recording
     from keytrace.vllm.lab.harness import Harness
 
     caplog.set_level(logging.WARNING, logger="keytrace")
     d = str(tmp_path / "trace")
-    with recording(d, SETTINGS):
+    with injected(inject), recording(d, SETTINGS):
         h = Harness(geometry, max_prompt_tokens=P)
         rids = []
         for i, params in enumerate(sends):
@@ -73,7 +76,7 @@ def _record(
         TOKENS.update(dict.fromkeys(rids, h.tokens(P)))
         external = [h.observations[r].external_tokens for r in rids]
     warnings = [r.getMessage() for r in caplog.records if "write-only" in r.getMessage()]
-    assert warnings == []
+    assert len(warnings) == warned
     return assert_alarm_agrees(d, alarms(), warnings), external
 
 
@@ -160,6 +163,39 @@ def test_a_cap_that_serves_what_it_allows_names_the_rest(
     rows = _rows(report)
     assert rows["offload tier (loaded)"] == 960
     assert rows["by request: max_load_tokens"] == OWN - 960
+
+
+def test_a_shortfall_below_the_cap_is_still_a_mismatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # geometry small (FA 64, SWA 16 and an MTP SWA group 16), retention 1,024, the store
+    # bug pre48911 injected (the MTP group keeps only chunks c % 4 >= 2). Cap 1,025 on
+    # 0.33.0: 1,025 - 1 -> L = 1,024, a standing boundary (retention): E = 1,024 under the
+    # cap, E = 18,816 without it. The MTP group needs chunks 62-64 for a hit at 1,024 and
+    # the bug never offered 64: a mismatch (warned), judged against the boundary the cap
+    # allows; past it the cap's own tokens are counted apart.
+    from keytrace.analysis.geometry import SMALL
+
+    report, external = _record(
+        tmp_path,
+        caplog,
+        [None, {"max_load_tokens": 1025}],
+        SMALL.with_(retention_interval=1024, max_model_len=65_536),
+        inject="pre48911",
+        warned=1,
+    )
+    _, resend = _episodes(report)
+    assert external == [0, 0]
+    assert (resend.verdict, resend.E, resend.E_free, resend.limit) == (
+        "mismatch",
+        1024,
+        OWN,
+        "max_load_tokens",
+    )
+    assert resend.terminal is not None and (resend.binding_group, resend.terminal.chunk) == (2, 64)
+    rows = _rows(report)
+    assert rows["short of E (RULE): never_offered, group 2"] == 1024
+    assert rows["by request: max_load_tokens"] == OWN - 1024
 
 
 def test_a_prime_that_asked_to_store_less_names_the_resend_max_offload_tokens(
