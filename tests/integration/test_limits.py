@@ -255,3 +255,58 @@ def test_the_oracle_says_the_1024_cap_works_as_coded(
     [case] = check_limits(str(tmp_path / "trace"), TOKENS)
     assert (case.max_load_tokens, case.capped_external, case.free_external) == (1024, served, OWN)
     assert case.agree, case.describe()
+
+
+ON_034 = """
+import json, logging
+logging.disable(logging.WARNING)
+from keytrace.analysis.diff import diff
+from keytrace.analysis.geometry import builtin
+from keytrace.format.reader import open_trace
+from keytrace.vllm.hook.patches import recording
+from keytrace.vllm.lab.harness import Harness
+d = {d!r}
+with recording(d):
+    h = Harness(builtin("hybrid").with_(max_model_len=65_536), max_prompt_tokens={P})
+    external = []
+    for i, params in enumerate([None, {{"max_load_tokens": 1024}}, {{"max_load_tokens": 1024}}, None]):
+        if i:
+            h.reset_gpu_prefix_cache()
+        r = h.submit({P}, kv_transfer_params=params)
+        h.run_until_idle()
+        external.append(h.observations[r].external_tokens)
+    h.close()
+t = open_trace(d)
+report = diff(t, all_episodes=True)
+print(json.dumps({{
+    "trim": t.header.get("lookup_trims_before_caps"),
+    "external": external,
+    "episodes": [
+        [v.verdict, v.limit, v.L, v.E, v.E_free]
+        for v in sorted(report.episodes, key=lambda v: v.episode)
+    ],
+}}))
+"""
+
+
+def test_on_0_34_the_cap_is_a_boundary_and_a_second_capped_resend_gets_it(tmp_path: Path) -> None:
+    # vLLM 0.34.0 takes the recomputed token off before the cap (the header says so:
+    # lookup_trims_before_caps), so L = 1,024; the first capped resend still gets 0 (no SWA
+    # tail at 1,024) but pins a junction there, whose tail its own store keeps: the second
+    # capped resend gets 1,024 = E, limited (18,816 without the cap); an uncapped one hits.
+    import json
+
+    from tests.integration.test_lookahead import _where
+    from tests.integration.vllm_builds import run_python
+
+    r = run_python(ON_034.format(d=str(tmp_path / "trace"), P=P), **_where())
+    assert r.returncode == 0, r.stderr[-4000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert found["trim"] is True
+    assert found["external"] == [0, 0, 1024, OWN]
+    assert found["episodes"] == [
+        ["cold", None, OWN, None, None],
+        ["limited", "max_load_tokens", 1024, None, OWN],
+        ["limited", "max_load_tokens", 1024, 1024, OWN],
+        ["hit", None, OWN, OWN, None],
+    ]
