@@ -34,6 +34,11 @@ class IncompleteEvidenceError(KeytraceError):
     stores without their lookups): no verdict is given on it unless asked for."""
 
 
+class RulesDisputedError(KeytraceError):
+    """The oracle disagreed with keytrace's rules on the vLLM code that recorded the trace
+    (``keytrace doctor --verify``): no AGREE is claimed on it."""
+
+
 class UsageError(KeytraceError):
     """Options that do not make sense together, or point at nothing."""
 

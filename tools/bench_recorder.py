@@ -180,13 +180,22 @@ def _profiled(part: str, toggles: Any) -> dict[str, int]:
         if where == "build_connector_meta":
             counted["steps"] += 1
         elif where in ("manager.prepare_store", "manager.complete_store"):
-            call_args = rest[
-                4
-            ]  # _observed(rec, sched, where, before, after, always, wrapped, args, kwargs)
+            call_args = rest[4]  # (before, after, always, wrapped, args, kwargs)
             keys = call_args[0] if call_args else ()
             counted["store keys"] += len(keys) if isinstance(keys, (list, tuple)) else 0
-        if where in wanted:
-            return collected(observed)(rec, sched, where, *rest)
+        if where in wanted:  # keytrace's hooks around the call, not vLLM's call itself
+            before, after, always, wrapped, args, kwargs = rest
+            return observed(
+                rec,
+                sched,
+                where,
+                collected(before) if before is not None else None,
+                collected(after) if after is not None else None,
+                always,
+                wrapped,
+                args,
+                kwargs,
+            )
         return observed(rec, sched, where, *rest)
 
     def hot_counted(where: str, after: Any) -> Any:

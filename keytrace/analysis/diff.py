@@ -53,6 +53,7 @@ from keytrace.judge.rules import (
     retention_of,
     trim_first_of,
 )
+from keytrace.judge.trust import trace_rules
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
 
@@ -284,6 +285,7 @@ def _merge(trace: Trace, results: list[PartitionResult], all_episodes: bool) -> 
         all_episodes=all_episodes,
         lost=lost.summarize([b.lost for b in batches if b.lost is not None]),
         sample=sample_of(trace.header),
+        rules=trace_rules(trace.header),
         engine_counts={e: dict(sorted(c.items())) for e, c in sorted(engine_counts.items())},
     )
 

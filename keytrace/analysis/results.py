@@ -16,6 +16,7 @@ from keytrace.analysis.verdict import reason
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import SHORTFALLS, Verdict
 from keytrace.judge.rules import Group
+from keytrace.judge.trust import RulesStatus
 
 KEY = ["inst", "s"]
 
@@ -167,6 +168,9 @@ class DiffReport:
     """The fraction of prefix chains a sampled trace holds (``KEYTRACE_SAMPLE``), None for a
     full trace: the verdicts and token counts are exact for those chains and say nothing
     of the rest."""
+    rules: RulesStatus | None = None
+    """What the oracle found on the vLLM code that recorded the trace
+    (`keytrace.judge.trust.trace_rules`; None for a trace built by hand)."""
     engine_counts: dict[str, dict[str, int]] = field(default_factory=dict, metadata=NOT_IN_JSON)
     """Engine (engine id, else recorder instance) -> verdict -> episodes: what
     `keytrace.analysis.fleet.by_engine` reads (``keytrace diff --by engine``)."""

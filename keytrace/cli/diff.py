@@ -21,8 +21,9 @@ from keytrace.cli._common import (
     subcommand,
 )
 from keytrace.cli._progress import progress_printer
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, RulesDisputedError, UsageError
 from keytrace.format.reader import open_trace
+from keytrace.judge.trust import agree_refused
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff, render_fleet
 
@@ -169,6 +170,13 @@ def command(
         write_page(html_path, report)
         if not as_json:
             click.echo(f"chunk map: {html_path}")
+    if report.first_mismatch is None and agree_refused(report.rules):
+        assert report.rules is not None
+        raise RulesDisputedError(
+            f"no AGREE: the oracle disagreed with keytrace's rules on the vLLM code that "
+            f"recorded this trace (rules digest {report.rules.digest}); see docs/diff.md, "
+            "Rules verified by the oracle"
+        )
     return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK
 
 

@@ -6,27 +6,69 @@ import sys
 
 import click
 
-from keytrace.cli._common import json_option, subcommand
-from keytrace.errors import EXIT_OK, EXIT_TROUBLE
+from keytrace.cli._common import json_option, progress_option, subcommand
+from keytrace.cli._progress import progress_printer
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, EXIT_TROUBLE, KeytraceError
 from keytrace.report.jsonout import write_json
-from keytrace.report.text import render_doctor
+from keytrace.report.text import render_doctor, render_verify
 
 
 @subcommand("doctor")
 @json_option
 @click.option("--checks", is_flag=True, help="List every check behind each capability.")
-def command(as_json: bool, checks: bool) -> int:
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Run the isolated-lookup oracle on the installed vLLM (seeded workloads through "
+    "its real scheduler: each geometry, a CPU and a tiered manager, no drafter, EAGLE and "
+    "MTP lookahead) and keep the outcome for this code: traces recorded on it are then "
+    "judged as verified, or, on a disagreement, get no AGREE. Needs the CPU lab.",
+)
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=1),
+    default=900,
+    show_default=True,
+    help="--verify stops starting workloads after this long.",
+)
+@click.option(
+    "--episodes",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="--verify stops once this many shortfall episodes were checked (after every "
+    "layout and drafter ran once).",
+)
+@progress_option
+def command(
+    as_json: bool,
+    checks: bool,
+    verify: bool,
+    seconds: float,
+    episodes: int,
+    progress: bool | None,
+) -> int:
     """Check this environment: the installed vLLM (version, path, source build or release),
     each hook point keytrace needs, and what works: recording, the live alarm, metrics,
-    the CPU lab (demo, replay, sweep, ...) and each injection and candidate fix, with the
+    the CPU lab (demo, replay, sweep, ...), each injection and candidate fix, and whether
+    keytrace's rules were verified by the oracle for this vLLM's code (``judge``), with the
     failed check for what does not. Also the Python, torch, pyarrow and polars versions.
 
     keytrace decides by the installed code, not the version string: a source build of
-    main records when its offloading code passes every check. vLLM is only inspected,
-    never patched.
+    main records when its offloading code passes every check, and its verdicts are
+    verified when the code that decides keys and rules (its rules digest) is code the
+    oracle ran on: shipped with keytrace for the releases it supports, or checked here
+    with --verify.
 
-    Exit 0 when recording would work, 2 otherwise.
+    vLLM is only inspected, never patched (--verify runs it in the CPU lab).
+
+    \b
+    Exit status: 0 recording works (--verify: the oracle agreed on every shortfall),
+    1 --verify found a disagreement, 2 recording does not work here (--verify: nothing
+    could be checked).
     """
+    if verify:
+        return _verify(as_json, seconds, episodes, progress)
     from keytrace.vllm.lab.doctor import diagnose
 
     found = diagnose().as_json()
@@ -35,3 +77,26 @@ def command(as_json: bool, checks: bool) -> int:
     else:
         render_doctor(found, sys.stdout, checks=checks)
     return EXIT_OK if found["can_record"] else EXIT_TROUBLE
+
+
+def _verify(as_json: bool, seconds: float, episodes: int, progress: bool | None) -> int:
+    from keytrace.vllm.lab.verify import verify
+
+    show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
+    out = verify(
+        budget_seconds=seconds,
+        min_episodes=episodes,
+        progress=progress_printer() if show else None,
+    )
+    if as_json:
+        write_json(out, sys.stdout)
+    else:
+        render_verify(out, sys.stdout)
+    if out.disagreements:
+        return EXIT_MISMATCH
+    if out.episodes == 0:
+        raise KeytraceError(
+            "--verify checked no shortfall episode (every workload was refused or agreed "
+            "without a shortfall): nothing verified"
+        )
+    return EXIT_OK

@@ -10,6 +10,7 @@ from typing import IO, Any
 import polars as pl
 
 from keytrace.analysis.results import EpisodeList, EpisodeVerdict
+from keytrace.judge.trust import RulesStatus
 
 _SCALARS = (int, str, float, bool, type(None))
 
@@ -19,6 +20,8 @@ def to_jsonable(obj: Any) -> Any:
     it dispatches on exact types first."""
     if isinstance(obj, _SCALARS):
         return obj
+    if isinstance(obj, RulesStatus):  # what it means, not how it is kept
+        return obj.as_json()
     d = getattr(obj, "__dict__", None)
     if d is not None and hasattr(obj, "__dataclass_fields__"):
         return {k: to_jsonable(v) for k, v in d.items() if _in_json(obj, k)}

@@ -6,6 +6,7 @@ from typing import IO, Any
 
 from keytrace.analysis.summary import Summary
 from keytrace.judge import definitions as d
+from keytrace.judge.trust import agree_refused, trust_line
 
 
 def fmt_int(n: int | None) -> str:
@@ -160,6 +161,9 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
 def render_diff(report: Any, file: IO[str]) -> None:
     """Verdict line first, then evidence per reported episode."""
     partial = " (on INCOMPLETE evidence)" if report.evidence_incomplete else ""
+    rules = trust_line(report.rules)
+    if rules is not None:
+        file.write(rules + "\n")
     if report.first_mismatch is not None and report.first_mismatch.verdict == "stalled":
         v = report.first_mismatch
         file.write(f"STALLED{partial}: request {v.req_id}: {v.reason} (E={fmt_int(v.E)})\n")
@@ -176,7 +180,8 @@ def render_diff(report: Any, file: IO[str]) -> None:
     else:
         n = sum(report.counts.values())
         of = " of the sampled chains" if report.sample is not None else ""
-        file.write(f"AGREE{partial}: no store/lookup mismatch in {n} episode(s){of}\n")
+        claim = "NO VERDICT (rules disputed)" if agree_refused(report.rules) else "AGREE"
+        file.write(f"{claim}{partial}: no store/lookup mismatch in {n} episode(s){of}\n")
     if report.sample is not None:
         file.write(
             f"sampled trace (KEYTRACE_SAMPLE={report.sample:g}): every row of "
@@ -345,3 +350,20 @@ def render_doctor(d: dict[str, Any], file: IO[str], *, checks: bool = False) -> 
     file.write(
         "\nrecording works here\n" if d["can_record"] else "\nrecording does NOT work here\n"
     )
+
+
+def render_verify(out: Any, file: IO[str]) -> None:
+    """``keytrace doctor --verify``: what the oracle checked on the installed code."""
+    file.write(
+        f"vLLM {out.vllm} (rules digest {out.digest}): {out.episodes:,} shortfall episode(s) "
+        f"of {out.workloads} workload(s) looked up again in isolation in {out.seconds:.0f}s, "
+        f"{len(out.disagreements)} disagreement(s)\n"
+    )
+    for line in out.disagreements:
+        file.write(f"  DISAGREES: {line}\n")
+    for line in out.skipped:
+        file.write(f"  skipped: {line}\n")
+    if out.disagreements:
+        file.write("rules DISPUTED on this code: traces recorded on it get no AGREE\n")
+    elif out.episodes:
+        file.write("rules verified on this code: kept for the traces it records\n")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from keytrace.vllm.hook.compat import vllm_version
+from keytrace.vllm.hook.rulecode import header_digest
 from keytrace.vllm.hook.support import vllm_info
 
 
@@ -85,6 +86,9 @@ def build_header(
         # code passed every hook check; `keytrace.vllm.hook.support`)
         "vllm_verified": vllm_info().verified,
         "vllm_modified": list(modified),
+        # the code that decides keys and rules, fingerprinted: what the oracle verified
+        # (keytrace.judge.trust; looked up when the trace is judged)
+        "rules_digest": header_digest(),
         "groups": groups,
         "lookup_order": [cfg.kv_group_configs[i].group_idx for i in sched._lookup_groups],
         "blocks_per_chunk": int(cfg.blocks_per_chunk),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from keytrace._version import __version__
 from keytrace.vllm.hook.patches import capabilities
+from keytrace.vllm.hook.rulecode import judge_capability
 from keytrace.vllm.hook.support import (
     CAPABILITIES,
     HARNESS_RELEASES,
@@ -32,6 +33,7 @@ CAPABILITY_TEXT = {
     "alarm": "live write-only alarm (KEYTRACE_ALARM)",
     "metrics": "Prometheus metrics of the alarm",
     "harness": "CPU lab: demo, replay, sweep, workload, fuzz, minimize, report",
+    "judge": "verdicts: keytrace's rules verified by the oracle on this vLLM's code",
 }
 """What each capability is, in words a user searches for."""
 
@@ -138,6 +140,7 @@ def diagnose() -> Diagnosis:
     else:
         caps = capabilities()
         caps.insert(len(CAPABILITIES), harness_capability())
+        caps.insert(len(CAPABILITIES) + 1, judge_capability())
     libraries = {name: _library_version(name) for name in LIBRARIES}
     if info.version is not None:
         libraries["vllm"] = info.version  # what the code says, over the metadata's claim

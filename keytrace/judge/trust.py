@@ -1,0 +1,194 @@
+"""Whether keytrace's rules were verified for the vLLM code that recorded a trace.
+
+keytrace's rules (`keytrace.judge.rules`, `keytrace.judge.definitions`) restate what
+vLLM's lookup and store paths do, and vLLM changes that code every release and every week
+on main. The recorder fingerprints the code that decides keys and rules as one *rules
+digest* (``rules_digest`` in the header; `keytrace.vllm.hook.rulecode` computes it), and
+the isolated-lookup oracle is the arbiter of whether the rules hold for that code:
+
+- `VERIFIED_FILE`, shipped with keytrace, lists the digests CI's oracle runs checked (the
+  releases keytrace supports, and what they found);
+- ``keytrace doctor --verify`` runs the oracle where it is run (a source build of main, a
+  release keytrace has not seen) and keeps its outcome in this machine's cache
+  (`cache_dir`).
+
+A digest is *verified* when some run checked shortfalls on it and none disagreed,
+*disputed* when a run found a disagreement (then no AGREE is claimed on its traces),
+*unverified* otherwise. A trace written before rules digests existed has none: it is
+trusted as before, by whether its release was one keytrace's CI ran (``vllm_verified``).
+
+The status is looked up when a trace is judged, not written into the header: a header is
+the same bytes for every process of one configuration (the reader refuses mixed parts),
+and a verification that runs later applies to traces recorded before it. Pure Python; no
+vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+VERIFIED_FILE = Path(__file__).with_name("verified_rules.json")
+"""Rules digest -> the oracle runs keytrace's CI made on that code (`Verification`)."""
+
+
+class RulesTrust(StrEnum):
+    """How far a trace's verdicts can be trusted, by what the oracle said of its code."""
+
+    VERIFIED = "verified"
+    """The oracle ran on this code (its rules digest) and agreed with every verdict."""
+    RELEASE = "release"
+    """A trace without a rules digest, from a release keytrace's CI ran."""
+    UNVERIFIED = "unverified"
+    """No oracle run on this code: the verdicts apply rules written for other code."""
+    DISPUTED = "disputed"
+    """The oracle disagreed with keytrace on this code: no AGREE is claimed."""
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One oracle run on one rules digest: the vLLM it ran on, how many shortfall
+    episodes it looked up again in isolation, and how many disagreed with the differ."""
+
+    vllm: str
+    episodes: int
+    disagreements: int
+    when: str
+    how: str = "keytrace doctor --verify"
+
+
+@dataclass(frozen=True)
+class RulesStatus:
+    """A trace's (or the installed vLLM's) rules digest and what is known of it."""
+
+    digest: str | None
+    runs: tuple[Verification, ...] = ()
+    release_verified: bool = False
+    """For a trace without a digest: its release was one keytrace's CI ran."""
+
+    @property
+    def trust(self) -> RulesTrust:
+        if self.digest is None:
+            return RulesTrust.RELEASE if self.release_verified else RulesTrust.UNVERIFIED
+        if any(r.disagreements for r in self.runs):
+            return RulesTrust.DISPUTED
+        if any(r.episodes > 0 for r in self.runs):
+            return RulesTrust.VERIFIED
+        return RulesTrust.UNVERIFIED
+
+    @property
+    def episodes(self) -> int:
+        """Shortfall episodes the oracle checked on this code, over every run."""
+        return sum(r.episodes for r in self.runs)
+
+    @property
+    def disagreements(self) -> int:
+        return sum(r.disagreements for r in self.runs)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "trust": str(self.trust),
+            "episodes_checked": self.episodes,
+            "disagreements": self.disagreements,
+        }
+
+
+def shipped() -> dict[str, list[Verification]]:
+    """`VERIFIED_FILE`: digest -> the oracle runs that checked it."""
+    try:
+        raw = json.loads(VERIFIED_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {d: [Verification(**v) for v in runs] for d, runs in raw.get("digests", {}).items()}
+
+
+def cache_dir() -> Path:
+    """This machine's own verifications (``KEYTRACE_CACHE_DIR``, default
+    ``~/.cache/keytrace``, under ``verified/``)."""
+    base = os.environ.get("KEYTRACE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "keytrace"
+    )
+    return Path(base) / "verified"
+
+
+def local_runs(digest: str) -> list[Verification]:
+    """This machine's ``keytrace doctor --verify`` runs on ``digest``, oldest first."""
+    try:
+        raw = json.loads((cache_dir() / f"{digest}.json").read_text())
+        return [Verification(**v) for v in raw]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def record_run(digest: str, run: Verification) -> Path:
+    """Keep ``run`` with this machine's verifications of ``digest`` (atomically)."""
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{digest}.json"
+    runs = [asdict(v) for v in local_runs(digest)] + [asdict(run)]
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(runs, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def status_of(digest: str) -> RulesStatus:
+    """What is known of ``digest``: CI's runs shipped with keytrace, then this machine's."""
+    return RulesStatus(digest, tuple(shipped().get(digest, ())) + tuple(local_runs(digest)))
+
+
+def trace_rules(header: Mapping[str, Any]) -> RulesStatus | None:
+    """The rules status of a trace, from its header: by its rules digest, or for a trace
+    written before digests, by its release (None for a header the recorder did not write:
+    a synthetic trace built by hand)."""
+    digest = header.get("rules_digest")
+    if isinstance(digest, str) and digest:
+        return status_of(digest)
+    if "vllm_verified" not in header:  # not written by the recorder: nothing to say
+        return None
+    return RulesStatus(None, release_verified=header.get("vllm_verified") is True)
+
+
+def agree_refused(st: RulesStatus | None) -> bool:
+    """No AGREE is claimed on a trace whose code the oracle disputed: the rules that found
+    nothing are known to be wrong somewhere on it."""
+    return st is not None and st.trust is RulesTrust.DISPUTED
+
+
+def trust_line(st: RulesStatus | None) -> str | None:
+    """The line a report starts with when its verdicts are not backed by the oracle for
+    the recording's code (None: nothing to say)."""
+    if st is None or st.trust in (RulesTrust.VERIFIED, RulesTrust.RELEASE):
+        return None
+    code = f"rules digest {st.digest}" if st.digest else "a release keytrace's CI has not run"
+    if st.trust is RulesTrust.DISPUTED:
+        return (
+            f"RULES DISPUTED: the oracle disagreed with keytrace {st.disagreements} time(s) on "
+            f"the vLLM code that recorded this trace ({code}); no AGREE is claimed"
+        )
+    return (
+        f"note: verdicts apply rules not verified for the vLLM code that recorded this trace "
+        f"({code}); `keytrace doctor --verify` where it was recorded checks them"
+    )
+
+
+__all__ = [
+    "VERIFIED_FILE",
+    "RulesStatus",
+    "RulesTrust",
+    "Verification",
+    "agree_refused",
+    "cache_dir",
+    "local_runs",
+    "record_run",
+    "shipped",
+    "status_of",
+    "trace_rules",
+    "trust_line",
+]

@@ -1,0 +1,116 @@
+"""Rules verified, not assumed, on the installed vLLM: the header fingerprints the code
+that decides keys and rules (``rules_digest``), ``keytrace doctor`` says whether the oracle
+verified keytrace's rules on that code (``judge``), and ``keytrace doctor --verify`` runs
+the oracle here and keeps what it found for the traces this code records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_vllm
+
+require_vllm()
+
+from keytrace.cli import main  # noqa: E402
+from keytrace.format.reader import open_trace  # noqa: E402
+from keytrace.judge import trust  # noqa: E402
+from keytrace.judge.trust import RulesTrust, Verification  # noqa: E402
+from keytrace.vllm.hook import rulecode  # noqa: E402
+from keytrace.vllm.lab.workload import WorkloadSpec, run_workload  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This machine's verifications in a folder of the test's own, and no shipped ones:
+    the installed code starts unverified."""
+    monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(trust, "VERIFIED_FILE", tmp_path / "none.json")
+    return tmp_path / "cache"
+
+
+def test_the_digest_covers_the_rule_bearing_code_and_moves_with_it() -> None:
+    found = rulecode.code_digests()
+    assert set(found) == {q for _, q in rulecode.RULE_BEARING}
+    # the functions every supported release has are read, not reported absent
+    for name in (
+        "OffloadingConnectorScheduler._lookup",
+        "OffloadingConnectorScheduler._build_store_jobs",
+        "hash_block_tokens",
+    ):
+        assert found[name] not in ("absent", "no source"), name
+    digest = rulecode.rules_digest()
+    assert len(digest) == 16 and rulecode.header_digest() == digest
+    changed = dict(found, **{"OffloadingConnectorScheduler._lookup": "0" * 16})
+    assert rulecode.rules_digest(changed) != digest
+
+
+def test_a_trace_is_judged_by_what_the_oracle_found_on_its_code(
+    own_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = tmp_path / "t"
+    # the geometry stock vLLM's rules agree on: AGREE is what a dispute takes away
+    run_workload(WorkloadSpec(geometry="hybrid", seed=3, conversations=3), str(t))
+    header = open_trace(str(t)).header
+    assert header["rules_digest"] == rulecode.rules_digest()
+    assert main(["diff", str(t)]) == 0
+    assert capsys.readouterr().out.startswith("note: verdicts apply rules not verified")
+    digest = header["rules_digest"]
+    trust.record_run(digest, Verification("test", 10, 0, "now"))
+    assert main(["diff", str(t)]) == 0
+    assert capsys.readouterr().out.startswith("AGREE")
+    assert main(["doctor", "--json"]) == 0
+    judge = [c for c in json.loads(capsys.readouterr().out)["capabilities"] if c["name"] == "judge"]
+    assert judge and judge[0]["ok"]
+    trust.record_run(digest, Verification("test", 10, 1, "later"))
+    assert main(["diff", str(t)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("RULES DISPUTED") and "AGREE:" not in out
+    assert main(["doctor", "--json"]) == 0  # recording still works; the judge does not
+    judge = [c for c in json.loads(capsys.readouterr().out)["capabilities"] if c["name"] == "judge"]
+    assert not judge[0]["ok"] and "disputed" in judge[0]["reason"]
+
+
+def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
+    own_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert rulecode.status().trust is RulesTrust.UNVERIFIED
+    # one workload: the time budget ends the run after the first one
+    assert main(["doctor", "--verify", "--seconds", "1", "--episodes", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workloads"] == 1 and out["episodes"] > 0 and out["disagreements"] == []
+    assert out["runs"][0]["checked"] == out["episodes"]
+    st = rulecode.status()
+    assert st.trust is RulesTrust.VERIFIED and st.episodes == out["episodes"]
+    assert (own_cache / "verified" / f"{st.digest}.json").exists()
+
+
+def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
+    from keytrace.vllm.lab.verify import DRAFTERS, LAYOUTS, plan
+
+    specs = list(plan())
+    first = specs[: len(DRAFTERS) * len(LAYOUTS)]
+    assert {(s.drafter, s.geometry, s.tiers) for s in first} == {
+        (d, g, t) for d in DRAFTERS for g, t, _ in LAYOUTS
+    }
+    assert len({s.seed for s in specs}) == len(specs)  # every workload its own traffic
+    assert {s.drafter for s in plan(drafters=DRAFTERS[1:])} == set(DRAFTERS[1:])
+
+
+def test_a_workload_vllm_fails_on_is_skipped_with_where_not_a_crash(
+    own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from keytrace.vllm.lab import verify as v
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise AssertionError("vLLM's own assert")
+
+    monkeypatch.setattr(v, "study_workload", fails)
+    out = v.verify(budget_seconds=1, keep=True)
+    assert out.workloads == 0 and out.episodes == 0 and not out.verified
+    assert out.skipped and "AssertionError at test_verify_rules.py:" in out.skipped[0]
+    assert not (own_cache / "verified").exists()  # nothing checked: nothing kept

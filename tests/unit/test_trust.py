@@ -1,0 +1,123 @@
+"""Rules verified, not assumed: a trace is judged with what the oracle found on the vLLM
+code that recorded it (its rules digest), shipped with keytrace or verified on this
+machine (``keytrace doctor --verify``). Unverified code gets a first line saying so; code
+the oracle disputed gets no AGREE."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from keytrace.cli import main
+from keytrace.judge import trust
+from keytrace.judge.trust import RulesStatus, RulesTrust, Verification
+from tests.factories import TINY, new_builder
+
+GOOD = Verification("0.33.0", 120, 0, "2026-12-03T00:00:00Z")
+BAD = Verification("0.34.0", 40, 2, "2026-12-03T00:00:00Z")
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_digest_is_verified_only_by_an_oracle_run_that_checked_shortfalls() -> None:
+    assert RulesStatus("d", ()).trust is RulesTrust.UNVERIFIED
+    assert RulesStatus("d", (Verification("x", 0, 0, "t"),)).trust is RulesTrust.UNVERIFIED
+    assert RulesStatus("d", (GOOD,)).trust is RulesTrust.VERIFIED
+    # one disagreement anywhere outweighs any number of agreeing runs
+    assert RulesStatus("d", (GOOD, BAD, GOOD)).trust is RulesTrust.DISPUTED
+
+
+def test_a_trace_without_a_digest_is_trusted_by_its_release() -> None:
+    assert trust.trace_rules({"vllm_version": "0.33.0", "vllm_verified": True}) == RulesStatus(
+        None, release_verified=True
+    )
+    old_unverified = trust.trace_rules({"vllm_version": "0.35.0", "vllm_verified": False})
+    assert old_unverified is not None and old_unverified.trust is RulesTrust.UNVERIFIED
+    # a header the recorder did not write (a hand-built trace) claims nothing
+    assert trust.trace_rules({"vllm_version": "0.33.0"}) is None
+
+
+def test_local_and_shipped_runs_both_count(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert trust.status_of("abc").trust is RulesTrust.UNVERIFIED
+    trust.record_run("abc", GOOD)
+    assert trust.status_of("abc").runs == (GOOD,)
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"digests": {"abc": [BAD.__dict__]}}))
+    monkeypatch.setattr(trust, "VERIFIED_FILE", shipped)
+    st = trust.status_of("abc")
+    assert st.runs == (BAD, GOOD) and st.trust is RulesTrust.DISPUTED
+    assert (st.episodes, st.disagreements) == (160, 2)
+
+
+def test_the_shipped_file_reads_and_names_real_oracle_runs() -> None:
+    runs = trust.shipped()
+    assert runs, "keytrace ships the digests CI's oracle verified"
+    for digest, verifications in runs.items():
+        assert len(digest) == 16 and int(digest, 16) >= 0
+        assert all(v.episodes > 0 and v.vllm for v in verifications)
+
+
+def test_trust_lines() -> None:
+    assert trust.trust_line(None) is None
+    assert trust.trust_line(RulesStatus(None, release_verified=True)) is None
+    assert trust.trust_line(RulesStatus("d", (GOOD,))) is None
+    line = trust.trust_line(RulesStatus("d", ()))
+    assert line is not None and "not verified" in line and "rules digest d" in line
+    disputed = trust.trust_line(RulesStatus("d", (BAD,)))
+    assert disputed is not None and disputed.startswith("RULES DISPUTED") and "2 time" in disputed
+    assert trust.agree_refused(RulesStatus("d", (BAD,)))
+    assert not trust.agree_refused(RulesStatus("d", ()))
+    assert not trust.agree_refused(None)
+
+
+def _agreeing_trace(tmp_path: Path, digest: str) -> str:
+    from keytrace.analysis.geometry import synthetic_header
+
+    geo = TINY.with_(groups=TINY.groups[:2])
+    d = tmp_path / "t"
+    header = {**synthetic_header(geo), "vllm_verified": False, "rules_digest": digest}
+    b = new_builder(d, geometry=geo, header=header)
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5]})
+    fa = [(c, "HIT") for c in range(6)]
+    b.episode("r2", 100, external=96, chain="c", scans=[(0, fa), (1, [(5, "HIT"), (4, "HIT")])])
+    b.close()
+    return str(d)
+
+
+def test_diff_says_first_when_the_code_is_unverified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = _agreeing_trace(tmp_path, "00000000000000aa")
+    assert main(["diff", t]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("note: verdicts apply rules not verified")
+    assert lines[1].startswith("AGREE")
+    trust.record_run("00000000000000aa", GOOD)
+    assert main(["diff", t]) == 0
+    assert capsys.readouterr().out.startswith("AGREE")
+    assert main(["diff", t, "--json"]) == 0
+    rules = json.loads(capsys.readouterr().out)["rules"]
+    assert rules == {
+        "digest": "00000000000000aa",
+        "trust": "verified",
+        "episodes_checked": 120,
+        "disagreements": 0,
+    }
+
+
+def test_diff_claims_no_agree_on_code_the_oracle_disputed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = _agreeing_trace(tmp_path, "00000000000000bb")
+    trust.record_run("00000000000000bb", BAD)
+    assert main(["diff", t]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("RULES DISPUTED") and lines[1].startswith("NO VERDICT")
+    assert "AGREE:" not in captured.out
+    assert "no AGREE" in captured.err and len(captured.err.strip().splitlines()) == 1
