@@ -310,3 +310,29 @@ def test_on_0_34_the_cap_is_a_boundary_and_a_second_capped_resend_gets_it(tmp_pa
         ["limited", "max_load_tokens", 1024, 1024, OWN],
         ["hit", None, OWN, OWN, None],
     ]
+
+
+def test_a_replay_resends_what_the_requests_asked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # keytrace replay of the capped resend (dense retention: served 960 of 18,816): the plan
+    # carries the resend's max_load_tokens, so the replay gets 960 and limited again, not
+    # the 18,816 an uncapped resend would get.
+    from keytrace.analysis.plan import plan_from_trace
+    from keytrace.format.reader import open_trace
+    from keytrace.vllm.lab.replay import replay_trace
+
+    _, external = _record(
+        tmp_path,
+        caplog,
+        [None, {"max_load_tokens": 1024}],
+        HYBRID.with_(retention_interval=None),
+    )
+    assert external == [0, 960]
+    trace = open_trace(str(tmp_path / "trace"))
+    resend = max(TOKENS)  # r2, the later request
+    plan = plan_from_trace(trace, request=resend)
+    assert plan.prime_lengths == [P]
+    assert [a["max_load_tokens"] for a in plan.request_limits] == [None, 1024]
+    again = replay_trace(trace, request=resend, out_dir=str(tmp_path / "replay"))
+    assert (again.result.external_tokens, again.result.verdict) == (960, "limited")
