@@ -27,10 +27,12 @@ FIELDS = (
     "terminal_result",
     "terminal_cause",
     "short",
+    "limit",
 )
 """What the alarm and the differ must agree on for every episode: the verdict and E; for a
 shortfall the cause that names its tokens and every decisive cause, the binding group, the
-terminal key's chunk, result and cause, and the tokens short of E."""
+terminal key's chunk, result and cause, and the tokens short of E; for a ``limited``
+episode the limit it names."""
 Fields = dict[str, Any]
 
 
@@ -54,6 +56,7 @@ def offline_fields(v: EpisodeVerdict, N: int) -> Fields:
             if short
             else 0
         ),
+        "limit": v.limit if v.verdict == "limited" else None,
     }
 
 
@@ -70,6 +73,7 @@ def online_fields(j: Judged, alarm: Alarm) -> Fields:
         "terminal_result": j.term_result if j.term_key else None,
         "terminal_cause": j.term_cause if j.term_key else None,
         "short": (alarm.shorts or {}).get((j.instance, j.episode), 0),
+        "limit": j.limit,
     }
 
 

@@ -10,7 +10,9 @@ per row kind. From v3 (tiered offloading) it is recorded on vLLM's tiering manag
 primary of 24 chunks over the in-memory ``example`` tier (deterministic), a second prompt
 overflows the primary between the first and its resend, so the resend's keys come back by
 promotion (the ``tier`` rows: write-through, tier lookups, promotions and the evictions they
-cause).
+cause). From v4 (per-request limits) the prompt is sent a fourth time asking
+``kv_transfer_params={"max_load_tokens": 0}``: its episode row carries the cap, and the
+differ calls it ``limited`` (by request), never cold.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def record_tiered(raw: str) -> None:
         h.reset_gpu_prefix_cache()
         h.submit(LENGTH, chain=0)
         h.run_until_idle()
+        if SCHEMA_VERSION >= 4:
+            h.reset_gpu_prefix_cache()
+            h.submit(LENGTH, chain=0, kv_transfer_params={"max_load_tokens": 0})
+            h.run_until_idle()
 
 
 def main() -> int:

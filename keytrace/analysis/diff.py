@@ -39,7 +39,7 @@ from keytrace.analysis.runners import LocalRunner, Runner
 from keytrace.analysis.verdict import CAUSE_TEXT, base_verdict, shortfall_verdicts
 from keytrace.errors import TraceError, UnknownResultError
 from keytrace.format.reader import Trace, engine_headers, raise_unknown_results
-from keytrace.format.schema import SCAN_PROOF, SCAN_UNQUERIED
+from keytrace.format.schema import LIMIT_EVENTS, SCAN_PROOF, SCAN_UNQUERIED
 from keytrace.format.shape import has_episodes
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import Verdict
@@ -51,7 +51,15 @@ from keytrace.judge.identity import (
     shares_tier,
 )
 from keytrace.judge.ops import eq, lit, plain
-from keytrace.judge.rules import Group, groups_from_header, lookup_cap, needed_range, retention_of
+from keytrace.judge.rules import (
+    Group,
+    groups_from_header,
+    load_cap,
+    lookup_cap,
+    needed_range,
+    retention_of,
+    trim_first_of,
+)
 from keytrace.judge.trust import trace_rules
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
@@ -415,7 +423,7 @@ def _judge(
     instance, and is read for it)."""
     routing, chains, runs, promotions, crowd = known
     view = trace.episode_range(lo, hi)
-    eps = _episodes(view, groups, chains, runs, sel)
+    eps = _episodes(view, groups, chains, runs, sel, _store_limits(trace, view))
     if eps.height == 0:
         return _Batch({}, None, None)
     t_max = eps.get_column("t").max()
@@ -537,7 +545,20 @@ def _lost_tokens(
         ~pl.col("verdict").is_in(plain(d.ASKED_AGAIN))
     )
     per_episode = j.select(
-        *KEY, "req_id", "engine", "verdict", "S", "N", "X", "A", "E", "cause", "bind_gid"
+        *KEY,
+        "req_id",
+        "engine",
+        "verdict",
+        "S",
+        "N",
+        "X",
+        "A",
+        "E",
+        "cause",
+        "bind_gid",
+        "L",
+        "E_free",
+        "limit",
     )
     return lost.fold(
         lost.account(per_episode, boundaries, promotions, split), counted.drop("verdict")
@@ -598,11 +619,17 @@ def _chains(
 
 
 def _episodes(
-    trace: Trace, groups: list[Group], chains: pl.DataFrame, runs: pl.DataFrame, sel: pl.Expr
+    trace: Trace,
+    groups: list[Group],
+    chains: pl.DataFrame,
+    runs: pl.DataFrame,
+    sel: pl.Expr,
+    limits: pl.DataFrame,
 ) -> pl.DataFrame:
     """Every episode of ``trace`` that ``sel`` selects, with L, F, its intended boundaries
-    (``chains``: `_chains`), E, its deferral run (``runs``: `_deferral_runs`) and the base
-    verdict."""
+    (``chains``: `_chains`), E, E without the request's load cap (``E_free``, where it
+    asked for one), its deferral run (``runs``: `_deferral_runs`), the limit that kept a key
+    it missed from the tier (``limits``: `_store_limits`) and the base verdict."""
     eps = frames.episodes(trace)
     summaries = frames.scans(trace)
     # each piece is collected on its own (small: one row per episode): composed in one lazy
@@ -612,20 +639,86 @@ def _episodes(
     F = frames.collect(scans.resident_prefix(summaries, eps, groups, leads)).lazy()
     B = chains.lazy()
     top = d.match_ceiling(pl.col("L"), pl.col("F"))  # F null: no full-attention constraint
+    trim = trim_first_of(trace.header)
+    N, S, max_new = pl.col("N"), pl.col("S"), pl.col("max_new")
     base = frames.collect(
-        eps.with_columns(lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("max_new")).alias("L"))
+        eps.with_columns(
+            lookup_cap(
+                groups, N, S, max_new, load_cap(pl.col("max_load"), pl.col("skip")), trim
+            ).alias("L"),
+            lookup_cap(groups, N, S, max_new, None, trim).alias("L_free"),
+        )
     ).lazy()
     out = (
         base.join(F, on=KEY, how="left").join(B, on=KEY, how="left").with_columns(top.alias("top"))
     )
-    out = out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left").join(
-        runs.lazy(), on=KEY, how="left"
+    # E had the request not capped its load: only for the episodes that asked for a cap
+    free = out.filter(
+        pl.col("max_load").is_not_null() | pl.col("skip").fill_null(False)
+    ).with_columns(d.free_ceiling(pl.col("L"), pl.col("F"), pl.col("L_free")).alias("top"))
+    E_free = _expected_boundary(free, groups, trace.header).rename({"E": "E_free"})
+    out = (
+        out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left")
+        .join(E_free, on=KEY, how="left")
+        .join(runs.lazy(), on=KEY, how="left")
+        .join(limits.lazy(), on=KEY, how="left")
     )
     return (
         out.with_columns(base_verdict().alias("verdict"))
+        .with_columns(
+            pl.when(pl.col("verdict") == Verdict.LIMITED.value)
+            .then(d.limit_of(pl.col("E"), pl.col("E_free"), pl.col("stored_limit"), pl.col("skip")))
+            .when(
+                (pl.col("verdict") == Verdict.SHORTFALL.value)
+                & d.load_capped(pl.col("E"), pl.col("E_free"))
+            )
+            .then(d.limit_of(pl.col("E"), pl.col("E_free"), None, pl.col("skip")))
+            .alias("limit")
+        )
         .filter(sel)
         .sort("s", "inst")  # the report's order (`merge_episode_lists`)
         .pipe(frames.collect)
+    )
+
+
+def _store_limits(trace: Trace, view: Trace) -> pl.DataFrame:
+    """(inst, s, stored_limit) of the episodes of ``view`` whose scans ended at a key a
+    limit kept from the tier: the first scan (in order) whose terminal key's last store
+    event on the instance before the episode was a limit's (`keytrace.judge.definitions.
+    store_limit`: withheld by its request's ``max_offload_tokens``, filtered by
+    ``store_threshold``). Only keys with a limit event are read (none: no join at all)."""
+    empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "stored_limit": pl.String})
+    if trace.version < 4:
+        return empty
+    stores = frames.stores(trace)
+    limited = frames.collect(
+        stores.filter(pl.col("event").cast(pl.String).is_in(plain(LIMIT_EVENTS)))
+        .select("inst", "key")
+        .unique()
+    )
+    if limited.height == 0:
+        return empty
+    terms = frames.collect(
+        frames.scans(view)
+        .select("inst", "s", "scan", "term_key")
+        .drop_nulls("term_key")
+        .join(limited.lazy(), left_on=["inst", "term_key"], right_on=["inst", "key"])
+    )
+    if terms.height == 0:
+        return empty
+    history = stores.select("inst", "key", "seq", "event").join(limited.lazy(), on=["inst", "key"])
+    return frames.collect(
+        terms.lazy()
+        .join(history, left_on=["inst", "term_key"], right_on=["inst", "key"])
+        .filter(pl.col("seq") < pl.col("s"))
+        .sort("seq")
+        .group_by("inst", "s", "scan")
+        .agg(pl.col("event").last())
+        .with_columns(d.store_limit(pl.col("event")).alias("stored_limit"))
+        .drop_nulls("stored_limit")
+        .sort("scan")
+        .group_by(KEY)
+        .agg(pl.col("stored_limit").first())
     )
 
 

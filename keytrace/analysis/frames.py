@@ -112,7 +112,22 @@ def episodes(trace: Trace) -> pl.LazyFrame:
         "step",
         *(pl.col(c).alias(a) for c, a in _EPISODE_COLUMNS.items()),
         pl.col("spb").cast(pl.Int64),
+        *(_or_null(ep, c, a) for c, a in _LIMIT_COLUMNS.items()),
+        _or_null(ep, "skip_reading_kv", "skip", pl.Boolean),
     )
+
+
+_LIMIT_COLUMNS = {"max_load_tokens": "max_load", "max_offload_tokens": "max_offload"}
+"""Episode columns of schema v4 (what the request asked of the connector); null before."""
+
+
+def _or_null(
+    frame: pl.LazyFrame, column: str, alias: str, dtype: pl.DataType | type[pl.DataType] = pl.Int64
+) -> pl.Expr:
+    """``column`` as ``alias``, or a null where the trace's schema has no such column."""
+    if column in frame.collect_schema().names():
+        return pl.col(column).cast(dtype).alias(alias)
+    return pl.lit(None, dtype).alias(alias)
 
 
 def scans(trace: Trace) -> pl.LazyFrame:

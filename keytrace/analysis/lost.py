@@ -15,6 +15,11 @@ episode is asked again; a resumed request is recomputed, so it counts again):
   between what was served and the expected boundary, by the first decisive cause
   (``in_flight``, ``evicted``, ``other_engine``, ``store_failed`` explain it; the rest are
   rule disagreements);
+- ``limited`` (with the `keytrace.judge.definitions.Limit`): tokens not loaded because
+  something asked so (`keytrace.judge.definitions.by_request_tokens`): the request's
+  ``max_load_tokens`` (from what was served, or from E under the cap, to E without it), or,
+  for an episode that missed a key its earlier request's ``max_offload_tokens`` withheld or
+  the manager's ``store_threshold`` filtered, up to the lookup cap L;
 - ``cold_shared``: for a cold episode, the tokens up to a boundary another engine had
   written through to a tier this engine shares (`keytrace.judge.identity.shares_tier`)
   before the episode: this engine should have read it there, a finding (exit 1);
@@ -40,8 +45,10 @@ from keytrace.analysis import frames
 from keytrace.judge.definitions import (
     ASKED_AGAIN,
     EXPLAINED_CAUSES,
+    LIMIT_LABELS,
     SHORTFALLS,
     Verdict,
+    by_request_tokens,
     served,
     short_of_E,
 )
@@ -53,6 +60,7 @@ CATEGORIES = (
     "offload",
     "promoted",
     "short",
+    "limited",
     "cold_shared",
     "cold_routing",
     "cold_hash_identity",
@@ -93,6 +101,8 @@ class LostRow:
             return f"short of E ({kind}): {self.cause}{where}"
         if self.category == "promoted":
             return f"offload tier, promoted from secondary tier {self.tier}"
+        if self.category == "limited":
+            return LIMIT_LABELS.get(self.cause or "", f"limited: {self.cause}")
         return LABELS[self.category]
 
 
@@ -117,10 +127,10 @@ def account(
     episodes.
 
     ``judged`` holds per episode: inst, s, req_id, engine, verdict, S, N, X, A, E, cause,
-    bind_gid; ``routing``: (inst, s, E_other, E_shared) for cold episodes another engine
-    held a boundary for (`routing_boundaries`; E_shared: on a tier this one shares);
-    ``promotions``: `promotions` (None: not a tiered trace); ``split``: the recorder
-    instances of engines in a hash-identity finding.
+    bind_gid, L, E_free, limit; ``routing``: (inst, s, E_other, E_shared) for cold episodes
+    another engine held a boundary for (`routing_boundaries`; E_shared: on a tier this one
+    shares); ``promotions``: `promotions` (None: not a tiered trace); ``split``: the
+    recorder instances of engines in a hash-identity finding.
     """
     gpu, offload = served(pl.col("S"), pl.col("N"), pl.col("A"), pl.col("X"))
     ep = (
@@ -157,8 +167,13 @@ def account(
     routed = pl.when(cold).then(
         pl.max_horizontal(pl.col("E_other").fill_null(0) - pl.col("served"), 0)
     )
+    limited = by_request_tokens(
+        pl.col("verdict"), pl.col("E"), pl.col("E_free"), pl.col("L"), pl.col("served")
+    )
     ep = ep.with_columns(
-        short.fill_null(0).alias("short"), on_shared.fill_null(0).alias("cold_shared")
+        short.fill_null(0).alias("short"),
+        on_shared.fill_null(0).alias("cold_shared"),
+        limited.fill_null(0).alias("limited"),
     ).with_columns(
         pl.max_horizontal(routed.fill_null(0) - pl.col("cold_shared"), 0).alias("cold_routing")
     )
@@ -170,9 +185,9 @@ def account(
         pl.when(cold & ~in_split).then(cold_rest).otherwise(0).alias("cold_not_stored"),
         pl.when(eq(pl.col("verdict"), Verdict.COLD))
         .then(0)
-        .otherwise(pl.col("N") - pl.col("served") - pl.col("short"))
+        .otherwise(pl.col("N") - pl.col("served") - pl.col("short") - pl.col("limited"))
         .alias("past_boundary"),
-    ).select("engine", "cause", "bind_gid", *rest[:2], *promoted, *rest[2:])
+    ).select("engine", "cause", "bind_gid", "limit", *rest[:2], *promoted, *rest[2:])
 
 
 def promotions(tiers: pl.LazyFrame, groups: list[Group]) -> pl.DataFrame:
@@ -218,7 +233,7 @@ def promoted_tokens(episodes: pl.LazyFrame, promotions: pl.DataFrame) -> pl.Lazy
     )
 
 
-_BY = ("engine", "cause", "bind_gid")
+_BY = ("engine", "cause", "bind_gid", "limit")
 """`fold`'s grouping: every other column of `account`'s frame is a category's tokens."""
 
 
@@ -238,7 +253,7 @@ class Partial:
     total is a sum or a count, so a trace judged in batches gets the account of the whole)."""
 
     per_cause: pl.DataFrame
-    """(engine, cause, bind_gid): per category its tokens and ``n_<category>``, the number
+    """(engine, cause, bind_gid, limit): per category its tokens and ``n_<category>``, the number
     of episodes with any."""
     prompts: pl.DataFrame
     """(engine, N, episodes): the tokens the engine's counted episodes had to prefill."""
@@ -271,7 +286,7 @@ def summarize(partials: list[Partial]) -> LostTokens:
     # episodes promoted from (a partition of engines that never promoted has none)
     per_cause = (
         pl.concat([p.per_cause for p in partials], how="diagonal_relaxed")
-        .group_by("engine", "cause", "bind_gid")
+        .group_by(*_BY)
         .agg(pl.all().sum())
         .lazy()
     )
@@ -283,7 +298,13 @@ def summarize(partials: list[Partial]) -> LostTokens:
             per_cause.select(
                 "engine",
                 pl.lit(_category(c)).alias("category"),
-                (pl.col("cause") if c == "short" else pl.lit(None, pl.String)).alias("cause"),
+                (
+                    pl.col("cause")
+                    if c == "short"
+                    else pl.col("limit")
+                    if c == "limited"
+                    else pl.lit(None, pl.String)
+                ).alias("cause"),
                 (pl.col("bind_gid") if c == "short" else pl.lit(None, pl.Int32)).alias("group"),
                 pl.lit(_tier(c), pl.Int32).alias("tier"),
                 pl.col(c).cast(pl.Int64).alias("tokens"),

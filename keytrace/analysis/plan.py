@@ -43,6 +43,11 @@ class ReplayPlan:
     keytrace_version: str = __version__
     schema_version: int = SCHEMA_VERSION
     vllm_version: str = "?"
+    request_limits: list[dict[str, Any]] = field(default_factory=list)
+    """What each replayed request asked of the connector, primes first, then the episode's
+    (``max_load_tokens``, ``max_offload_tokens``, ``skip_reading_kv``, as its first recorded
+    episode row says; `keytrace.vllm.lab.replay.replay` resends them); empty: none asked
+    anything (and every plan written before limits were recorded)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +105,7 @@ def plan_for(trace: Trace, v: EpisodeVerdict) -> ReplayPlan:
     )
     primes = [(rid, prompts[rid]) for rid in v.chain if rid in prompts]
     group, chunk, cause = v.evidence()
+    asked = _request_limits(trace, v.instance_id, [rid for rid, _ in primes] + [v.req_id])
     return ReplayPlan(
         geometry=geometry.to_dict(),
         prime_lengths=[p for _, p in primes],
@@ -114,7 +120,26 @@ def plan_for(trace: Trace, v: EpisodeVerdict) -> ReplayPlan:
         request=v.req_id,
         recorded_steps=_recorded_steps(trace, v, [rid for rid, _ in primes]),
         vllm_version=str(trace.header.get("vllm_version", "?")),
+        request_limits=asked if any(any(a.values()) for a in asked) else [],
     )
+
+
+def _request_limits(trace: Trace, inst: int, req_ids: list[str]) -> list[dict[str, Any]]:
+    """Per request (in ``req_ids``' order), what its first episode row on ``inst`` says it
+    asked of the connector."""
+    eps = frames.collect(
+        frames.episodes(trace)
+        .filter(pl.col("inst") == inst)
+        .sort("s")
+        .group_by("req_id", maintain_order=True)
+        .agg(pl.col("max_load", "max_offload", "skip").first())
+    )
+    rows = {r: (m, o, bool(k)) for r, m, o, k in eps.iter_rows()}
+    out = []
+    for rid in req_ids:
+        m, o, k = rows.get(rid, (None, None, False))
+        out.append({"max_load_tokens": m, "max_offload_tokens": o, "skip_reading_kv": k})
+    return out
 
 
 def _recorded_steps(trace: Trace, v: EpisodeVerdict, primes: list[str]) -> list[list[int]] | None:

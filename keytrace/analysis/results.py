@@ -13,6 +13,7 @@ import polars as pl
 
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.verdict import reason
+from keytrace.judge import definitions as d
 from keytrace.judge.definitions import SHORTFALLS, Verdict
 from keytrace.judge.identity import IdentityFinding
 from keytrace.judge.rules import Group
@@ -91,6 +92,11 @@ class EpisodeVerdict:
     F: int | None = None
     """How far every full-attention group's chunks were resident from S (None: no
     full-attention group). E never exceeds it."""
+    limit: str | None = None
+    """What asked that tokens not be loaded (`keytrace.judge.definitions.Limit`): set for a
+    ``limited`` episode, and for a shortfall below a ``max_load_tokens`` cap."""
+    E_free: int | None = None
+    """E had the request not capped its load (None: no cap, or nothing past it)."""
 
     def evidence(self) -> tuple[int | None, int | None, str | None]:
         """(binding group, terminal chunk, cause) for a shortfall; all None otherwise."""
@@ -194,6 +200,8 @@ PLAIN_FIELDS = (
     "reason",
     "chain",
     "F",
+    "limit",
+    "E_free",
 )
 """The `EpisodeVerdict` fields every episode has; the rest describe a shortfall."""
 
@@ -285,6 +293,8 @@ def episode_list(
         _plain_reason(reported).cast(text).alias("reason"),
         pl.col("chain").fill_null([]).cast(pl.List(text)),
         "F",
+        pl.col("limit").cast(text),
+        "E_free",
     )
     if explained.height == 0:
         return EpisodeList(rows, {})
@@ -432,6 +442,9 @@ class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
 def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
     """The reason of an episode with no shortfall detail, as an expression over ``reported``."""
     e_text = {e: f"{e:,}" for e in reported["E"].drop_nulls().unique().to_list()}
+    free_text = {e: f"{e:,}" for e in reported["E_free"].drop_nulls().unique().to_list()}
+    labels = {str(k): v for k, v in d.LIMIT_LABELS.items()}
+    label = pl.col("limit").cast(pl.String).replace_strict(labels, default=pl.col("limit"))
     v = pl.col("verdict")
     return (
         pl.when(v == "stalled")
@@ -444,6 +457,15 @@ def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
         .then(pl.lit("vLLM deferred the lookup (returned None)"))
         .when(v == "cold")
         .then(pl.lit("no intended boundary is resident: a cold lookup"))
+        .when((v == "limited") & pl.col("E_free").is_not_null())
+        .then(
+            label
+            + pl.lit(": the cap kept E=")
+            + pl.col("E_free").replace_strict(free_text, default=None, return_dtype=pl.String)
+            + pl.lit(" out of reach; served what it allowed")
+        )
+        .when(v == "limited")
+        .then(label + pl.lit(": the key the lookup missed was kept from the tier on purpose"))
         .otherwise(
             pl.lit("external tokens reach E=")
             + pl.col("E").replace_strict(e_text, default=None, return_dtype=pl.String)

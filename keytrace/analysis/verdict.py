@@ -55,6 +55,8 @@ def base_verdict() -> pl.Expr:
         E=c("E"),
         deferrals=c("deferrals").fill_null(0),
         waited=c("waited").fill_null(0),
+        E_free=c("E_free"),
+        stored_limit=c("stored_limit"),
     )
     out: pl.Expr = d.base_verdict(numbers)
     return out

@@ -21,16 +21,20 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """What this keytrace writes. Bump on any incompatible change; keep a tiny trace of each
 version under tests/data/. Readable: `READABLE_VERSIONS`."""
 
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 """v1: one lookup row per manager.lookup call and a separate ``episode`` kind. v2: one lookup
 row per scan (summary + raw lists), episodes and unqueried needed keys in the lookup kind.
 v3: v2 plus the ``tier`` kind (what a tiered offloading manager does below its public
 methods: secondary-tier lookups, promotions, write-through jobs) and the header's tier
-layout; a v2 trace reads as a v3 trace with no tier rows."""
+layout; a v2 trace reads as a v3 trace with no tier rows. v4: v3 plus what a request asked of
+the offloading connector (the episode row's ``max_load_tokens``, ``max_offload_tokens`` and
+``kv_load_tiers``, the recognised ``kv_transfer_params`` keys, and ``skip_reading_kv``) and the store events
+``withheld`` and ``filtered`` (a request's own ``max_offload_tokens``, the manager's
+``store_threshold``); a v3 trace reads with those columns null."""
 
 META_VERSION = b"keytrace.schema_version"
 META_KIND = b"keytrace.kind"
@@ -104,6 +108,19 @@ class StoreEvent(StrEnum):
     """Returned in PrepareStoreOutput.evicted_keys: the key left the tier."""
     RESET = "reset"
     """manager.reset_cache(): every key left the tier (key is null)."""
+    FILTERED = "filtered"
+    """(schema v4) Beside its ``rejected`` row: the key was declined because the manager's
+    admission filter (``store_threshold``) had not seen it offered often enough. Not an
+    offer of its own."""
+    WITHHELD = "withheld"
+    """(schema v4) The first chunk of a group its request's ``max_offload_tokens`` keeps
+    from the store path (the chunk that would cross the cap): never offered, by request.
+    Not an offer."""
+
+
+LIMIT_EVENTS: tuple[StoreEvent, ...] = (StoreEvent.FILTERED, StoreEvent.WITHHELD)
+"""Store events that say a key was not stored because something asked so (the request's
+``max_offload_tokens``, the spec's ``store_threshold``): annotations, never offers."""
 
 
 STORE_EVENTS: tuple[StoreEvent, ...] = tuple(StoreEvent)
@@ -291,6 +308,18 @@ _LOOKUP_V2: tuple[pa.Field[Any], ...] = (
     *_raw("tail"),
 )
 
+_LOOKUP_V4: tuple[pa.Field[Any], ...] = (
+    *_LOOKUP_V2,
+    # the episode (scan == -1): the request's kv_transfer_params the connector recognises,
+    # validated as vLLM validates them (`keytrace.judge.rules.request_limits`); null: not given
+    pa.field("max_load_tokens", pa.int64()),
+    pa.field("max_offload_tokens", pa.int64()),
+    pa.field("kv_load_tiers", pa.string()),  # canonical JSON of the recognised entries
+    # the request's own "do not read external KV" flag the connector honours (vLLM 0.33.0:
+    # Request.skip_reading_prefix_cache; 0.34.0: skip_reading_external_kv): no lookup at all
+    pa.field("skip_reading_kv", pa.bool_()),
+)
+
 _TIER: tuple[pa.Field[Any], ...] = (
     pa.field("event", _STR, nullable=False),
     pa.field("req_id", _STR),
@@ -314,6 +343,11 @@ SCHEMAS_BY_VERSION: dict[int, dict[str, pa.Schema]] = {
     1: V1_SCHEMAS,
     2: _V2,
     3: {**_V2, "tier": pa.schema(COMMON_FIELDS + _TIER)},
+    4: {
+        **_V2,
+        "lookup": pa.schema(COMMON_FIELDS + _LOOKUP_V4),
+        "tier": pa.schema(COMMON_FIELDS + _TIER),
+    },
 }
 SCHEMAS: dict[str, pa.Schema] = SCHEMAS_BY_VERSION[SCHEMA_VERSION]
 """Arrow schema of each row kind this keytrace writes (without the per-part metadata)."""

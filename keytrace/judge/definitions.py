@@ -102,6 +102,37 @@ class Verdict(StrEnum):
     UNDETERMINED = "undetermined"
     """The live alarm only: a shortfall it cannot decide from what it kept (a forgotten
     record, a key it never saw); counted, never warned about."""
+    LIMITED = "limited"
+    """Served what a limit allowed, and short of what the tier held (or cold) because the
+    request or the manager's admission said so (`Limit`): an agreement, never a warning."""
+
+
+class Limit(StrEnum):
+    """What asked that tokens not be loaded or stored (`LIMIT_LABELS`): a request's
+    ``kv_transfer_params`` or the spec's store admission. Members are strings."""
+
+    MAX_LOAD_TOKENS = "max_load_tokens"
+    SKIP_READING = "skip_reading_prefix_cache"
+    """The request asked not to read external KV at all (vLLM 0.33.0's
+    ``skip_reading_prefix_cache``; 0.34.0 reads it as ``skip_reading_external_kv``)."""
+    MAX_OFFLOAD_TOKENS = "max_offload_tokens"
+    STORE_THRESHOLD = "store_threshold"
+
+
+LIMIT_LABELS: dict[str, str] = {
+    Limit.MAX_LOAD_TOKENS: "by request: max_load_tokens",
+    Limit.SKIP_READING: "by request: skip_reading_prefix_cache",
+    Limit.MAX_OFFLOAD_TOKENS: "by request: max_offload_tokens",
+    Limit.STORE_THRESHOLD: "filtered: store_threshold",
+}
+"""How a limit is named in a verdict line and in the token account."""
+
+STORE_LIMITS: dict[str, Limit] = {
+    StoreEvent.WITHHELD: Limit.MAX_OFFLOAD_TOKENS,
+    StoreEvent.FILTERED: Limit.STORE_THRESHOLD,
+}
+"""The store events (`keytrace.format.schema.LIMIT_EVENTS`) that say a key was kept from the
+tier on purpose, and the limit each names."""
 
 
 SHORTFALLS: tuple[Verdict, ...] = (Verdict.EXPLAINED, Verdict.MISMATCH)
@@ -129,6 +160,15 @@ def match_ceiling(L: Num, F: Num) -> Num:
     """``min(L, F)``: no hit can end past the lookup cap or the resident prefix (an unknown
     F is no constraint)."""
     return least_known(L, F)
+
+
+def free_ceiling(L: Num, F: Num, L_free: Num) -> Num:
+    """The ceiling of a hit had the request not capped its load (``L_free``: the lookup cap
+    without ``max_load_tokens``). A capped lookup never scans past its cap L, so where its
+    full-attention scans held to the cap (``F >= L``) nothing says what is resident past
+    it: F is no constraint there, and the chain's intended boundaries (their keys were
+    offered) count. Where F ended below the cap, it still bounds."""
+    return match_ceiling(L_free, cases([(ge(F, L), None)], F))
 
 
 # ------------------------------------------------------------- boundaries and E
@@ -553,28 +593,96 @@ def stalled(deferrals: Num, waited_ns: Num) -> Truth:
 class EpisodeNumbers:
     """What `base_verdict` reads of an episode: S, external tokens X (unknown: vLLM
     returned None), E (unknown: none), and for a deferral how many of its request's
-    lookups in a row were deferred, this one included, and for how long (ns)."""
+    lookups in a row were deferred, this one included, and for how long (ns). ``E_free``:
+    E had the request not capped its load (`free_boundary`; unknown: no cap, or nothing
+    past it); ``stored_limit``: the `Limit` that kept a key the episode missed from the tier
+    (`store_limit`; unknown: none)."""
 
     S: Num
     X: Num
     E: Num
     deferrals: Num = 0
     waited: Num = 0
+    E_free: Num = None
+    stored_limit: Any = None
+
+
+def load_capped(E: Num, E_free: Num) -> Truth:
+    """The request's ``max_load_tokens`` kept a boundary from the episode: E without the
+    cap is past E with it (or there is none with it)."""
+    return known(E_free) & (unknown(E) | gt(E_free, E))
+
+
+def limited(e: EpisodeNumbers) -> Truth:
+    """An answered episode kept from the tier by a limit: no E, and only because the
+    request capped its load (`load_capped`) or a limit kept the key it missed from the
+    tier (``stored_limit``); or E served, and the cap alone kept a larger boundary away."""
+    return cases(
+        [(unknown(e.E), lambda: known(e.E_free) | known(e.stored_limit))],
+        lambda: ge(e.X, e.E - e.S) & load_capped(e.E, e.E_free),
+    )
 
 
 BASE_VERDICTS: tuple[tuple[Verdict, Callable[[EpisodeNumbers], Truth]], ...] = (
     (Verdict.STALLED, lambda e: unknown(e.X) & stalled(e.deferrals, e.waited)),
     (Verdict.DEFERRED, lambda e: unknown(e.X)),
+    (Verdict.LIMITED, limited),
     (Verdict.COLD, lambda e: unknown(e.E)),
     (Verdict.HIT, lambda e: e.X >= e.E - e.S),
 )
 """An episode's verdict before its shortfall is explained, first match wins; none holding
 is ``shortfall``. ``stalled`` is never an agreement: the request is deferred again and
-again and served nothing."""
+again and served nothing. ``limited`` (`limited`) agrees; a shortfall below a load cap is
+judged against the boundary the cap allows, as any other."""
+
+
+def limit_of(E: Num, E_free: Num, stored_limit: Any, skip_reading: Any = False) -> Any:
+    """The `Limit` an episode's verdict and token account name: where its own load cap kept
+    a boundary away (`load_capped`), ``skip_reading_prefix_cache`` when it asked not to
+    read external KV at all, else ``max_load_tokens``; otherwise the limit that kept its
+    missed key from the tier (`store_limit`), else unknown."""
+    capped = load_capped(E, E_free)
+    skip = skip_reading.fill_null(False) if is_expr(skip_reading) else bool(skip_reading)
+    return cases(
+        [(lambda: capped & skip, Limit.SKIP_READING), (capped, Limit.MAX_LOAD_TOKENS)],
+        stored_limit,
+    )
+
+
+def store_limit(last_event: Any) -> Any:
+    """The `Limit` named by a key's last store event before the episode, when that event
+    is a limit's (`STORE_LIMITS`): filtered by ``store_threshold``, or withheld by its
+    request's ``max_offload_tokens``; unknown otherwise (a later offer, store or eviction
+    of the key supersedes it)."""
+    if is_expr(last_event):
+        import polars as pl
+
+        return last_event.cast(pl.String).replace_strict(
+            {str(k): str(v) for k, v in STORE_LIMITS.items()}, default=None, return_dtype=pl.String
+        )
+    return STORE_LIMITS.get(last_event)
+
+
+def by_request_tokens(verdict: Any, E: Num, E_free: Num, L: Num, served_end: Num) -> Num:
+    """The tokens a limit kept from an episode (the token account's ``limited`` row):
+    a shortfall below a load cap, from E to E without the cap; a ``limited`` episode, from
+    what was served to E without the cap, or to the lookup cap L where a store limit (no
+    E without it is known: the key was never stored) named it; 0 otherwise.
+    ``served_end``: S plus the accepted external tokens."""
+    shortfall = member(verdict, SHORTFALLS) & known(E_free) & known(E)
+    limited = eq(verdict, Verdict.LIMITED)
+    return cases(
+        [
+            (shortfall, lambda: greatest(E_free - E, 0)),
+            (limited & known(E_free), lambda: greatest(E_free - served_end, 0)),
+            (limited, lambda: greatest(L - served_end, 0)),
+        ],
+        0,
+    )
 
 
 def base_verdict(e: EpisodeNumbers) -> Any:
-    """``deferred``, ``cold``, ``hit`` or ``shortfall`` (`BASE_VERDICTS`)."""
+    """``deferred``, ``cold``, ``limited``, ``hit`` or ``shortfall`` (`BASE_VERDICTS`)."""
     return cases([(lambda t=test: t(e), name) for name, test in BASE_VERDICTS], Verdict.SHORTFALL)
 
 

@@ -18,12 +18,13 @@ keytrace's own definitions built on these (F, E, causes, verdicts) are in
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keytrace.judge.ops import Num, greatest, least
+from keytrace.judge.ops import Num, greatest, is_expr, least, lit
 
 OFFER_EVENTS = ("prepared", "rejected", "failed")
 """Store events by which the store path decided about a key (a completion follows one)."""
@@ -141,24 +142,105 @@ def unit(groups: Iterable[Group]) -> int:
 
 
 def lookup_cap(
-    groups: Sequence[Group], num_tokens: Num, local: Num = 0, max_new: Num | None = None
+    groups: Sequence[Group],
+    num_tokens: Num,
+    local: Num = 0,
+    max_new: Num | None = None,
+    max_load: Num | None = None,
+    trim_first: bool = False,
 ) -> Num:
     """L: the largest hit boundary vLLM's lookup may return.
 
     ``num_tokens - 1`` when a sliding-window group exists (the last prompt token is always
     recomputed), else ``num_tokens``; within ``local + max_new`` when the connector was
-    given a bound; no further than the request's keys reach (``num_tokens - lookahead``:
-    a block's key exists once the lookahead tokens past it do, and vLLM caps every group's
-    hit at its keys); rounded down to a multiple of every group's chunk size; at least 0.
+    given a bound, and within ``local + max_load`` when the request asked for one
+    (``kv_transfer_params.max_load_tokens``, `request_limits`); no further than the
+    request's keys reach (``num_tokens - lookahead``: a block's key exists once the
+    lookahead tokens past it do, and vLLM caps every group's hit at its keys); rounded down
+    to a multiple of every group's chunk size; at least 0.
+
+    Where the ``- 1`` falls is a switch (`trim_first_of`): vLLM 0.33.0 subtracts it after the
+    caps, so a cap of ``k`` chunks serves at most ``k - 1`` with a sliding-window group;
+    0.34.0 before them (a cap is a boundary there), ``trim_first``. A null ``max_new`` or
+    ``max_load`` (a column of unknowns, or None) is no bound.
     """
-    cap: Any = num_tokens if max_new is None else least(num_tokens, local + max_new)
-    if any(not g.full_attention for g in groups):
+    trim = any(not g.full_attention for g in groups)
+    cap: Any = num_tokens - 1 if trim and trim_first else num_tokens
+    if max_new is not None:
+        cap = least(cap, local + max_new)
+    if max_load is not None:
+        cap = least(cap, local + max_load)
+    if trim and not trim_first:
         cap = cap - 1
     lookahead = max((g.lookahead for g in groups), default=0)
     if lookahead:
         cap = least(cap, num_tokens - lookahead)
     u = unit(groups)
     return greatest(0, cap // u * u)
+
+
+def load_cap(max_load: Any, skip_reading: Any) -> Any:
+    """A request's own cap on the external tokens its lookup may return: 0 when it asked not
+    to read external KV at all (``skip_reading_prefix_cache`` / ``skip_reading_external_kv``:
+    the connector answers 0 without a lookup), else its ``max_load_tokens`` (None: none).
+    Duck-typed: a column where ``skip_reading`` is one."""
+    if is_expr(skip_reading, max_load):
+        import polars as pl
+
+        return pl.when(lit(skip_reading).fill_null(False)).then(0).otherwise(lit(max_load))
+    return 0 if skip_reading else max_load
+
+
+def trim_first_of(header: dict[str, Any]) -> bool:
+    """The trace's ``lookup_trims_before_caps``: whether vLLM's lookup takes the recomputed
+    last token off before the request's caps (0.34.0, where a capped lookup's boundary is a
+    junction its own store keeps tails for) or after them (0.33.0, and every header without
+    the key)."""
+    return bool(header.get("lookup_trims_before_caps", False))
+
+
+LIMIT_KEYS = ("max_load_tokens", "max_offload_tokens")
+"""The integer ``kv_transfer_params`` keys vLLM's OffloadingConnector reads per request
+(``RequestOffloadState.__post_init__``): a cap on the tokens loaded from the offload tier,
+a cap on the tokens stored."""
+LOAD_TIERS_KEY = "kv_load_tiers"
+"""The list of ``{"medium", "locality"}`` matchers that limits which secondary tiers a
+request's lookup consults (``_parse_tier_filter``); never the primary CPU tier."""
+_TIER_FIELDS = ("medium", "locality")
+
+
+def request_limits(params: Any) -> dict[str, Any]:
+    """What a request's ``kv_transfer_params`` ask of the offloading connector, as vLLM
+    reads them and nothing else (never arbitrary user data): ``max_load_tokens`` and
+    ``max_offload_tokens`` when ``type(v) is int and v >= 0`` (vLLM ignores anything else:
+    a bool, a float, a string), and ``kv_load_tiers`` as the canonical JSON of its entries'
+    recognised fields, upper-cased as vLLM compares them (None when not a list: vLLM then
+    allows every tier; ``"[]"`` allows none). Absent or ignored keys are None."""
+    out: dict[str, Any] = dict.fromkeys((*LIMIT_KEYS, LOAD_TIERS_KEY))
+    if not isinstance(params, dict):
+        return out
+    for name in LIMIT_KEYS:
+        raw = params.get(name)
+        if type(raw) is int and raw >= 0:
+            out[name] = raw
+    tiers = params.get(LOAD_TIERS_KEY)
+    if isinstance(tiers, list):
+        entries = [
+            {f: str(e[f]).upper() for f in _TIER_FIELDS if isinstance(e.get(f), str)}
+            for e in tiers
+            if isinstance(e, dict)
+        ]
+        out[LOAD_TIERS_KEY] = json.dumps(entries, sort_keys=True, separators=(",", ":"))
+    return out
+
+
+def withheld_chunk(g: Group, max_offload: int, prompt_tokens: int) -> int | None:
+    """The chunk of group ``g`` a request's ``max_offload_tokens`` keeps from the store path
+    (``_calc_num_offloadable_tokens`` allows ``max_offload // tpc`` leading chunks): the
+    first one past the cap, when the prompt completes it (otherwise the cap takes nothing
+    the store would have offered); None when the cap binds nowhere in this group."""
+    chunk = max_offload // g.tpc
+    return chunk if (chunk + 1) * g.tpc <= prompt_tokens else None
 
 
 def store_boundary(groups: Sequence[Group], prompt_tokens: Num) -> Num:

@@ -33,7 +33,7 @@ from typing import Any
 
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import FINDINGS, SHORTFALLS, Verdict
-from keytrace.judge.rules import groups_from_header, retention_of
+from keytrace.judge.rules import groups_from_header, retention_of, trim_first_of
 from keytrace.live import warnings
 from keytrace.live.judge import Judge
 from keytrace.live.judged import Judged
@@ -81,6 +81,7 @@ class Alarm:
             header.get("cpu_num_chunks"),
             retention_of(dict(header)),
             self.keys,
+            trim_first_of(dict(header)),
         )
         self._inst: dict[int, InstanceState] = {}
         # counters, read by the Prometheus collector and the tests

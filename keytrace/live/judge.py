@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from keytrace.format.keys import chunk_ending_at
 from keytrace.format.schema import LookupResult
 from keytrace.judge import definitions as d
-from keytrace.judge.definitions import UNSEEN, Cause, Verdict
+from keytrace.judge.definitions import UNSEEN, Cause, Limit, Verdict
 from keytrace.judge.rules import Group, lookup_cap, needed_range
 from keytrace.live.judged import Judged
 from keytrace.live.state import InstanceState, KeyStore
@@ -63,6 +64,7 @@ class Judge:
         primary_chunks: int | None,
         retention: int | None,
         keys: KeyStore,
+        trim_first: bool = False,
     ) -> None:
         self.groups = list(groups)
         self.by_gid = {g.gid: g for g in self.groups}
@@ -74,10 +76,21 @@ class Judge:
         self.primary_chunks = primary_chunks
         self.retention = retention
         self.keys = keys
+        self.trim_first = trim_first
+        """The trace's `keytrace.judge.rules.trim_first_of` (where vLLM's lookup cap takes
+        off the recomputed token)."""
 
     # ------------------------------------------------------------------- E
     def expected(self, st: InstanceState, ep: Episode) -> tuple[int | None, int | None]:
         """(E, chain_P) of an episode (`keytrace.analysis.diff._expected_boundary`)."""
+        E, chain_P, _ = self.boundaries(st, ep)
+        return E, chain_P
+
+    def boundaries(
+        self, st: InstanceState, ep: Episode
+    ) -> tuple[int | None, int | None, int | None]:
+        """(E, chain_P, E_free) of an episode: E_free is E without the request's
+        ``max_load_tokens`` (None where it asked for none; `keytrace.analysis.diff._episodes`)."""
         S = ep.local
         first = ep.first_scans()
         if self.tiered:
@@ -89,14 +102,36 @@ class Judge:
         else:
             lead = {gid: sc.lead for gid, sc in first.items()}
         F = d.resident_prefix(S, self.groups, lead.get)
-        top = d.match_ceiling(lookup_cap(self.groups, ep.tokens, S, ep.max_new), F)
+        L = lookup_cap(self.groups, ep.tokens, S, ep.max_new, ep.load_cap, self.trim_first)
+        top = d.match_ceiling(L, F)
         anchor_keys = [k for sc in ep.scans if sc.gid == self.anchor.gid for k in sc.keys]
         anchor_keys += ep.unqueried.get(self.anchor.gid, {}).values()
         boundaries, chain_P = st.book.intended(anchor_keys, ep.seq)
         boundaries |= st.book.shared_intended(anchor_keys, ep.seq)
-        chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
-        standing = d.standing_boundaries(top, self.groups, self.retention)
-        return d.expected_boundary(S, chain_best, standing), chain_P
+
+        def best(top: Any) -> Any:
+            chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
+            standing = d.standing_boundaries(top, self.groups, self.retention)
+            return d.expected_boundary(S, chain_best, standing)
+
+        E_free = None
+        if ep.load_cap is not None:
+            free = lookup_cap(self.groups, ep.tokens, S, ep.max_new, None, self.trim_first)
+            E_free = best(d.free_ceiling(L, F, free))
+        return best(top), chain_P, E_free
+
+    def stored_limit(self, st: InstanceState, ep: Episode) -> Limit | None:
+        """The limit that kept a key the episode missed from the tier: the first scan whose
+        terminal key's last store event before the episode was a limit's
+        (`keytrace.judge.definitions.store_limit`; `keytrace.analysis.diff._store_limits`)."""
+        for sc in ep.scans:
+            i = sc.terminal
+            rec = self.keys.get(st, sc.keys[i]) if i is not None else None
+            if rec is not None and rec.limit is not None and rec.limit[0] < ep.seq:
+                limit = d.store_limit(rec.limit[1])
+                if limit is not None:
+                    return Limit(limit)
+        return None
 
     def _lead(
         self, st: InstanceState, g: Group, sc: Scan | None, S: int, listed: Mapping[int, bytes]
@@ -131,15 +166,19 @@ class Judge:
         might need was dropped to stay under the cap: a mismatch it cannot be sure of is
         then `Verdict.UNDETERMINED`."""
         S, X = ep.local, ep.external
-        E, chain_P = self.expected(st, ep)
+        E, chain_P, E_free = self.boundaries(st, ep)
+        stored = self.stored_limit(st, ep) if E is None else None
         if X is None:
             count, first = st.deferred.get(ep.req_id, (0, ep.ts))
             st.deferred[ep.req_id] = (count + 1, first)
             numbers = d.EpisodeNumbers(S=S, X=X, E=E, deferrals=count + 1, waited=ep.ts - first)
         else:
             st.deferred.pop(ep.req_id, None)
-            numbers = d.EpisodeNumbers(S=S, X=X, E=E)
+            numbers = d.EpisodeNumbers(S=S, X=X, E=E, E_free=E_free, stored_limit=stored)
         verdict = Verdict(d.base_verdict(numbers))
+        if verdict is Verdict.LIMITED:
+            limit = d.limit_of(E, E_free, stored, ep.skip_reading)
+            return Judged(verdict, st.name, ep.req_id, ep.seq, S, E, X, limit=limit)
         if verdict is not Verdict.SHORTFALL:
             return Judged(verdict, st.name, ep.req_id, ep.seq, S, E, X)
         assert E is not None  # a shortfall has an expected boundary

@@ -28,3 +28,5 @@ class Judged:
     term_result: LookupResult | None = None
     term_cause: Cause | None = None
     decisive: tuple[Cause, ...] = ()
+    limit: str | None = None
+    """A ``limited`` episode's `keytrace.judge.definitions.Limit`."""

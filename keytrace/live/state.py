@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from keytrace.format.keys import key_hash, key_tail, make_key, tail_gid
-from keytrace.format.schema import LookupResult, StoreEvent, TierEvent
+from keytrace.format.schema import LIMIT_EVENTS, LookupResult, StoreEvent, TierEvent
 from keytrace.judge import definitions as d
 from keytrace.judge.rules import OFFER_EVENTS
 from keytrace.live.judged import Judged
@@ -38,7 +38,16 @@ the margin covers the dict's growth steps."""
 class KeyRecord:
     """One key's store history on one instance: last sequence number of each event."""
 
-    __slots__ = ("completed", "evicted", "failed", "offered_ts", "prepared", "rejected", "tiers")
+    __slots__ = (
+        "completed",
+        "evicted",
+        "failed",
+        "limit",
+        "offered_ts",
+        "prepared",
+        "rejected",
+        "tiers",
+    )
 
     def __init__(self) -> None:
         self.completed: int | None = None
@@ -46,6 +55,9 @@ class KeyRecord:
         self.prepared: int | None = None
         self.failed: int | None = None
         self.rejected = False
+        self.limit: tuple[int, StoreEvent] | None = None
+        """(seq, event) of the key's last store event when that was a limit's
+        (`keytrace.format.schema.LIMIT_EVENTS`); any later store event clears it."""
         self.offered_ts: int | None = None
         self.tiers: dict[int | None, list[int | None]] | None = None
         """A tiered manager's secondary tiers: tier -> [last seq it held the key (a
@@ -164,8 +176,10 @@ class KeyStore:
                 st.first_prep.setdefault(tail_gid(tail), call.seq)
         attr = _SET_ON.get(call.event)
         offer = call.event in OFFER_EVENTS
+        limit = (call.seq, call.event) if call.event in LIMIT_EVENTS else None
         for key in call.keys:
             rec = self.touch(st, key)
+            rec.limit = limit
             if attr is not None:
                 setattr(rec, attr, call.seq)
             elif call.event is StoreEvent.REJECTED:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from keytrace.format.keys import key_tail, tail_gid
 from keytrace.format.schema import SCAN_ENDING, LookupResult, StoreEvent, TierEvent
+from keytrace.judge.rules import load_cap
 
 
 class Scan:
@@ -106,6 +107,22 @@ class Episode:
     hashes: int
     max_new: int | None
     spb: int | None
+    max_load: int | None = None
+    """The request's ``max_load_tokens`` (`keytrace.judge.rules.request_limits`)."""
+    max_offload: int | None = None
+    """The request's ``max_offload_tokens``."""
+    load_tiers: str | None = None
+    """The request's ``kv_load_tiers`` (canonical JSON of the recognised entries)."""
+    skip_reading: bool = False
+    """The request asked not to read external KV (vLLM's ``skip_reading_prefix_cache`` /
+    ``skip_reading_external_kv``): the connector answers 0 without a lookup."""
+
+    @property
+    def load_cap(self) -> int | None:
+        """The request's own cap on external tokens (`keytrace.judge.rules.load_cap`)."""
+        cap: int | None = load_cap(self.max_load, self.skip_reading)
+        return cap
+
     external: int | None = None
     load_async: bool | None = None
     accepted: int | None = None

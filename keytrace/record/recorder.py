@@ -42,7 +42,14 @@ from keytrace.format.writer import NullWriter, TraceWriter, call_columns
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import DURABLE_EVENTS
 from keytrace.judge.identity import shared_places
-from keytrace.judge.rules import STORE_OFFERS, groups_from_header, lookup_cap, retention_of
+from keytrace.judge.rules import (
+    STORE_OFFERS,
+    groups_from_header,
+    lookup_cap,
+    retention_of,
+    trim_first_of,
+    withheld_chunk,
+)
 from keytrace.record.chain import ChainBook
 from keytrace.record.events import (
     Episode,
@@ -109,6 +116,9 @@ class Recorder:
         """Which chains are written (``KEYTRACE_SAMPLE``; None: all). The listener is fed
         before it filters: it judges all traffic."""
         self.groups = groups_from_header(dict(header))
+        self.trim_first = trim_first_of(dict(header))
+        self._withheld: set[str] = set()
+        """Requests whose `withhold` rows are written (until they finish)."""
         """The header's offloaded groups."""
         self.tiered = bool(header.get("secondary_tiers"))
         self.tph = int(header.get("tokens_per_hash") or 1)
@@ -178,9 +188,13 @@ class Recorder:
         num_hashes: int,
         shared_prefix_boundary: int | None = None,
         first_hash: bytes | None = None,
+        limits: Mapping[str, Any] | None = None,
     ) -> None:
         """A ``get_num_new_matched_tokens`` call begins: a new episode (and no scan yet).
-        ``first_hash``: the request's first block hash (what a sampled trace decides by)."""
+        ``first_hash``: the request's first block hash (what a sampled trace decides by).
+        ``limits``: what the request asked of the connector
+        (`keytrace.judge.rules.request_limits`)."""
+        lim = limits or {}
         self.end_scan()
         if self.sampler is not None:
             self.sampler.decide(req_id, first_hash)
@@ -199,6 +213,10 @@ class Recorder:
             hashes=num_hashes,
             max_new=max_new_tokens,
             spb=shared_prefix_boundary,
+            max_load=lim.get("max_load_tokens"),
+            max_offload=lim.get("max_offload_tokens"),
+            load_tiers=lim.get("kv_load_tiers"),
+            skip_reading=bool(lim.get("skip_reading_kv")),
         )
         self.book.begin(req_id, num_prompt_tokens, shared_prefix_boundary)
         if self.listener is not None:
@@ -264,6 +282,10 @@ class Recorder:
             num_hashes=ep.hashes,
             max_new_tokens=ep.max_new,
             shared_prefix_boundary=ep.spb,
+            max_load_tokens=ep.max_load,
+            max_offload_tokens=ep.max_offload,
+            kv_load_tiers=ep.load_tiers,
+            skip_reading_kv=ep.skip_reading,
         )
 
     def close_all_episodes(self) -> None:
@@ -275,6 +297,7 @@ class Recorder:
         """vLLM finished ``req_id``: its episode row is final, and what was kept for it alone
         (its boundaries, its sampling decision) goes."""
         self.close_episode(req_id)
+        self._withheld.discard(req_id)
         self.book.finished(req_id)
         if self.sampler is not None:
             self.sampler.finished(req_id)
@@ -295,7 +318,7 @@ class Recorder:
         if ep is None or not self.groups:
             return []
         S = ep.local
-        cap = lookup_cap(self.groups, ep.tokens, S, ep.max_new)
+        cap = lookup_cap(self.groups, ep.tokens, S, ep.max_new, ep.load_cap, self.trim_first)
         first = ep.first_scans()
         leads = {gid: sc.lead for gid, sc in first.items()}
         top = (
@@ -303,11 +326,17 @@ class Recorder:
             if self.tiered
             else d.match_ceiling(cap, d.resident_prefix(S, self.groups, leads.get))
         )
-        if top <= S:
-            return []
         seen = ep.seen_ends()
         keyed_tokens = ep.hashes * self.tph
         anchor = self.book.anchor
+        if ep.load_cap is not None and anchor is not None and anchor.full_attention:
+            # a capped lookup never asks past its cap: list the anchor group's keys up to
+            # the cap without it, so the chain names the boundaries the cap kept away
+            free = lookup_cap(self.groups, ep.tokens, S, ep.max_new, None, self.trim_first)
+            chunks = d.listed_chunks(anchor, S, (), keyed_tokens // anchor.tpc, free, True)
+            self._list(ep, anchor.gid, chunks, seen, key_of)
+        if top <= S:
+            return []
         for g in self.groups:  # full attention first: its keys name the chain
             if g.full_attention:
                 self._list(
@@ -545,8 +574,11 @@ class Recorder:
         keys_to_store: Iterable[bytes] | None,
         evicted: Sequence[bytes],
         job_id: int | None,
+        filtered: Sequence[bytes] = (),
     ) -> None:
-        """One ``prepare_store`` call: an outcome row per offered key, plus evictions."""
+        """One ``prepare_store`` call: an outcome row per offered key, plus evictions.
+        ``filtered``: of the keys it declined, those the manager's ``store_threshold``
+        filtered (each also gets a `StoreEvent.FILTERED` row)."""
         pos = positions.get
         if evicted:
             self._store(StoreEvent.EVICTED, req_id, evicted, [pos(k) for k in evicted])
@@ -563,6 +595,26 @@ class Recorder:
         rejected = [k for k in offered if k not in chosen]
         self._store(StoreEvent.PREPARED, req_id, prepared, [pos(k) for k in prepared], job_id)
         self._store(StoreEvent.REJECTED, req_id, rejected, [pos(k) for k in rejected])
+        if filtered:
+            self._store(StoreEvent.FILTERED, req_id, filtered, [pos(k) for k in filtered])
+
+    def withhold(self, req_id: str, key_of: KeyOf) -> None:
+        """The episode in progress's request asked ``max_offload_tokens``: a
+        `StoreEvent.WITHHELD` row for each group's first chunk the cap keeps from the store
+        path (`keytrace.judge.rules.withheld_chunk`), read from the request's own key lists
+        (``key_of``), once per request."""
+        ep = self._pending.get(req_id)
+        if ep is None or ep.max_offload is None or req_id in self._withheld:
+            return
+        self._withheld.add(req_id)
+        keys, ends = [], []
+        for g in self.groups:
+            chunk = withheld_chunk(g, ep.max_offload, ep.prompt)
+            key = key_of(g.gid, chunk) if chunk is not None else None
+            if chunk is not None and key is not None:
+                keys.append(key)
+                ends.append((chunk + 1) * g.tpc)
+        self._store(StoreEvent.WITHHELD, req_id, keys, ends)
 
     def store_completed(
         self,

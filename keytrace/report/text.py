@@ -102,12 +102,22 @@ def _ranges_text(rs: list[tuple[int, int]]) -> str:
 def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
     """Human evidence for one evaluated episode (a `keytrace.analysis.diff.EpisodeVerdict`)."""
     from keytrace.analysis.diff import CAUSE_TEXT
+    from keytrace.judge.definitions import LIMIT_LABELS
 
     ext = "deferred" if v.external_tokens is None else f"{v.external_tokens:,}"
     where = f"request {v.req_id} (engine {v.engine_id or '?'}, rank {v.dp_rank}, step {v.step})"
     e_txt = "-" if v.E is None else f"{v.E:,}"
+    limit = getattr(v, "limit", None)
+    label = LIMIT_LABELS.get(limit, limit) if limit else ""
+    named = (
+        ""
+        if not limit
+        else f" ({label})"
+        if v.verdict == "limited"
+        else f" (judged under the request's cap; past it {label})"
+    )
     file.write(
-        f"{v.verdict.upper()}: {where}: {v.num_prompt_tokens:,} prompt tokens, local {v.S:,}, "
+        f"{v.verdict.upper()}{named}: {where}: {v.num_prompt_tokens:,} prompt tokens, local {v.S:,}, "
         f"external {ext}, expected boundary E={e_txt} (cap L={v.L:,})\n"
     )
     if v.reason:
@@ -228,7 +238,7 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
             "prefix chains only\n"
         )
     width = max([len(e.engine) for e in fleet.engines] + [6])
-    columns = ("mismatch", "stalled", "explained", "deferred", "hit", "cold")
+    columns = ("mismatch", "stalled", "explained", "deferred", "hit", "limited", "cold")
     file.write(
         f"{'engine':<{width}}  {'episodes':>8} "
         + " ".join(f"{c:>9}" for c in columns)

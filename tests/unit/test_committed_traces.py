@@ -74,6 +74,37 @@ def test_v3_tiered_trace_reads_and_diffs(capsys: pytest.CaptureFixture[str]) -> 
     assert "store wrote 62–63 near there" in capsys.readouterr().out
 
 
+def test_v4_trace_records_what_requests_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    # v3's scenario, then the prompt once more asking max_load_tokens 0 (a request that asked
+    # not to load): the cap is in its episode row, and the differ names it, never cold
+    trace = open_trace(str(DATA / "v4"))
+    assert trace.version == 4
+    assert sorted(trace.kinds) == ["lookup", "step", "store", "tier"]
+    assert trace.header["lookup_trims_before_caps"] is False  # 0.33.0: after the caps
+    assert trace.header["store_threshold"] == 0 and trace.header["max_tracker_size"] is None
+    asked = (
+        trace.collect("lookup")
+        .filter(pl.col("scan") == -1)
+        .select(pl.col("req_id").cast(pl.String), "max_load_tokens", "max_offload_tokens")
+        .sort("req_id")
+        .rows()
+    )
+    assert asked == [("r1", None, None), ("r2", None, None), ("r3", None, None), ("r4", 0, None)]
+    assert _first(DATA / "v4") == EXPECTED
+    report = diff(trace, all_episodes=True)
+    last = report.episodes[-1]
+    assert (last.req_id, last.verdict, last.limit, last.E_free) == (
+        "r4",
+        "limited",
+        "max_load_tokens",
+        1024,
+    )
+    assert report.lost is not None
+    assert {r.label for r in report.lost.rows} >= {"by request: max_load_tokens"}
+    assert main(["diff", str(DATA / "v4")]) == 1
+    capsys.readouterr()
+
+
 def test_v2_and_its_v1_form_give_identical_verdicts(tmp_path: Path) -> None:
     # the same recording in both layouts: the format change must not move a verdict
     downgrade(str(DATA / "v2"), str(tmp_path))
@@ -86,7 +117,7 @@ def test_v2_and_its_v1_form_give_identical_verdicts(tmp_path: Path) -> None:
     assert old.lost == new.lost
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
 def test_judged_one_episode_at_a_time_the_verdicts_are_the_same(version: str) -> None:
     # batches cut a trace by episode sequence number; the second episode's chain (the
     # first request's stores) lies before its batch (tests/integration/test_diff_batches.py

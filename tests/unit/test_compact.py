@@ -46,7 +46,7 @@ def test_one_row_group_set_per_part_and_the_same_report(tmp_path: Path) -> None:
         )
         # never merged into one big row group: at least one per part (lookup: per group)
         assert f.metadata.num_row_groups >= len(parts)
-        assert f.schema_arrow.metadata[b"keytrace.schema_version"] == b"3"
+        assert f.schema_arrow.metadata[b"keytrace.schema_version"] == b"4"
     files = [res.files["store"], res.files["lookup"]]
     assert diff(open_trace(files), all_episodes=True) == diff(trace, all_episodes=True)
 

@@ -90,17 +90,117 @@ def test_the_cause_table_gives_one_answer_on_values_and_on_columns(rows: list[di
     assert set(plain) <= set(d.CAUSE_ORDER)
 
 
+BOUNDARY = st.one_of(st.none(), st.integers(0, 60))
+STORE_LIMIT = st.one_of(st.none(), st.sampled_from([str(v) for v in d.STORE_LIMITS.values()]))
 EPISODE = st.fixed_dictionaries(
-    {"S": st.integers(0, 50), "X": SEQ, "E": st.one_of(st.none(), st.integers(0, 60))}
+    {
+        "S": st.integers(0, 50),
+        "X": SEQ,
+        "E": BOUNDARY,
+        "E_free": BOUNDARY,
+        "stored_limit": STORE_LIMIT,
+    }
 )
+EPISODE_SCHEMA = {
+    "S": pl.Int64,
+    "X": pl.Int64,
+    "E": pl.Int64,
+    "E_free": pl.Int64,
+    "stored_limit": pl.String,
+}
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(EPISODE, min_size=1, max_size=40))
 def test_base_verdicts_give_one_answer(rows: list[dict]) -> None:  # type: ignore[type-arg]
     plain = [d.base_verdict(d.EpisodeNumbers(**r)) for r in rows]
-    schema = {"S": pl.Int64, "X": pl.Int64, "E": pl.Int64}
-    assert evaluated(lambda c: d.base_verdict(d.EpisodeNumbers(**c)), rows, schema) == plain
+    assert evaluated(lambda c: d.base_verdict(d.EpisodeNumbers(**c)), rows, EPISODE_SCHEMA) == plain
+    skips = [{**r, "skip": i % 2 == 0} for i, r in enumerate(rows)]
+    limits = [d.limit_of(r["E"], r["E_free"], r["stored_limit"], r["skip"]) for r in skips]
+    schema = {**EPISODE_SCHEMA, "skip": pl.Boolean}
+    assert (
+        evaluated(
+            lambda c: d.limit_of(c["E"], c["E_free"], c["stored_limit"], c["skip"]), skips, schema
+        )
+        == limits
+    )
+
+
+LIMIT_ROWS = st.fixed_dictionaries(
+    {
+        "verdict": st.sampled_from([str(v) for v in d.Verdict]),
+        "E": BOUNDARY,
+        "E_free": BOUNDARY,
+        "L": st.integers(0, 60),
+        "served": st.integers(0, 60),
+        "event": st.one_of(
+            st.none(), st.sampled_from(["prepared", "rejected", "filtered", "withheld"])
+        ),
+    }
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(LIMIT_ROWS, min_size=1, max_size=40))
+def test_the_limit_rules_give_one_answer(rows: list[dict]) -> None:  # type: ignore[type-arg]
+    schema = {
+        "verdict": pl.String,
+        "E": pl.Int64,
+        "E_free": pl.Int64,
+        "L": pl.Int64,
+        "served": pl.Int64,
+        "event": pl.String,
+    }
+
+    def tokens(c: dict[str, Any]) -> Any:
+        return d.by_request_tokens(c["verdict"], c["E"], c["E_free"], c["L"], c["served"])
+
+    assert evaluated(tokens, rows, schema) == [tokens(r) for r in rows]
+    named = [d.store_limit(r["event"]) for r in rows]
+    assert evaluated(lambda c: d.store_limit(c["event"]), rows, schema) == named
+    capped = [bool(d.load_capped(r["E"], r["E_free"])) for r in rows]
+    assert evaluated(lambda c: d.load_capped(c["E"], c["E_free"]), rows, schema) == capped
+    ceiling = [d.free_ceiling(r["served"], r["E"], r["L"]) for r in rows]
+    assert evaluated(lambda c: d.free_ceiling(c["served"], c["E"], c["L"]), rows, schema) == ceiling
+
+
+def test_what_a_limit_decides() -> None:
+    """Worked cases: a cap that kept a boundary away is limited; a shortfall below the cap
+    is still a shortfall (judged against E under the cap); a key a limit kept from the tier
+    names a cold episode; nothing else does."""
+
+    def verdict(**kw: Any) -> str:
+        return str(d.base_verdict(d.EpisodeNumbers(**kw)))
+
+    # max_load_tokens=0 (or a cap below every boundary): no E, E_free 18,816
+    assert verdict(S=0, X=0, E=None, E_free=18_816) == "limited"
+    assert d.limit_of(None, 18_816, None) == "max_load_tokens"
+    assert d.limit_of(None, 18_816, None, True) == "skip_reading_prefix_cache"
+    # the cap served E = 960 of E_free = 18,816
+    assert verdict(S=0, X=960, E=960, E_free=18_816) == "limited"
+    # ... but short of E under the cap is a shortfall, whatever the cap kept away
+    assert verdict(S=0, X=0, E=960, E_free=18_816) == "shortfall"
+    # a cap that bound nothing: a plain hit / cold
+    assert verdict(S=0, X=960, E=960, E_free=960) == "hit"
+    assert verdict(S=0, X=0, E=None) == "cold"
+    # a cold episode whose scan ended at a filtered or withheld key
+    assert verdict(S=0, X=0, E=None, stored_limit="store_threshold") == "limited"
+    assert d.limit_of(None, None, "store_threshold") == "store_threshold"
+    assert d.store_limit("withheld") == "max_offload_tokens"
+    assert d.store_limit("filtered") == "store_threshold"
+    assert d.store_limit("rejected") is None
+    # a deferral is a deferral
+    assert verdict(S=0, X=None, E=None, E_free=64) == "deferred"
+    # the token account: limited from what was served to E_free (or L for a store limit);
+    # a shortfall below a cap, from E to E_free
+    assert d.by_request_tokens("limited", None, 18_816, 960, 0) == 18_816
+    assert d.by_request_tokens("limited", 960, 18_816, 960, 960) == 17_856
+    assert d.by_request_tokens("limited", None, None, 18_816, 0) == 18_816
+    assert d.by_request_tokens("mismatch", 960, 18_816, 960, 0) == 17_856
+    assert d.by_request_tokens("cold", None, None, 18_816, 0) == 0
+    # past the cap a capped scan never looked: F bounds only where it ended below the cap
+    assert d.free_ceiling(960, 960, 18_816) == 18_816
+    assert d.free_ceiling(960, 512, 18_816) == 512
 
 
 CAUSES = st.lists(st.sampled_from([*d.CAUSE_ORDER, d.UNSEEN]), max_size=4)

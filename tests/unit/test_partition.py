@@ -214,7 +214,7 @@ def test_probe_keys_outside_the_asked_set_are_read_from_the_whole_trace(
 def test_token_accounts_of_partitions_with_different_tiers_add_up() -> None:
     """A tiered trace's partition whose engines never promoted has no promoted_<tier>
     column: the partials still add up (as if it had one of zeros)."""
-    by = {"engine": ["e0"], "cause": [None], "bind_gid": [None]}
+    by = {"engine": ["e0"], "cause": [None], "bind_gid": [None], "limit": [None]}
     promoted = Partial(
         pl.DataFrame(
             {**by, "offload": [5], "promoted_1": [3], "n_offload": [1], "n_promoted_1": [1]}

@@ -67,7 +67,8 @@ def test_wrapped_mock_stays_a_mock(manager: Any) -> None:
     # the mock saw exactly what the caller passed: the same list object, not a copy
     assert child.call_args.args[0] is keys and wrapped.call_args.args[0] is keys
     # and the observer recorded the outcome
-    assert rec.stores == [("r1", keys, ctx._offload_key_positions, [b"a"], (), 7)]
+    # (the scheduler names no manager with a store_threshold filter: nothing filtered)
+    assert rec.stores == [("r1", keys, ctx._offload_key_positions, [b"a"], (), 7, [])]
     disable("record")
     assert manager.prepare_store is child
 

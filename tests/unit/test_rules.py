@@ -18,12 +18,16 @@ from keytrace.judge.rules import (
     eagle_peek_unkeyable,
     group_label,
     groups_from_header,
+    load_cap,
     load_window,
     lookup_cap,
     needed_chunks,
     needed_range,
+    request_limits,
     store_boundary,
+    trim_first_of,
     window_chunks,
+    withheld_chunk,
 )
 
 MLA = Group(0, 256, None, kind="mla")
@@ -153,25 +157,35 @@ groups_st = st.lists(
     num_tokens=st.integers(0, 40_000),
     local=st.integers(0, 40_000),
     max_new=st.one_of(st.none(), st.integers(0, 40_000)),
+    max_load=st.one_of(st.none(), st.integers(0, 40_000)),
+    trim_first=st.booleans(),
     E=st.integers(0, 40_000),
     keyed=st.integers(0, 700),
 )
 def test_polars_and_int_evaluations_agree(
-    groups: list[Group], num_tokens: int, local: int, max_new: int | None, E: int, keyed: int
+    groups: list[Group],
+    num_tokens: int,
+    local: int,
+    max_new: int | None,
+    max_load: int | None,
+    trim_first: bool,
+    E: int,
+    keyed: int,
 ) -> None:
     groups = [dataclasses.replace(g, gid=i) for i, g in enumerate(groups)]
     df = pl.DataFrame(
-        {"N": [num_tokens], "S": [local], "m": [max_new], "E": [E], "k": [keyed]},
-        schema={"N": pl.Int64, "S": pl.Int64, "m": pl.Int64, "E": pl.Int64, "k": pl.Int64},
+        {"N": [num_tokens], "S": [local], "m": [max_new], "ml": [max_load], "E": [E], "k": [keyed]},
+        schema={c: pl.Int64 for c in ("N", "S", "m", "ml", "E", "k")},
     )
-    cols = {"cap": lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("m"))}
+    cap = lookup_cap(groups, pl.col("N"), pl.col("S"), pl.col("m"), pl.col("ml"), trim_first)
+    cols = {"cap": cap}
     for g in groups:
         if g.window is None:
             continue
         lo, hi = needed_range(g, pl.col("S"), pl.col("E"), pl.col("k"))
         cols[f"lo{g.gid}"], cols[f"hi{g.gid}"] = lo, hi
     row = df.select(**cols).row(0, named=True)
-    assert row["cap"] == lookup_cap(groups, num_tokens, local, max_new)
+    assert row["cap"] == lookup_cap(groups, num_tokens, local, max_new, max_load, trim_first)
     for g in groups:
         if g.window is not None:
             assert (row[f"lo{g.gid}"], row[f"hi{g.gid}"]) == needed_range(g, local, E, keyed)
@@ -229,3 +243,68 @@ def test_lookahead_hashes_cap_the_hit_where_the_keys_end() -> None:
     # the plain window 0..1
     assert needed_range(mtp, 0, 8, 3) == (0, 3)
     assert needed_range(dataclasses.replace(mtp, lookahead=1), 0, 8, 3) == (0, 2)
+
+
+HYBRID = [Group(0, 64, None, kind="full_attention"), Group(1, 16, 2, 32)]
+
+
+def test_max_load_tokens_caps_the_lookup_as_each_release_orders_it() -> None:
+    # the 18,877-token resend (hybrid: FA 64 + SWA 16), S = 0
+    assert lookup_cap(HYBRID, 18_877, 0, None, None) == 18_816  # no cap
+    assert lookup_cap(HYBRID, 18_877, 0, None, 0) == 0  # "0 disables external loading"
+    # 0.33.0 takes the recomputed token off after the cap: 1,024 -> 1,023 -> 960
+    assert lookup_cap(HYBRID, 18_877, 0, None, 1024) == 960
+    assert lookup_cap(HYBRID, 18_877, 0, None, 1025) == 1024
+    # 0.34.0 before it: a cap of k chunks serves k chunks
+    assert lookup_cap(HYBRID, 18_877, 0, None, 1024, trim_first=True) == 1024
+    assert lookup_cap(HYBRID, 18_877, 0, None, 63, trim_first=True) == 0
+    # the cap counts from S, the GPU prefix hit, not from token 0
+    assert lookup_cap(HYBRID, 18_877, 1000, None, 1024) == 1984
+    # without a sliding-window group the order does not matter
+    fa = HYBRID[:1]
+    assert lookup_cap(fa, 18_877, 0, None, 1024) == lookup_cap(fa, 18_877, 0, None, 1024, True)
+    assert trim_first_of({}) is False
+    assert trim_first_of({"lookup_trims_before_caps": True}) is True
+
+
+def test_only_the_recognised_kv_transfer_params_are_read_as_vllm_validates_them() -> None:
+    none = {"max_load_tokens": None, "max_offload_tokens": None, "kv_load_tiers": None}
+    assert request_limits(None) == none
+    assert request_limits({"prompt": "secret", "user": 7}) == none  # never arbitrary data
+    assert request_limits({"max_load_tokens": 0, "max_offload_tokens": 1000}) == {
+        **none,
+        "max_load_tokens": 0,
+        "max_offload_tokens": 1000,
+    }
+    # vLLM ignores (with a warning) anything but a non-negative int: bool, float, str, < 0
+    for bad in (True, 1024.0, "1024", -1):
+        assert request_limits({"max_load_tokens": bad, "max_offload_tokens": bad}) == none
+    tiers = request_limits(
+        {"kv_load_tiers": [{"medium": "cpu", "locality": "local", "x": 1}, "junk", {"medium": 3}]}
+    )["kv_load_tiers"]
+    assert tiers == '[{"locality":"LOCAL","medium":"CPU"},{}]'
+    assert request_limits({"kv_load_tiers": []})["kv_load_tiers"] == "[]"  # allows none
+    assert request_limits({"kv_load_tiers": "cpu"})["kv_load_tiers"] is None  # vLLM: all
+
+
+def test_a_request_that_skips_external_kv_has_a_load_cap_of_0() -> None:
+    assert load_cap(None, False) is None
+    assert load_cap(1024, False) == 1024
+    assert load_cap(1024, True) == 0
+    assert load_cap(None, True) == 0
+    df = pl.DataFrame(
+        {"m": [None, 1024, 1024, None], "skip": [False, False, True, None]},
+        schema={"m": pl.Int64, "skip": pl.Boolean},
+    )
+    got = df.select(load_cap(pl.col("m"), pl.col("skip")).alias("c"))["c"].to_list()
+    assert got == [None, 1024, 0, None]
+
+
+def test_the_chunk_max_offload_tokens_withholds() -> None:
+    fa, swa = HYBRID
+    # 1,000 tokens: FA stores 15 chunks (960), withholds chunk 15; SWA stores 62, withholds 62
+    assert withheld_chunk(fa, 1000, 18_877) == 15
+    assert withheld_chunk(swa, 1000, 18_877) == 62
+    # a cap past the prompt's last complete chunk withholds nothing
+    assert withheld_chunk(fa, 18_877, 18_877) is None
+    assert withheld_chunk(fa, 0, 18_877) == 0

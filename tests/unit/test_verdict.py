@@ -7,6 +7,9 @@ import pytest
 
 from keytrace.analysis.verdict import base_verdict, reason, shortfall_verdicts
 
+NO_LIMIT = (pl.lit(None, pl.Int64).alias("E_free"), pl.lit(None, pl.String).alias("stored_limit"))
+"""An episode no limit touched: no load cap (no E without one), no key a limit kept away."""
+
 
 @pytest.mark.parametrize(
     ("S", "X", "E", "expected"),
@@ -30,7 +33,7 @@ def test_base_verdict(S: int, X: int | None, E: int | None, expected: str) -> No
             "deferrals": pl.Int64,
             "waited": pl.Int64,
         },
-    )
+    ).with_columns(NO_LIMIT)
     assert df.select(base_verdict())[0, 0] == expected
 
 
@@ -54,7 +57,7 @@ def test_a_request_deferred_without_end_is_stalled(
             "deferrals": pl.Int64,
             "waited": pl.Int64,
         },
-    )
+    ).with_columns(NO_LIMIT)
     assert df.select(base_verdict())[0, 0] == expected
 
 

@@ -108,9 +108,6 @@ def build_header(
         "eviction_policy": str(
             extra.get("eviction_policy", getattr(spec, "eviction_policy", "lru"))
         ),
-        "store_threshold": int(
-            extra.get("store_threshold", getattr(manager, "store_threshold", 0)) or 0
-        ),
         "enable_prefix_caching": bool(cc.enable_prefix_caching),
         "hash_algo": str(cc.prefix_caching_hash_algo),
         "pythonhashseed_set": "PYTHONHASHSEED" in os.environ,
@@ -119,6 +116,7 @@ def build_header(
         **lookahead_fields(sched, vllm_config),
         "hash_identity": hash_identity(sched, vllm_config),
         "tier_scope": tier_scope(sched, spec, vllm_config),
+        **limit_fields(sched, manager, extra),
         "model": _model_name(vllm_config.model_config.model),
         "max_model_len": int(vllm_config.model_config.max_model_len),
         "max_num_batched_tokens": int(sc.max_num_batched_tokens),
@@ -156,6 +154,31 @@ def lookahead_fields(sched: Any, vllm_config: Any) -> dict[str, Any]:
         "eagle_proof_margins": None
         if not isinstance(margins, dict)
         else {str(int(g)): int(m) for g, m in sorted(margins.items())},
+    }
+
+
+def limit_fields(sched: Any, manager: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """What limits loading and storing besides the requests' own ``kv_transfer_params``
+    (those are per episode, in the lookup rows):
+
+    - ``store_threshold``: the CPU spec's admission filter (a key is stored on its
+      N-th offer; below 2 no filter), from ``extra_config`` or the manager;
+    - ``max_tracker_size``: how many keys the filter counts (None: no filter, or a
+      manager without one, such as a tiered one, where vLLM refuses a threshold);
+    - ``lookup_trims_before_caps``: whether the lookup takes its recomputed last token off
+      before the request's caps (vLLM 0.34.0, whose capped lookup registers a junction at
+      the cap: ``_maybe_register_shared_prefix_junction``) or after them (0.33.0), read as
+      that method's presence (`keytrace.judge.rules.lookup_cap`)."""
+    counts = getattr(manager, "counts", None)
+    tracker = getattr(manager, "max_tracker_size", None) if counts is not None else None
+    return {
+        "store_threshold": int(
+            extra.get("store_threshold", getattr(manager, "store_threshold", 0)) or 0
+        ),
+        "max_tracker_size": int(tracker) if tracker is not None else None,
+        "lookup_trims_before_caps": callable(
+            getattr(sched, "_maybe_register_shared_prefix_junction", None)
+        ),
     }
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from keytrace.format.schema import LookupResult, TierEvent
+from keytrace.judge.rules import request_limits
 from keytrace.live.registry import AlarmSettings
 from keytrace.record.recorder import Recorder, env_float, env_int, env_sample
 from keytrace.vllm.mods.catalog import PROOF_FIX
@@ -119,6 +120,10 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
         len(hashes),
         int(spb) if spb else None,
         bytes(hashes[0]) if rec.sampler is not None and hashes else None,
+        {
+            **request_limits(getattr(request, "kv_transfer_params", None)),
+            "skip_reading_kv": skips_external_kv(request),
+        },
     )
 
 
@@ -137,6 +142,17 @@ def settle_identity(rec: Recorder) -> None:
         identity_at_startup(rec.writer.header, directory if isinstance(directory, str) else None)
 
 
+def skips_external_kv(request: Any) -> bool:
+    """The request asked not to read external KV, which the offloading connector honours
+    by answering 0 without a lookup: ``skip_reading_external_kv`` (vLLM 0.34.0: a prefix
+    cache hit limit is set) or ``skip_reading_prefix_cache`` (0.33.0: the sampling or
+    pooling params' flag). Only a real True counts."""
+    for name in ("skip_reading_external_kv", "skip_reading_prefix_cache"):
+        if hasattr(type(request), name) or name in getattr(request, "__dict__", {}):
+            return getattr(request, name, False) is True
+    return False
+
+
 def episode_end(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
@@ -144,18 +160,19 @@ def episode_end(
     rec.end_scan()
     try:
         record_unqueried(rec, sched, request)
+        record_withheld(rec, sched, request)
     finally:
         spb = getattr(request, "shared_prefix_boundary", None)
         rec.episode_end(request.request_id, result[0], result[1], int(spb) if spb else None)
 
 
-def record_unqueried(rec: Recorder, sched: Any, request: Any) -> None:
-    """The keys the episode needs that vLLM did not look up (`Recorder.list_needed`),
-    read from vLLM's own per-request, per-group key lists (read only, no manager call);
-    under the candidate fix ``eagle_proof_key``, the proof keys for the same hits."""
+def _key_of(sched: Any, request: Any) -> Callable[[int, int], bytes | None] | None:
+    """Group id, chunk -> the request's own offload key there, read from vLLM's
+    per-request, per-group key lists (read only, no manager call); None before vLLM made
+    the request's state."""
     status = sched._req_status.get(request.request_id)
     if status is None:
-        return
+        return None
     configs = {c.group_idx: i for i, c in enumerate(sched.config.kv_group_configs)}
 
     def key_of(gid: int, chunk: int) -> bytes | None:
@@ -165,6 +182,24 @@ def record_unqueried(rec: Recorder, sched: Any, request: Any) -> None:
         keys = status.group_states[at].offload_keys
         return bytes(keys[chunk]) if chunk < len(keys) else None
 
+    return key_of
+
+
+def record_withheld(rec: Recorder, sched: Any, request: Any) -> None:
+    """The chunks the request's ``max_offload_tokens`` keeps from the store path
+    (`Recorder.withhold`), keyed from its own key lists."""
+    key_of = _key_of(sched, request)
+    if key_of is not None:
+        rec.withhold(request.request_id, key_of)
+
+
+def record_unqueried(rec: Recorder, sched: Any, request: Any) -> None:
+    """The keys the episode needs that vLLM did not look up (`Recorder.list_needed`),
+    read from vLLM's own per-request, per-group key lists (read only, no manager call);
+    under the candidate fix ``eagle_proof_key``, the proof keys for the same hits."""
+    key_of = _key_of(sched, request)
+    if key_of is None:
+        return
     ends = rec.list_needed(request.request_id, key_of)
     if ends and f"fix:{PROOF_FIX}" in (rec.writer.header.get("vllm_modified") or ()):
         tph = int(rec.writer.header.get("tokens_per_hash") or 1)
@@ -318,8 +353,27 @@ def prepare_store(
         return
     job = sched._job_counter if out.keys_to_store else None
     rec.store_prepared(
-        ctx.req_id, keys, positions(ctx), out.keys_to_store, out.evicted_keys or (), job
+        ctx.req_id,
+        keys,
+        positions(ctx),
+        out.keys_to_store,
+        out.evicted_keys or (),
+        job,
+        filtered_keys(getattr(sched, "manager", None), keys, out.keys_to_store),
     )
+
+
+def filtered_keys(manager: Any, offered: Sequence[bytes], stored: Any) -> list[bytes]:
+    """Of the keys ``prepare_store`` declined, those its ``store_threshold`` filtered (vLLM's
+    ``CPUOffloadingManager``: ``counts`` is None when the filter is off): not stored and
+    not held by the cache (``_policy.get``, a plain dict read, is None), so not declined
+    for being present. Read after the call: the call counted this offer already."""
+    counts = getattr(manager, "counts", None)
+    policy = getattr(manager, "_policy", None)
+    if counts is None or policy is None or len(stored) == len(offered):
+        return []
+    chosen = set(stored)
+    return [k for k in offered if k not in chosen and policy.get(k) is None]
 
 
 def complete_store(

@@ -304,17 +304,42 @@ class Harness:
         base = (self.seed * 1_000_003 + chain * 7919) % 9973
         return [(base + i * 31 + (i // 997)) % (VOCAB - 100) + 50 for i in range(n)]
 
-    def submit(self, num_tokens: int, *, chain: int = 0, max_tokens: int = 1) -> str:
+    def submit(
+        self,
+        num_tokens: int,
+        *,
+        chain: int = 0,
+        max_tokens: int = 1,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> str:
         """Add a request of ``num_tokens`` synthetic prompt tokens; returns its id."""
-        return self.submit_tokens(self.tokens(num_tokens, chain=chain), max_tokens=max_tokens)
+        return self.submit_tokens(
+            self.tokens(num_tokens, chain=chain),
+            max_tokens=max_tokens,
+            kv_transfer_params=kv_transfer_params,
+        )
 
     def submit_tokens(
-        self, token_ids: list[int], *, max_tokens: int = 1, req_id: str | None = None
+        self,
+        token_ids: list[int],
+        *,
+        max_tokens: int = 1,
+        req_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        skip_reading_prefix_cache: bool | None = None,
     ) -> str:
-        """Add a request with these prompt token ids; returns its id."""
+        """Add a request with these prompt token ids; returns its id. ``kv_transfer_params``
+        reach the connector as a server's request body's do (``SamplingParams.extra_args``);
+        ``skip_reading_prefix_cache`` is the sampling params' own flag."""
         self._req_counter += 1
         rid = req_id or f"{self.request_prefix}{self._req_counter}"
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args=extra,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
         req = Request(
             request_id=rid,
             prompt_token_ids=list(token_ids),

@@ -342,3 +342,90 @@ def _decisive(v: EpisodeVerdict) -> list[str]:
 
     causes = [(n.group_id, n.cause) for n in v.needed]
     return list(d.decisive(d.candidates_of(causes, v.binding_group)))
+
+
+@dataclass(frozen=True)
+class LimitCase:
+    """One episode the differ called ``limited`` by ``max_load_tokens``, looked up again in
+    isolation twice: with the request's recorded cap and without it."""
+
+    req_id: str
+    episode: int
+    max_load_tokens: int
+    E: int | None
+    E_free: int | None
+    external_tokens: int | None
+    capped_external: int
+    free_external: int
+
+    @property
+    def agree(self) -> bool:
+        """The cap, and nothing else, kept the tokens away: alone, with every key offered
+        before the episode resident, the capped lookup serves what the request got (no
+        less than E under the cap) and the uncapped one reaches E without it."""
+        under = self.E if self.E is not None else 0
+        return (
+            self.capped_external == (self.external_tokens or 0)
+            and self.capped_external >= under
+            and self.E_free is not None
+            and self.free_external >= self.E_free
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.req_id} (episode {self.episode}): max_load_tokens={self.max_load_tokens}, "
+            f"E={self.E}, E without the cap={self.E_free}, served {self.external_tokens}; "
+            f"isolated: {self.capped_external} with the cap, {self.free_external} without"
+        )
+
+
+def check_limits(trace_dir: str, token_ids: Mapping[str, Sequence[int]]) -> list[LimitCase]:
+    """Look up every episode the differ called ``limited`` by ``max_load_tokens`` again in
+    isolation (a fresh real scheduler whose ample CPU tier holds every key any request
+    offered before the episode, stored and settled), with the recorded
+    ``kv_transfer_params`` cap and without it. Whether a capped request that got less than
+    the tier held is vLLM's cap arithmetic working as coded (`LimitCase.agree`) or a
+    disagreement under the cap."""
+    from keytrace.vllm.lab.harness import OUTPUT_TOKEN
+    from keytrace.vllm.lab.replay import isolated_lookup
+
+    trace = open_trace(trace_dir)
+    geo = (
+        geometry_from_header(trace.header)
+        .untiered()
+        .with_(cpu_chunks=AMPLE_CPU_CHUNKS, num_gpu_blocks=None)
+    )
+    report = diff(trace, all_episodes=True)
+    todo = [v for v in report.episodes if v.verdict == "limited" and v.limit == "max_load_tokens"]
+    caps = {
+        (i, s): m
+        for i, s, m in frames.collect(
+            frames.episodes(trace).select("inst", "s", "max_load").drop_nulls("max_load")
+        ).iter_rows()
+    }
+    when = _episode_times(trace)
+    store = _offers(trace)
+    probes = _recorded_keys(trace)
+    out = []
+    for v in todo:
+        t, n = when[(v.instance_id, v.episode)]
+        before = store.filter(
+            ((pl.col("inst") == v.instance_id) & (pl.col("seq") < v.episode))
+            | ((pl.col("inst") != v.instance_id) & (pl.col("ts") < t))
+        ).unique("key")
+        resident = list(zip(before["key"].to_list(), before["end_token"].to_list(), strict=True))
+        prompt = list(token_ids[v.req_id])
+        tokens = prompt + [OUTPUT_TOKEN] * (n - len(prompt))
+        cap = int(caps[(v.instance_id, v.episode)])
+        runs = [
+            isolated_lookup(
+                geo,
+                tokens,
+                resident,
+                expect=probes.get(v.req_id),
+                kv_transfer_params=params,
+            )[1]
+            for params in ({"max_load_tokens": cap}, None)
+        ]
+        out.append(LimitCase(v.req_id, v.episode, cap, v.E, v.E_free, v.external_tokens, *runs))
+    return out

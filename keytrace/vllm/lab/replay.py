@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from keytrace.errors import TraceError
 from keytrace.format.keys import key_gid, make_key
 from keytrace.format.reader import Trace, open_trace
 from keytrace.judge.definitions import FINDINGS
+from keytrace.judge.rules import LIMIT_KEYS
 from keytrace.vllm import require_vllm
 
 
@@ -74,6 +75,7 @@ def replay(
     trace_dir: str | os.PathLike[str] | None = None,
     inject: str | None = None,
     fix: str | None = None,
+    request_limits: Sequence[Mapping[str, Any]] = (),
 ) -> ReplayResult:
     """Prime, reset the GPU prefix cache, run the episode's request; record and diff it.
 
@@ -83,7 +85,9 @@ def replay(
 
     ``inject``/``fix`` default to ``KEYTRACE_INJECT``/``KEYTRACE_FIX`` (a generated
     regression's red run, and its green run with a candidate fix); either way they are
-    applied for this replay only.
+    applied for this replay only. ``request_limits``: what each request asked of the
+    connector, primes first (`keytrace.analysis.plan.ReplayPlan.request_limits`), resent as
+    ``kv_transfer_params`` and the skip flag.
     """
     require_vllm()
     from keytrace.vllm.hook.patches import ENV_FIX, ENV_INJECT, fixed, injected, recording
@@ -102,12 +106,23 @@ def replay(
     order: list[str] = []
     with fixed(fix), injected(inject), recording(d):
         h = Harness(geo, max_prompt_tokens=longest)
-        for n in prime_lengths:
-            order.append(h.submit(n, chain=0))
+        asked = list(request_limits) or [{}] * (len(prime_lengths) + 1)
+
+        def submit(n: int, i: int) -> str:
+            lim = asked[i] if i < len(asked) else {}
+            params = {k: lim[k] for k in LIMIT_KEYS if lim.get(k) is not None}
+            return h.submit_tokens(
+                h.tokens(n, chain=0),
+                kv_transfer_params=params or None,
+                skip_reading_prefix_cache=True if lim.get("skip_reading_kv") else None,
+            )
+
+        for i, n in enumerate(prime_lengths):
+            order.append(submit(n, i))
             h.run_until_idle(give_up=True)
         if prime_lengths:
             h.reset_gpu_prefix_cache()
-        rid = h.submit(episode_length, chain=0)
+        rid = submit(episode_length, len(prime_lengths))
         order.append(rid)
         h.run_until_idle(give_up=True)
     h.close()
@@ -173,7 +188,13 @@ def replay_trace(
             f"the episode had {plan.local_tokens:,} local (GPU prefix) tokens; the replay "
             "resets the GPU prefix cache, so it starts from 0"
         )
-    result = replay(plan.geometry, plan.prime_lengths, plan.episode_length, trace_dir=out_dir)
+    result = replay(
+        plan.geometry,
+        plan.prime_lengths,
+        plan.episode_length,
+        trace_dir=out_dir,
+        request_limits=plan.request_limits,
+    )
     if plan.recorded_steps is None:
         notes.append(
             "the trace has no step rows, so the step schedule is not compared "
@@ -208,6 +229,7 @@ def isolated_lookup(
     secondary: Sequence[bytes] = (),
     pinned_local: int = 0,
     max_steps: int = 400,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """(local, external) tokens the real scheduler gives ``token_ids`` on a fresh engine
     whose real CPU manager holds exactly ``resident`` (keys with their end-token positions),
@@ -227,6 +249,8 @@ def isolated_lookup(
     ``expect``: a recorded (key, end token) of this request; raises `TraceError` unless the
     request hashes to it here (other token ids, or a different ``PYTHONHASHSEED``, which
     seeds vLLM's hash chain, would make every key differ and the answer meaningless).
+    ``kv_transfer_params``: what the request asks of the connector (a recorded request's
+    ``max_load_tokens``, say), as a server passes them.
     """
     require_vllm()
     from vllm.v1.kv_offload.base import ReqContext
@@ -234,7 +258,7 @@ def isolated_lookup(
     from keytrace.vllm.lab.harness import Harness
 
     with Harness(geometry, max_prompt_tokens=len(token_ids)) as h:
-        rid = h.submit_tokens(list(token_ids), max_tokens=1)
+        rid = h.submit_tokens(list(token_ids), max_tokens=1, kv_transfer_params=kv_transfer_params)
         resident = list(resident) + _local_keys(h, rid, pinned_local)
         if resident:
             ctx = ReqContext(req_id="keytrace-isolation")
