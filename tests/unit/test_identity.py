@@ -167,8 +167,17 @@ def _account(verdicts: list[str], **extra: list[Any]) -> dict[str, int]:
             "E": [None] * len(verdicts),
             "cause": [None] * len(verdicts),
             "bind_gid": [None] * len(verdicts),
+            "L": [100] * len(verdicts),
+            "E_free": [None] * len(verdicts),
+            "limit": [None] * len(verdicts),
         },
-        schema_overrides={"E": pl.Int64, "cause": pl.String, "bind_gid": pl.Int32},
+        schema_overrides={
+            "E": pl.Int64,
+            "cause": pl.String,
+            "bind_gid": pl.Int32,
+            "E_free": pl.Int64,
+            "limit": pl.String,
+        },
     )
     routing = pl.DataFrame(
         {"inst": [1], "s": [10], **extra},
