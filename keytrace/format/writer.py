@@ -223,6 +223,26 @@ class TraceWriter(_Identity):
         except Exception as exc:  # defensive: a caller bug, never a disk problem
             self._fail(exc, n_rows, what="rejected a row (recorder bug)")
 
+    def extend(self, kind: str, calls: list[tuple[Any, ...]]) -> None:
+        """Append several calls of one row each (a kind without per-row columns: a step's
+        per-request rows), under one lock. Never raises."""
+        if not calls:
+            return
+        try:
+            arity = self._arity[kind]
+            if any(len(call) != arity for call in calls):
+                raise ValueError(f"{kind} calls must have {arity} values each")
+            with self._lock:
+                buf = self._bufs[kind]
+                buf.calls.extend(calls)
+                buf.counts.extend([1] * len(calls))
+                buf.rows += len(calls)
+                full = buf.rows >= self.max_rows
+            if full:
+                self._wake.set()
+        except Exception as exc:  # defensive: a caller bug, never a disk problem
+            self._fail(exc, len(calls), what="rejected a row (recorder bug)")
+
     def common(self, seq: int, ts_ns: int, step: int) -> tuple[Any, ...]:
         """The common per-call column values, in schema order."""
         return (
@@ -430,6 +450,9 @@ class NullWriter(_Identity):
         super().__init__(header, engine_id, dp_rank, tokens_per_chunk)
 
     def append(self, kind: str, n_rows: int, call: tuple[Any, ...], **key_cols: list[Any]) -> None:
+        """Nothing to keep."""
+
+    def extend(self, kind: str, calls: list[tuple[Any, ...]]) -> None:
         """Nothing to keep."""
 
     def flush(self) -> None:

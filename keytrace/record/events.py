@@ -20,7 +20,11 @@ from keytrace.judge.rules import load_cap
 
 class Scan:
     """One call of a per-group lookup helper (a *scan*): the raw calls in order and the
-    running summary the trace's scan row carries (``docs/trace-format.md``)."""
+    summary the trace's scan row carries (``docs/trace-format.md``).
+
+    While vLLM scans, a call costs three list appends (`Recorder.lookup`, the hot path);
+    the end tokens and the summary are made once the scan ends (`close`), with list
+    methods that run in C."""
 
     __slots__ = (
         "counts",
@@ -31,6 +35,7 @@ class Scan:
         "keys",
         "last_hit",
         "lead",
+        "position",
         "req_id",
         "results",
         "scan",
@@ -42,10 +47,19 @@ class Scan:
     )
 
     def __init__(
-        self, episode: int, scan: int, req_id: str, gid_bytes: bytes, secondary: bool, step: int
+        self,
+        episode: int,
+        scan: int,
+        req_id: str,
+        gid_bytes: bytes,
+        secondary: bool,
+        step: int,
+        position: Callable[[bytes], int | None] | None = None,
     ) -> None:
         self.episode, self.scan, self.req_id = episode, scan, req_id
         self.gid_bytes, self.secondary, self.step = gid_bytes, secondary, step
+        self.position = position
+        """Key -> its end token (the request's own map, read when the scan closes)."""
         self.ts = time.time_ns()
         self.seqs: list[int] = []
         self.ends: list[int | None] = []
@@ -70,21 +84,31 @@ class Scan:
         return self.term if self.term is not None else self.first_nonhit
 
     def add(self, seq: int, end: int | None, key: bytes, result: LookupResult) -> None:
-        i = len(self.seqs)
+        """One call with its end token known (a hand-built scan); `close` summarises."""
         self.seqs.append(seq)
         self.ends.append(end)
         self.keys.append(key)
         self.results.append(result)
-        self.counts[result] += 1
-        if result == LookupResult.HIT:
-            self.last_hit = i
-            if self.first_nonhit is None:
-                self.lead += 1
-            return
-        if self.first_nonhit is None:
-            self.first_nonhit = i
-        if self.term is None and result in SCAN_ENDING:
-            self.term = i
+
+    def close(self) -> None:
+        """The end tokens (from ``position``, where the calls did not give them) and the
+        summary: counts per result, the leading HITs, the terminal call, the last HIT."""
+        results = self.results
+        if self.position is not None and len(self.ends) < len(self.keys):
+            get = self.position
+            self.ends = [get(k) for k in self.keys]
+            self.position = None
+        n = len(results)
+        for r in LookupResult:
+            self.counts[r] = results.count(r)
+        first = {r: results.index(r) for r in LookupResult if self.counts[r]}
+        nonhit = [i for r, i in first.items() if r != LookupResult.HIT]
+        self.first_nonhit = min(nonhit) if nonhit else None
+        self.lead = n if self.first_nonhit is None else self.first_nonhit
+        ending = [i for r, i in first.items() if r in SCAN_ENDING]
+        self.term = min(ending) if ending else None
+        hits = self.counts[LookupResult.HIT]
+        self.last_hit = n - 1 - results[::-1].index(LookupResult.HIT) if hits else None
 
 
 Listed = dict[int, dict[int, bytes]]

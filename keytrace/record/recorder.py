@@ -438,26 +438,38 @@ class Recorder:
         self,
         key: bytes,
         req_id: str,
-        end_token: int | None,
+        position: int | Callable[[bytes], int | None] | None,
         result: LookupResult,
-        secondary: bool,
+        secondary: bool = False,
     ) -> None:
-        """One ``manager.lookup`` call: the hot path, a few list appends."""
+        """One ``manager.lookup`` call: the hot path, three list appends. ``position``: the
+        key's end token, or the request's key -> end token lookup, which the hook passes
+        (vLLM's ``get_offload_key_position``), called once the scan ends."""
         sc = self._scan
         if (
             sc is None
             or sc.req_id != req_id
             or sc.secondary != secondary
-            or (not self.exact_scans and key_tail(key) != sc.gid_bytes)
+            or (not self.exact_scans and key[-4:] != sc.gid_bytes)
         ):
             if sc is not None:
                 self.end_scan()
             if not self.exact_scans:  # without the helper hooks a new group is a new scan
                 self.scan += 1
             sc = self._scan = Scan(
-                self.episode, max(self.scan, 0), req_id, key_tail(key), secondary, self.step
+                self.episode,
+                max(self.scan, 0),
+                req_id,
+                key_tail(key),
+                secondary,
+                self.step,
+                position if callable(position) else None,
             )
-        sc.add(next(_SEQ), end_token, key, result)
+        sc.seqs.append(next(_SEQ))
+        sc.keys.append(key)
+        sc.results.append(result)
+        if sc.position is None:
+            sc.ends.append(position)  # type: ignore[arg-type]
 
     def end_scan(self) -> None:
         """Write the scan in progress as one lookup row: its summary and its raw lists."""
@@ -465,6 +477,7 @@ class Recorder:
         if sc is None:
             return
         self._scan = None
+        sc.close()
         ep = self._pending.get(sc.req_id)
         if ep is not None and ep.seq == sc.episode:
             ep.scans.append(sc)
@@ -738,10 +751,11 @@ class Recorder:
         """Per-request rows of one ``build_connector_meta`` call (pre-step values)."""
         ts = time.time_ns()
         keep = self.sampler.request if self.sampler is not None else None
-        for row in rows:
-            if keep is not None and not keep(row[0]):
-                continue
-            self.writer.append("step", 1, (next(_SEQ), ts, *self._common_tail, self.step, *row))
+        head = (*self._common_tail, self.step)
+        self.writer.extend(
+            "step",
+            [(next(_SEQ), ts, *head, *row) for row in rows if keep is None or keep(row[0])],
+        )
 
     def end_step(self) -> None:
         self.step += 1

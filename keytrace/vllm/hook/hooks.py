@@ -320,24 +320,22 @@ def lookup(
     """``manager.lookup(key, req_context, **kw)``; extra arguments mark a secondary tier."""
     if len(args) == 2 and not kw:  # the scheduler's own call: the hot path
         key, ctx = args
-        secondary = False
-    else:
-        key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
-        if "exclude_tier_idx" in kw:  # a tier's peer, through its parent: not a scan
-            rec.tier_event(
-                TierEvent.PEER_LOOKUP,
-                ctx.req_id,
-                kw["exclude_tier_idx"],
-                [key],
-                positions(ctx),
-                result=_result_name(result),
-            )
-            return
-        secondary = len(args) > 2 or any(k not in ("key", "req_context") for k in kw)
-    name = _RESULT_NAMES.get(result)
-    if name is None:  # an enum's .name is a Python property: read once per member
-        name = _RESULT_NAMES[result] = LookupResult(result.name)
-    rec.lookup(key, ctx.req_id, ctx.get_offload_key_position(key), name, secondary)
+        name = _RESULT_NAMES.get(result) or _result_name(result)
+        rec.lookup(key, ctx.req_id, ctx.get_offload_key_position, name)
+        return
+    key, ctx = arg(args, kw, 0, "key"), arg(args, kw, 1, "req_context")
+    if "exclude_tier_idx" in kw:  # a tier's peer, through its parent: not a scan
+        rec.tier_event(
+            TierEvent.PEER_LOOKUP,
+            ctx.req_id,
+            kw["exclude_tier_idx"],
+            [key],
+            positions(ctx),
+            result=_result_name(result),
+        )
+        return
+    secondary = len(args) > 2 or any(k not in ("key", "req_context") for k in kw)
+    rec.lookup(key, ctx.req_id, ctx.get_offload_key_position, _result_name(result), secondary)
 
 
 _RESULT_NAMES: dict[Any, LookupResult] = {}
