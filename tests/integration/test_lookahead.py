@@ -284,3 +284,34 @@ def test_the_lab_row_sees_triton_only_while_the_check_runs() -> None:
     with pytest.raises(RuntimeError, match="vLLM says no"):
         with_triton_seen(refuses, None, (), {})
     assert (triton_utils.HAS_TRITON, sys.modules["vllm.triton_utils"]) == (before, triton_utils)
+
+
+ORACLE = """
+import json, sys, tempfile
+from keytrace.analysis.geometry import parse_drafter
+from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
+
+spec = WorkloadSpec(geometry="small", seed=32, conversations=10, tiers=("fs",), cpu_chunks=14,
+                    drafter=parse_drafter("mtp:2:3"))
+with tempfile.TemporaryDirectory() as d:
+    study = study_workload(spec, d, alarm=True, oracle=True)
+print(json.dumps({
+    "lookahead": study.report.header.get("num_hash_lookahead_tokens"),
+    "checked": len(study.oracle or []),
+    "disagreements": [c.describe() for c in study.disagreements],
+    "alarm": study.alarm_counts, "differ": study.report.counts,
+}))
+"""
+
+
+def test_the_oracle_agrees_on_0_34_under_mtp_lookahead_on_a_tiered_manager() -> None:
+    """The lab's truth on 0.34.0 (tools/verify_rules.py runs the full plan): every
+    shortfall of a seeded workload, looked up again alone, agrees with the differ, and the
+    live alarm counts as the differ does; multi-module MTP (L = 2), a CPU tier over a real
+    fs tier small enough to promote."""
+    r = run_python(ORACLE, **_where())
+    assert r.returncode == 0, r.stderr[-4000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert found["lookahead"] == 2
+    assert found["checked"] >= 10 and found["disagreements"] == []
+    assert found["alarm"] == found["differ"]
