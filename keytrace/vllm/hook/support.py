@@ -29,6 +29,7 @@ Importing this module does not import vLLM; evaluating a capability does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import inspect
@@ -218,8 +219,22 @@ def check_params(where: str, fn: Any, expected: tuple[str | None, ...], exact: b
 
 
 def source_digest(fn: Any) -> str | None:
-    """A short digest of ``fn``'s source, indentation-free (None: no source)."""
+    """A short digest of ``fn``'s source, indentation-free (None: no source). Kept per
+    function object: reading a source costs tokenising its file, and recording is switched
+    on and off many times in one process (tests, the lab) over code that does not change."""
     target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+    try:
+        return _digest_of_source(target)
+    except TypeError:  # unhashable: not a plain function or class
+        return _digest_uncached(target)
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest_of_source(target: Any) -> str | None:
+    return _digest_uncached(target)
+
+
+def _digest_uncached(target: Any) -> str | None:
     try:
         text = inspect.cleandoc(inspect.getsource(target))
     except (OSError, TypeError):
@@ -386,26 +401,33 @@ GROUP_CONFIG_FIELDS = (
 
 def _state_checks(cls: Any) -> Iterator[Check]:
     """The scheduler attributes the hooks read are assigned by the class (its source)."""
-    sources = []
-    for klass in inspect.getmro(cls):
-        try:
-            sources.append(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-    if not sources:
+    text = _class_sources(cls)
+    if text is None:
         yield Check(
             "OffloadingConnectorScheduler's source is readable",
             "the source of OffloadingConnectorScheduler is not available, so the state "
             "keytrace reads cannot be checked",
         )
         return
-    text = "\n".join(sources)
     for name in SCHEDULER_STATE:
         what = f"OffloadingConnectorScheduler sets self.{name}"
         if re.search(rf"self\.{re.escape(name)}\s*[:=]", text) is None:
             yield Check(what, f"OffloadingConnectorScheduler no longer sets self.{name}")
         else:
             yield Check(what)
+
+
+@functools.lru_cache(maxsize=64)
+def _class_sources(cls: Any) -> str | None:
+    """The source of ``cls`` and its bases, joined (None: none readable); kept per class,
+    as `source_digest` is."""
+    sources = []
+    for klass in inspect.getmro(cls):
+        try:
+            sources.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(sources) if sources else None
 
 
 def _field_names(cls: type) -> set[str]:
