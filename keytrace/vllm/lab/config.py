@@ -39,7 +39,6 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from keytrace.analysis.geometry import REPLAYABLE_TIERS, Drafter, Geometry, GroupGeom
-from keytrace.vllm.hook.patches import lab_platform
 
 VOCAB = 32_000
 _TINY_MODEL = {
@@ -235,6 +234,10 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
     # vLLM 0.34.0's CPU platform refuses an x86 CPU without triton-cpu; a scheduler runs
     # no kernel, so the lab's own row lets the check pass while this config is built
     drafter = geometry.drafter
+    # imported here: importing the lab loads no recording machinery (the pytest plugin
+    # and a test that only builds a harness later must find it unloaded)
+    from keytrace.vllm.hook.patches import lab_platform
+
     with lab_platform():
         config = VllmConfig(
             model_config=_model_config(geometry.max_model_len),
