@@ -153,11 +153,10 @@ def _profiled(part: str, toggles: Any) -> dict[str, int]:
     ``--collect-atstart=no``): its functions are wrapped to toggle collection on at the
     outermost entry and off at the exit. Writers flush only when closed (on this thread:
     callgrind's collection is process-wide, and a writer thread's flush would interleave
-    with the scheduler's work). Returns counters of steps and keys, filled as the run goes
-    (outside the collected parts)."""
+    with the scheduler's work; `one_run` sets that). Returns counters of steps and keys,
+    filled as the run goes (outside the collected parts)."""
     import functools
 
-    os.environ["KEYTRACE_MAX_SECONDS"] = os.environ["KEYTRACE_IDLE_SECONDS"] = "1e9"
     counted: dict[str, int] = {"steps": 0, "lookup keys": 0, "store keys": 0}
     depth = [0]
 

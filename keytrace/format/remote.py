@@ -365,12 +365,18 @@ def uploaders() -> list[Uploader]:
 
 
 # ------------------------------------------------------------------ reading
-def cache_root() -> Path:
-    """Where remote traces are mirrored (``KEYTRACE_CACHE_DIR``, else ~/.cache/keytrace)."""
+def keytrace_cache() -> Path:
+    """keytrace's own cache folder on this machine (``KEYTRACE_CACHE_DIR``, else
+    ~/.cache/keytrace): remote traces' mirrors, the oracle's verifications."""
     base = os.environ.get("KEYTRACE_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "keytrace"
     )
-    return Path(base) / "remote"
+    return Path(base)
+
+
+def cache_root() -> Path:
+    """Where remote traces are mirrored (`keytrace_cache`/remote)."""
+    return keytrace_cache() / "remote"
 
 
 def mirror(uri: str, progress: Callable[[int, int], None] | None = None) -> str:

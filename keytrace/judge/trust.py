@@ -33,6 +33,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from keytrace.format.remote import keytrace_cache
+
 VERIFIED_FILE = Path(__file__).with_name("verified_rules.json")
 """Rules digest -> the oracle runs keytrace's CI made on that code (`Verification`)."""
 
@@ -109,12 +111,10 @@ def shipped() -> dict[str, list[Verification]]:
 
 
 def cache_dir() -> Path:
-    """This machine's own verifications (``KEYTRACE_CACHE_DIR``, default
-    ``~/.cache/keytrace``, under ``verified/``)."""
-    base = os.environ.get("KEYTRACE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "keytrace"
-    )
-    return Path(base) / "verified"
+    """This machine's own verifications: ``verified/`` in keytrace's cache folder
+    (`keytrace.format.remote.keytrace_cache`: ``KEYTRACE_CACHE_DIR``, else
+    ``~/.cache/keytrace``)."""
+    return keytrace_cache() / "verified"
 
 
 def local_runs(digest: str) -> list[Verification]:

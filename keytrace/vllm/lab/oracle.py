@@ -49,7 +49,7 @@ import polars as pl
 
 from keytrace.analysis import frames
 from keytrace.analysis.diff import diff
-from keytrace.analysis.geometry import geometry_from_header
+from keytrace.analysis.geometry import Geometry, geometry_from_header
 from keytrace.analysis.results import EpisodeVerdict
 from keytrace.format.keys import key_gid
 from keytrace.format.reader import Trace, open_trace
@@ -131,11 +131,7 @@ def check(
 
     trace = open_trace(trace_dir)
     # the first isolated lookup is on a plain CPU tier, ample: is the key there at all?
-    geo = (
-        geometry_from_header(trace.header)
-        .untiered()
-        .with_(cpu_chunks=AMPLE_CPU_CHUNKS, num_gpu_blocks=None)
-    )
+    geo = _ample(trace)
     report = diff(trace, all_episodes=True)
     todo = [v for v in report.episodes if v.verdict in ("explained", "mismatch")]
     when = _episode_times(trace)
@@ -183,6 +179,16 @@ def check(
         if progress is not None:
             progress("isolated lookups", i + 1, len(todo))
     return cases
+
+
+def _ample(trace: Trace) -> Geometry:
+    """The trace's geometry on a plain CPU tier too large to evict and a GPU pool sized by
+    the harness: where an isolated lookup asks only whether the keys are there."""
+    return (
+        geometry_from_header(trace.header)
+        .untiered()
+        .with_(cpu_chunks=AMPLE_CPU_CHUNKS, num_gpu_blocks=None)
+    )
 
 
 def _episode_times(trace: Trace) -> dict[tuple[int, int], tuple[int, int]]:
@@ -390,11 +396,7 @@ def check_limits(trace_dir: str, token_ids: Mapping[str, Sequence[int]]) -> list
     from keytrace.vllm.lab.replay import isolated_lookup
 
     trace = open_trace(trace_dir)
-    geo = (
-        geometry_from_header(trace.header)
-        .untiered()
-        .with_(cpu_chunks=AMPLE_CPU_CHUNKS, num_gpu_blocks=None)
-    )
+    geo = _ample(trace)
     report = diff(trace, all_episodes=True)
     todo = [v for v in report.episodes if v.verdict == "limited" and v.limit == "max_load_tokens"]
     caps = {
