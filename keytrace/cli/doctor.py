@@ -56,6 +56,13 @@ from keytrace.report.text import render_doctor, render_verify
     help="--verify stops once this many shortfall episodes were checked (after every "
     "layout and drafter ran once).",
 )
+@click.option(
+    "--workloads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--verify runs at most this many workloads (default: as the time and episode "
+    "bounds allow).",
+)
 @progress_option
 def command(
     as_json: bool,
@@ -66,6 +73,7 @@ def command(
     verify: bool,
     seconds: float,
     episodes: int,
+    workloads: int | None,
     progress: bool | None,
 ) -> int:
     """Check this environment: the installed vLLM (version, path, source build or release),
@@ -92,7 +100,7 @@ def command(
     could be checked).
     """
     if verify:
-        return _verify(as_json, seconds, episodes, progress)
+        return _verify(as_json, seconds, episodes, workloads, progress)
     from keytrace.vllm.lab.doctor import diagnose, identity_warnings
 
     found = diagnose().as_json()
@@ -104,13 +112,16 @@ def command(
     return EXIT_OK if found["can_record"] else EXIT_TROUBLE
 
 
-def _verify(as_json: bool, seconds: float, episodes: int, progress: bool | None) -> int:
+def _verify(
+    as_json: bool, seconds: float, episodes: int, workloads: int | None, progress: bool | None
+) -> int:
     from keytrace.vllm.lab.verify import verify
 
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
     out = verify(
         budget_seconds=seconds,
         min_episodes=episodes,
+        max_workloads=workloads,
         progress=progress_printer() if show else None,
     )
     if as_json:

@@ -79,8 +79,10 @@ def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
     own_cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert rulecode.status().trust is RulesTrust.UNVERIFIED
-    # one workload: the time budget ends the run after the first one
-    assert main(["doctor", "--verify", "--seconds", "1", "--episodes", "1", "--json"]) == 0
+    # one workload, whatever the machine's speed (a time budget alone let a fast CI
+    # machine start a second one)
+    argv = ["doctor", "--verify", "--workloads", "1", "--episodes", "1", "--json"]
+    assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["workloads"] == 1 and out["episodes"] > 0 and out["disagreements"] == []
     assert out["runs"][0]["checked"] == out["episodes"]

@@ -110,14 +110,16 @@ def verify(
     *,
     budget_seconds: float = 600.0,
     min_episodes: int = 300,
+    max_workloads: int | None = None,
     progress: ProgressFn | None = None,
     keep: bool = True,
     drafters: tuple[Drafter | None, ...] = DRAFTERS,
 ) -> VerifyOutcome:
     """Run the oracle (and the alarm) on `plan`'s workloads through the installed vLLM
     until ``min_episodes`` shortfalls were checked after every layout and drafter ran once,
-    or ``budget_seconds`` passed (a workload in progress finishes); with ``keep``, record
-    the outcome under the installed code's rules digest. ``drafters``: the drafters to
+    or ``budget_seconds`` passed (a workload in progress finishes) or ``max_workloads``
+    ran (a bound that does not depend on the machine's speed); with ``keep``, record the
+    outcome under the installed code's rules digest. ``drafters``: the drafters to
     run (default: none, EAGLE, MTP with 1, 2, 3 tokens)."""
     from keytrace.vllm.hook.support import vllm_info
 
@@ -129,6 +131,8 @@ def verify(
     for n, spec in enumerate(specs):
         elapsed = time.monotonic() - t0
         if elapsed >= budget_seconds or (n >= first_pass and out.episodes >= min_episodes):
+            break
+        if max_workloads is not None and n >= max_workloads:
             break
         if progress is not None:
             progress(f"verify {_name(spec)}", n, len(specs))
