@@ -39,6 +39,11 @@ class RulesDisputedError(KeytraceError):
     (``keytrace doctor --verify``): no AGREE is claimed on it."""
 
 
+class RulesUncoveredError(KeytraceError):
+    """The trace holds what keytrace's rules do not describe (recurrent state groups,
+    `keytrace.judge.trust.uncovered`): no verdict is claimed on it."""
+
+
 class UsageError(KeytraceError):
     """Options that do not make sense together, or point at nothing."""
 

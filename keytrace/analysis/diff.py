@@ -26,6 +26,7 @@ from keytrace.analysis.boundaries import anchor, chain, shared_boundaries, share
 from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.history import causes, crowding, durable
 from keytrace.analysis.results import (
+    NO_VERDICT,
     DiffReport,
     EpisodeList,
     EpisodeVerdict,
@@ -60,7 +61,7 @@ from keytrace.judge.rules import (
     retention_of,
     trim_first_of,
 )
-from keytrace.judge.trust import trace_rules
+from keytrace.judge.trust import trace_rules, verdict_withheld
 
 __all__ = ["CAUSE_TEXT", "DiffReport", "EpisodeVerdict", "NeededChunk", "TerminalKey", "diff"]
 
@@ -117,6 +118,9 @@ def diff(
         )
     except UnknownResultError:
         raise_unknown_results(trace)  # names the part
+    if verdict_withheld(report.rules):
+        # the rules would judge another model: the facts stay, the verdict goes
+        report = dataclasses.replace(report, verdict=NO_VERDICT, first_mismatch=None)
     if maps <= 0 or not isinstance(report.episodes, EpisodeList):
         return report
     drawn = chunk_maps(trace, groups_from_header(trace.header), report.episodes, maps)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keytrace.analysis.lost import LostRow
-from keytrace.analysis.results import DiffReport, EpisodeVerdict
+from keytrace.analysis.results import NOT_IN_JSON, DiffReport, EpisodeVerdict
 from keytrace.judge import definitions as d
 from keytrace.judge.identity import IdentityFinding
+from keytrace.judge.trust import RulesStatus
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class FleetReport:
     warnings: list[str] = field(default_factory=list)
     identity: list[IdentityFinding] = field(default_factory=list)
     """Engines that share a tier and hash differently (`DiffReport.identity`)."""
+    rules: RulesStatus | None = field(default=None, metadata=NOT_IN_JSON)
+    """`DiffReport.rules`: the text's first line says what it says there."""
 
 
 def engine_of(v: EpisodeVerdict) -> str:
@@ -81,6 +84,7 @@ def by_engine(report: DiffReport) -> FleetReport:
         engines=engines,
         warnings=list(report.warnings),
         identity=list(report.identity),
+        rules=report.rules,
     )
 
 

@@ -12,7 +12,10 @@ from typing import Any
 
 from keytrace.judge.rules import group_label, window_chunks
 
-GROUP_KINDS = ("full_attention", "mla", "sliding_window")
+GROUP_KINDS = ("full_attention", "mla", "sliding_window", "mamba")
+"""``mamba``: a recurrent state group (Mamba, gated DeltaNet, linear attention) in vLLM's
+``align`` cache mode: one state per checkpoint, looked up with a window of one chunk.
+keytrace records it and has no rule for it yet (`keytrace.judge.trust.uncovered`)."""
 
 DRAFTER_METHODS = ("eagle", "eagle3", "mtp")
 """The speculative methods whose drafter decides vLLM's hash lookahead (0.34.0: those with
@@ -39,6 +42,14 @@ class GroupGeom:
             raise ValueError(f"unknown group kind {self.kind!r}; expected one of {GROUP_KINDS}")
         if (self.kind == "sliding_window") != (self.sliding_window is not None):
             raise ValueError("sliding_window is required for, and only for, sliding_window groups")
+        if self.kind == "mamba" and (self.eagle or self.extra_retained_tokens):
+            raise ValueError("a recurrent group is no EAGLE/MTP draft group (drafters have none)")
+
+    @property
+    def has_window(self) -> bool:
+        """Looked up with a window (after the full-attention groups): sliding-window and
+        recurrent groups (vLLM gives a recurrent group a window of one chunk)."""
+        return self.sliding_window is not None or self.kind == "mamba"
 
     @property
     def label(self) -> str:
@@ -193,7 +204,23 @@ HYBRID = Geometry(
 stock vLLM 0.33.0's store and lookup rules agree (no live bug): the geometry on which
 stock traffic must raise no mismatch and no alarm."""
 
-BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4, HYBRID)}
+RECURRENT = Geometry(
+    name="recurrent",
+    groups=(
+        GroupGeom("mamba", 64, name="gdn0"),
+        GroupGeom("mamba", 64, name="gdn1"),
+        GroupGeom("mamba", 64, name="gdn2"),
+        GroupGeom("full_attention", 64, name="fa"),
+    ),
+    max_num_batched_tokens=512,
+    max_model_len=16_384,
+    cpu_chunks=20_000,
+)
+"""Qwen3-Next-like: three gated-DeltaNet (recurrent) groups and one full-attention group
+(full attention every fourth layer), block 64, in vLLM's ``align`` cache mode. keytrace
+records it and judges nothing on it yet (no rules for recurrent groups: issue 39)."""
+
+BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT)}
 
 
 def describe(geo: Geometry) -> str:
@@ -247,17 +274,22 @@ def synthetic_header(
                 "spec_class": {
                     "mla": "MLAAttentionSpec",
                     "full_attention": "FullAttentionSpec",
+                    "mamba": "MambaSpec",
                 }.get(g.kind, "SlidingWindowSpec"),
                 "block_size": g.block_size,
                 "tokens_per_block": g.block_size,
                 "tokens_per_chunk": tpc,
                 "hashes_per_chunk": tpc // tph,
                 "sliding_window": g.sliding_window,
-                "window_chunks": window_chunks(g.sliding_window, g.extra_retained_tokens, tpc),
+                "window_chunks": 1
+                if g.kind == "mamba"
+                else window_chunks(g.sliding_window, g.extra_retained_tokens, tpc),
                 "extra_retained_tokens": g.extra_retained_tokens,
                 "is_eagle": g.eagle,
-                "requires_cow_source": False,
-                "manager_cls": "SlidingWindowManager"
+                "requires_cow_source": g.kind == "mamba",
+                "manager_cls": "MambaManager"
+                if g.kind == "mamba"
+                else "SlidingWindowManager"
                 if g.sliding_window
                 else "FullAttentionManager",
             }

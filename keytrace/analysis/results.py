@@ -151,11 +151,17 @@ NOT_IN_JSON = {"json": False}
 """Field metadata: a view for another reporter (the HTML page), left out of ``--json``."""
 
 
+NO_VERDICT = "no_verdict"
+"""`DiffReport.verdict` of a trace keytrace's rules do not describe
+(`keytrace.judge.trust.verdict_withheld`): its facts are reported, nothing is judged."""
+
+
 @dataclass(frozen=True)
 class DiffReport:
-    """The verdict over a trace: ``agree`` unless some episode is a ``mismatch``."""
+    """The verdict over a trace: ``agree`` unless some episode is a ``mismatch``
+    (`NO_VERDICT` where the rules do not describe the trace)."""
 
-    verdict: str  # "agree" | "mismatch"
+    verdict: str  # "agree" | "mismatch" | "no_verdict"
     first_mismatch: EpisodeVerdict | None
     episodes: Sequence[EpisodeVerdict]
     counts: dict[str, int]

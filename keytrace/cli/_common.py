@@ -212,3 +212,19 @@ def check_complete(trace: Trace, allow_incomplete: bool, *, unlooked: bool = Tru
         refuse_incomplete(
             [f"{len(missing)} request(s) stored keys and have no lookup rows ({missing[0]} ...)"]
         )
+
+
+def exit_for_verdicts(verdicts: list[str], what: str) -> int:
+    """The exit status of lab commands that judge scenarios: 1 when one mismatches, 2 (one
+    line) when one was recorded on a geometry keytrace has no rules for, else 0."""
+    from keytrace.analysis.results import NO_VERDICT
+    from keytrace.errors import EXIT_MISMATCH, EXIT_OK, RulesUncoveredError
+
+    if "mismatch" in verdicts:
+        return EXIT_MISMATCH
+    if NO_VERDICT in verdicts:
+        raise RulesUncoveredError(
+            f"no verdict: {what} has groups keytrace has no rules for (recurrent state "
+            "groups); recorded, not judged (see docs/diff.md, What keytrace does not judge)"
+        )
+    return EXIT_OK

@@ -10,6 +10,7 @@ import click
 from keytrace.analysis.chunkmap import DEFAULT_LIMIT
 from keytrace.analysis.diff import diff
 from keytrace.analysis.fleet import by_engine
+from keytrace.analysis.results import NO_VERDICT
 from keytrace.analysis.runners import LocalRunner, RayRunner, Runner
 from keytrace.cli._common import (
     allow_incomplete_option,
@@ -21,7 +22,13 @@ from keytrace.cli._common import (
     subcommand,
 )
 from keytrace.cli._progress import progress_printer
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK, RulesDisputedError, UsageError
+from keytrace.errors import (
+    EXIT_MISMATCH,
+    EXIT_OK,
+    RulesDisputedError,
+    RulesUncoveredError,
+    UsageError,
+)
 from keytrace.format.reader import open_trace
 from keytrace.judge.trust import agree_refused
 from keytrace.report.jsonout import write_json
@@ -170,6 +177,15 @@ def command(
         write_page(html_path, report)
         if not as_json:
             click.echo(f"chunk map: {html_path}")
+    if report.verdict == NO_VERDICT and not report.identity:
+        assert report.rules is not None
+        raise RulesUncoveredError(
+            "no verdict: keytrace has no rules for "
+            + "; ".join(report.rules.not_covered)
+            + " (see docs/diff.md, What keytrace does not judge)"
+        )
+    if report.verdict == NO_VERDICT:  # engines that hash differently: judged before keys
+        return EXIT_MISMATCH
     if report.verdict != "mismatch" and agree_refused(report.rules):
         assert report.rules is not None
         raise RulesDisputedError(

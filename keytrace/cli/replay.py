@@ -10,11 +10,11 @@ from keytrace.cli._common import (
     allow_incomplete_option,
     check_complete,
     echo_trace_warnings,
+    exit_for_verdicts,
     json_option,
     subcommand,
     trace_paths,
 )
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK
 from keytrace.format.reader import open_trace
 from keytrace.report.jsonout import write_json
 
@@ -81,4 +81,4 @@ def command(
             click.echo(
                 f"step schedule DIFFERS: recorded {plan.recorded_steps}, replayed {result.steps}"
             )
-    return EXIT_MISMATCH if result.verdict == "mismatch" else EXIT_OK
+    return exit_for_verdicts([result.verdict], "the replayed geometry")

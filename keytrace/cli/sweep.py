@@ -10,13 +10,14 @@ from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header, p
 from keytrace.analysis.sweep import SweepRow, compare_fix, parse_lengths
 from keytrace.cli._common import (
     drafter_option,
+    exit_for_verdicts,
     fix_option,
     inject_option,
     plain_progress_option,
     subcommand,
 )
 from keytrace.cli._progress import progress_printer
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
+from keytrace.errors import UsageError
 from keytrace.report.table import write_rows
 
 
@@ -50,6 +51,8 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     default="dsv4",
     show_default=True,
     type=click.Choice(sorted(BUILTIN)),
+    help="Built-in geometry: dsv4 (DeepSeek-V4-like, MTP), small, hybrid (no MTP group), "
+    "recurrent (Qwen3-Next-like: recurrent state groups, recorded and not judged yet).",
 )
 @click.option(
     "--from", "from_trace", default=None, help="Take the geometry from this trace's header instead."
@@ -171,4 +174,4 @@ def command(
             made = plot_sweep(rows, paths, title=title)
         for p in made:
             click.echo(f"plot: {p}", err=True)
-    return EXIT_MISMATCH if any(r.verdict == "mismatch" for r in rows) else EXIT_OK
+    return exit_for_verdicts([r.verdict for r in rows], f"geometry {geo.name}")

@@ -17,6 +17,12 @@ A digest is *verified* when some run checked shortfalls on it and none disagreed
 *unverified* otherwise. A trace written before rules digests existed has none: it is
 trusted as before, by whether its release was one keytrace's CI ran (``vllm_verified``).
 
+A digest says which code ran, not which model: the oracle runs that verified it ran the
+geometries keytrace has rules for. A trace whose configuration holds what no rule
+describes (`uncovered`: recurrent groups, whose state is offloaded as checkpoints at
+boundaries) gets no verdict at all, whatever its digest: the trace is kept and its facts
+are shown, nothing is judged.
+
 The status is looked up when a trace is judged, not written into the header: a header is
 the same bytes for every process of one configuration (the reader refuses mixed parts),
 and a verification that runs later applies to traces recorded before it. Pure Python; no
@@ -28,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -50,6 +56,29 @@ class RulesTrust(StrEnum):
     """No oracle run on this code: the verdicts apply rules written for other code."""
     DISPUTED = "disputed"
     """The oracle disagreed with keytrace on this code: no AGREE is claimed."""
+    UNCOVERED = "uncovered"
+    """The trace's configuration holds what keytrace's rules do not describe (`uncovered`):
+    no verdict is claimed, AGREE or MISMATCH."""
+
+
+RECURRENT_KINDS = frozenset({"mamba"})
+"""Group kinds (the header's ``kind``) whose KV is a recurrent state: vLLM offloads it as a
+checkpoint at chosen boundaries (copy-on-write sources, partial tails), not chunk by chunk.
+keytrace has no rule for them yet (issue 39)."""
+
+
+def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
+    """What in a trace header keytrace's rules do not describe, one phrase each (empty:
+    every offloaded group is covered). The one place that decides it: the differ, the
+    live alarm and the reporters all ask here."""
+    recurrent = [
+        str(g.get("group_id"))
+        for g in header.get("groups", [])
+        if g.get("offloaded") and (g.get("kind") in RECURRENT_KINDS or g.get("requires_cow_source"))
+    ]
+    if not recurrent:
+        return ()
+    return (f"recurrent state group{'s' if len(recurrent) > 1 else ''} {', '.join(recurrent)}",)
 
 
 @dataclass(frozen=True)
@@ -72,9 +101,13 @@ class RulesStatus:
     runs: tuple[Verification, ...] = ()
     release_verified: bool = False
     """For a trace without a digest: its release was one keytrace's CI ran."""
+    not_covered: tuple[str, ...] = ()
+    """What the trace holds that no rule describes (`uncovered`)."""
 
     @property
     def trust(self) -> RulesTrust:
+        if self.not_covered:
+            return RulesTrust.UNCOVERED
         if self.digest is None:
             return RulesTrust.RELEASE if self.release_verified else RulesTrust.UNVERIFIED
         if any(r.disagreements for r in self.runs):
@@ -93,12 +126,15 @@ class RulesStatus:
         return sum(r.disagreements for r in self.runs)
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "digest": self.digest,
             "trust": str(self.trust),
             "episodes_checked": self.episodes,
             "disagreements": self.disagreements,
         }
+        if self.not_covered:  # only then: every other report reads as before
+            out["uncovered"] = list(self.not_covered)
+        return out
 
 
 def shipped() -> dict[str, list[Verification]]:
@@ -146,19 +182,26 @@ def status_of(digest: str) -> RulesStatus:
 def trace_rules(header: Mapping[str, Any]) -> RulesStatus | None:
     """The rules status of a trace, from its header: by its rules digest, or for a trace
     written before digests, by its release (None for a header the recorder did not write:
-    a synthetic trace built by hand)."""
+    a synthetic trace built by hand, unless it holds what no rule describes)."""
+    gaps = uncovered(header)
     digest = header.get("rules_digest")
     if isinstance(digest, str) and digest:
-        return status_of(digest)
-    if "vllm_verified" not in header:  # not written by the recorder: nothing to say
+        return replace(status_of(digest), not_covered=gaps)
+    if "vllm_verified" not in header and not gaps:  # built by hand: nothing to say
         return None
-    return RulesStatus(None, release_verified=header.get("vllm_verified") is True)
+    return RulesStatus(None, release_verified=header.get("vllm_verified") is True, not_covered=gaps)
+
+
+def verdict_withheld(st: RulesStatus | None) -> bool:
+    """No verdict at all (AGREE or MISMATCH) on a trace that holds what no rule
+    describes: the rules would judge it as another model."""
+    return st is not None and st.trust is RulesTrust.UNCOVERED
 
 
 def agree_refused(st: RulesStatus | None) -> bool:
     """No AGREE is claimed on a trace whose code the oracle disputed: the rules that found
-    nothing are known to be wrong somewhere on it."""
-    return st is not None and st.trust is RulesTrust.DISPUTED
+    nothing are known to be wrong somewhere on it (nor on one whose verdict is withheld)."""
+    return st is not None and st.trust in (RulesTrust.DISPUTED, RulesTrust.UNCOVERED)
 
 
 def trust_line(st: RulesStatus | None) -> str | None:
@@ -166,6 +209,13 @@ def trust_line(st: RulesStatus | None) -> str | None:
     the recording's code (None: nothing to say)."""
     if st is None or st.trust in (RulesTrust.VERIFIED, RulesTrust.RELEASE):
         return None
+    if st.trust is RulesTrust.UNCOVERED:
+        return (
+            f"NO VERDICT: keytrace has no rules for what this trace holds "
+            f"({'; '.join(st.not_covered)}): vLLM offloads a recurrent state as checkpoints "
+            "at chosen boundaries, which the store/lookup rules do not describe yet; the "
+            "trace is recorded and kept, nothing in it is judged"
+        )
     code = f"rules digest {st.digest}" if st.digest else "a release keytrace's CI has not run"
     if st.trust is RulesTrust.DISPUTED:
         return (
@@ -179,6 +229,7 @@ def trust_line(st: RulesStatus | None) -> str | None:
 
 
 __all__ = [
+    "RECURRENT_KINDS",
     "VERIFIED_FILE",
     "RulesStatus",
     "RulesTrust",
@@ -191,4 +242,6 @@ __all__ = [
     "status_of",
     "trace_rules",
     "trust_line",
+    "uncovered",
+    "verdict_withheld",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import IO, Any
 
+from keytrace.analysis.results import NO_VERDICT
 from keytrace.analysis.summary import Summary
 from keytrace.judge import definitions as d
 from keytrace.judge.trust import agree_refused, trust_line
@@ -166,6 +167,13 @@ def render_diff(report: Any, file: IO[str]) -> None:
         file.write(rules + "\n")
     for f in getattr(report, "identity", []):  # engines compared before any key
         file.write(f"MISMATCH{partial}: {f.text}\n")
+    if report.verdict == NO_VERDICT:
+        n = sum(report.counts.values())
+        file.write(
+            f"recorded: {n} lookup episode(s); none judged (`--json` has what the rules "
+            "written for other models would say, for whoever writes the missing ones)\n"
+        )
+        return
     if report.first_mismatch is not None and report.first_mismatch.verdict == "stalled":
         v = report.first_mismatch
         file.write(f"STALLED{partial}: request {v.req_id}: {v.reason} (E={fmt_int(v.E)})\n")
@@ -227,11 +235,21 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
     verdict columns are every verdict there is (`BASE_VERDICTS`, `SHORTFALL_VERDICTS`), so
     they add up to the episodes."""
     partial = " (on INCOMPLETE evidence)" if fleet.evidence_incomplete else ""
-    bad = [e for e in fleet.engines if e.mismatches]
-    head = "MISMATCH" if fleet.verdict == "mismatch" else "AGREE"
-    file.write(f"{head}{partial}: {len(bad)} of {len(fleet.engines)} engine(s) with mismatches\n")
+    rules = getattr(fleet, "rules", None)
+    first = trust_line(rules)
+    if first is not None:
+        file.write(first + "\n")
+    if fleet.verdict != NO_VERDICT:
+        bad = [e for e in fleet.engines if e.mismatches]
+        head = "MISMATCH" if fleet.verdict == "mismatch" else "AGREE"
+        if head == "AGREE" and agree_refused(rules):
+            head = "NO VERDICT (rules disputed)"
+        n = len(fleet.engines)
+        file.write(f"{head}{partial}: {len(bad)} of {n} engine(s) with mismatches\n")
     for f in getattr(fleet, "identity", []):  # engines compared before any key
         file.write(f"MISMATCH{partial}: {f.text}\n")
+    if fleet.verdict == NO_VERDICT:
+        return
     if fleet.sample is not None:
         file.write(
             f"sampled trace (KEYTRACE_SAMPLE={fleet.sample:g}): counts cover the sampled "

@@ -17,7 +17,13 @@ from tests.conftest import require_vllm
 require_vllm()
 
 from keytrace.analysis import frames  # noqa: E402
-from keytrace.analysis.geometry import DSV4, SMALL, Geometry, synthetic_header  # noqa: E402
+from keytrace.analysis.geometry import (  # noqa: E402
+    DSV4,
+    RECURRENT,
+    SMALL,
+    Geometry,
+    synthetic_header,
+)
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.format.shape import scan_summaries  # noqa: E402
 from keytrace.vllm.hook.patches import recording  # noqa: E402
@@ -41,6 +47,10 @@ CASES = [
         SMALL.with_(async_scheduling=True, max_num_batched_tokens=128),
         1030,
         id="small-async-chunked",
+    ),
+    # recurrent state groups: their keys come from the scheduler's boundary hand-offs
+    pytest.param(
+        RECURRENT.with_(blocks_per_chunk=2, max_num_batched_tokens=256), 1000, id="recurrent"
     ),
 ]
 

@@ -70,6 +70,9 @@ def test_a_trace_is_judged_by_what_the_oracle_found_on_its_code(
     assert main(["diff", str(t)]) == 2
     out = capsys.readouterr().out
     assert out.startswith("RULES DISPUTED") and "AGREE:" not in out
+    assert main(["diff", "--by", "engine", str(t)]) == 2  # the fleet view says it too
+    out = capsys.readouterr().out
+    assert out.startswith("RULES DISPUTED") and "NO VERDICT (rules disputed)" in out
     assert main(["doctor", "--json"]) == 0  # recording still works; the judge does not
     judge = [c for c in json.loads(capsys.readouterr().out)["capabilities"] if c["name"] == "judge"]
     assert not judge[0]["ok"] and "disputed" in judge[0]["reason"]

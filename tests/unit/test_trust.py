@@ -121,3 +121,31 @@ def test_diff_claims_no_agree_on_code_the_oracle_disputed(
     assert lines[0].startswith("RULES DISPUTED") and lines[1].startswith("NO VERDICT")
     assert "AGREE:" not in captured.out
     assert "no AGREE" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_a_recurrent_group_is_judged_by_no_rule_whatever_the_digest() -> None:
+    from keytrace.analysis.geometry import RECURRENT, SMALL, synthetic_header
+
+    assert trust.uncovered(synthetic_header(SMALL)) == ()
+    header = synthetic_header(RECURRENT)
+    assert trust.uncovered(header) == ("recurrent state groups 0, 1, 2",)
+    # a group that is not offloaded is not judged either way
+    one = {**header, "groups": [{**g, "offloaded": g["group_id"] != 0} for g in header["groups"]]}
+    assert trust.uncovered(one) == ("recurrent state groups 1, 2",)
+    # a copy-on-write group counts whatever its kind is called
+    cow = {"groups": [{"group_id": 3, "offloaded": True, "kind": "x", "requires_cow_source": True}]}
+    assert trust.uncovered(cow) == ("recurrent state group 3",)
+    # even on code the oracle verified: the runs that verified it ran other models
+    trust.record_run("d", GOOD)
+    st = trust.trace_rules({**header, "rules_digest": "d"})
+    assert st is not None and st.trust is RulesTrust.UNCOVERED and st.episodes == GOOD.episodes
+    assert trust.verdict_withheld(st) and trust.agree_refused(st)
+    line = trust.trust_line(st)
+    assert line is not None and line.startswith("NO VERDICT")
+    assert st.as_json()["uncovered"] == ["recurrent state groups 0, 1, 2"]
+    # a hand-built header has nothing to say, unless it holds what no rule describes
+    assert trust.trace_rules(synthetic_header(SMALL)) is None
+    assert trust.verdict_withheld(trust.trace_rules(header))
+    covered = trust.trace_rules({**synthetic_header(SMALL), "rules_digest": "d"})
+    assert covered is not None and "uncovered" not in covered.as_json()
+    assert not trust.verdict_withheld(covered)

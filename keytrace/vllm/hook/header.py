@@ -117,11 +117,58 @@ def build_header(
         "hash_identity": hash_identity(sched, vllm_config),
         "tier_scope": tier_scope(sched, spec, vllm_config),
         **limit_fields(sched, manager, extra),
+        **recurrent_fields(sched, vllm_config, kv_cache_config),
         "model": _model_name(vllm_config.model_config.model),
         "max_model_len": int(vllm_config.model_config.max_model_len),
         "max_num_batched_tokens": int(sc.max_num_batched_tokens),
         "long_prefill_token_threshold": int(sc.long_prefill_token_threshold or 0),
         "async_scheduling": bool(sc.async_scheduling),
+    }
+
+
+def recurrent_fields(sched: Any, vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """``recurrent``: what decides where a recurrent (Mamba, linear-attention) group's state
+    is checkpointed and looked up, only in a header that has such a group (every other
+    header stays the bytes it was). Read where it exists, None where it does not:
+
+    - ``mamba_cache_mode`` (``align``: states kept at block boundaries), ``mamba_block_size``;
+    - ``mamba_align_size``: the scheduler's ``_mamba_align_size``, the unit a hit with a
+      recurrent group is rounded down to (``resolve_mamba_align_size``);
+    - ``partial_tail_block_size``: the scheduler's, 0 with partial tails off;
+    - ``hash_block_size``: the KV-cache config's (the hash unit partial tails step by);
+    - ``groups``: per recurrent group id (a string: JSON keys are), its spec's
+      ``num_speculative_blocks``, ``num_prefill_checkpoint_blocks`` and
+      ``prefill_checkpoint_alignment`` (they decide whether a prompt's last state is split
+      out at a block boundary or exported from inside a chunk)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        kspec = group.kv_cache_spec
+        if _kind(kspec) != "mamba":
+            continue
+        groups[str(gid)] = {
+            name: getattr(kspec, name, None)
+            for name in (
+                "num_speculative_blocks",
+                "num_prefill_checkpoint_blocks",
+                "prefill_checkpoint_alignment",
+            )
+        }
+    if not groups:
+        return {}
+    cc = vllm_config.cache_config
+
+    def number(x: Any) -> int | None:
+        return None if x is None else int(x)
+
+    return {
+        "recurrent": {
+            "mamba_cache_mode": getattr(cc, "mamba_cache_mode", None),
+            "mamba_block_size": number(getattr(cc, "mamba_block_size", None)),
+            "mamba_align_size": number(getattr(sched, "_mamba_align_size", None)),
+            "partial_tail_block_size": number(getattr(sched, "_partial_tail_block_size", None)),
+            "hash_block_size": number(getattr(kv_cache_config, "hash_block_size", None)),
+            "groups": groups,
+        }
     }
 
 

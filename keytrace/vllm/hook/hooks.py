@@ -18,6 +18,7 @@ from typing import Any
 
 from keytrace.format.schema import LookupResult, TierEvent
 from keytrace.judge.rules import request_limits
+from keytrace.judge.trust import uncovered
 from keytrace.live.registry import AlarmSettings
 from keytrace.record.recorder import Recorder, env_float, env_int, env_sample
 from keytrace.vllm.mods.catalog import PROOF_FIX
@@ -78,6 +79,8 @@ def start_recording(
         header = {**header, "sample": sample}
     engine_id, rank = engine_identity(vllm_config)
     live = None
+    if alarm is not None and unjudged_here(header):
+        alarm = None  # recording goes on; the trace says the same when it is read
     if alarm is not None:
         from keytrace.live.metrics import serve_metrics
         from keytrace.live.registry import alarm_for
@@ -100,6 +103,25 @@ def start_recording(
         rec.sampler.tiered = is_tiered(sched.manager)
     rec.exact_scans = exact_scans
     return rec
+
+
+_UNJUDGED_SAID = False
+
+
+def unjudged_here(header: Mapping[str, Any]) -> bool:
+    """This engine holds what keytrace's rules do not describe
+    (`keytrace.judge.trust.uncovered`): the live alarm does not judge it (said once per
+    process, at WARNING) and recording goes on."""
+    global _UNJUDGED_SAID
+    gaps = uncovered(header)
+    if gaps and not _UNJUDGED_SAID:
+        _UNJUDGED_SAID = True
+        log.warning(
+            "keytrace: the live alarm does not judge this engine: keytrace has no rules "
+            "for %s yet; recording goes on",
+            "; ".join(gaps),
+        )
+    return bool(gaps)
 
 
 # ------------------------------------------------------- scheduler methods

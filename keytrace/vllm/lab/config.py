@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -178,7 +179,17 @@ def speculative_config(drafter: Drafter, max_model_len: int) -> SpeculativeConfi
     )
 
 
+def _mamba_spec(g: GroupGeom) -> KVCacheSpec:
+    """A recurrent group's spec in ``align`` mode: one small state per block (its shape
+    only sizes pages; the scheduler-side rules never read it)."""
+    fields = {f.name for f in dataclasses.fields(MambaSpec)}
+    extra = {"mamba_cache_mode": "align"} if "mamba_cache_mode" in fields else {}
+    return MambaSpec(block_size=g.block_size, shapes=((4, 16),), dtypes=(torch.float16,), **extra)
+
+
 def _spec(g: GroupGeom) -> KVCacheSpec:
+    if g.kind == "mamba":
+        return _mamba_spec(g)
     common: dict[str, Any] = dict(
         block_size=g.block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
     )
@@ -253,6 +264,11 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
             if drafter is None
             else speculative_config(drafter, geometry.max_model_len),
         )
+    if any(g.kind == "mamba" for g in geometry.groups):
+        # what vLLM's hybrid-model config hook sets under prefix caching; the lab's tiny
+        # model is not hybrid, and nothing resets these for a model that is not
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_block_size = _cache_block_size(geometry)
     # CUDA resolves the HMA on for this connector; a CPU-only platform may not. After
     # __post_init__ the flag is read only by the connector factory's HMA check and by
     # planning, which the harness replaces (build_kv_cache_config).

@@ -253,7 +253,7 @@ class Harness:
                 )
             if bool(cfg.is_eagle_group) != g.eagle:
                 raise RuntimeError(f"group {cfg.group_idx}: is_eagle_group {cfg.is_eagle_group}")
-            if (cfg.sliding_window_size_in_chunks is None) != (g.sliding_window is None):
+            if (cfg.sliding_window_size_in_chunks is not None) != g.has_window:
                 raise RuntimeError(
                     f"group {cfg.group_idx}: window {cfg.sliding_window_size_in_chunks}"
                 )

@@ -19,6 +19,7 @@ import polars as pl
 from keytrace.analysis.diff import CAUSE_TEXT, diff
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan, plan_from_trace
+from keytrace.analysis.results import NO_VERDICT
 from keytrace.errors import TraceError
 from keytrace.format.keys import key_gid, make_key
 from keytrace.format.reader import Trace, open_trace
@@ -142,7 +143,8 @@ def replay(
         external_tokens=h.observations[rid].external_tokens,
         local_tokens=h.observations[rid].local_tokens,
         expected_E=v.E,
-        verdict=v.verdict,
+        # a geometry keytrace has no rules for (recurrent groups): recorded, not judged
+        verdict=NO_VERDICT if report.verdict == NO_VERDICT else v.verdict,
         binding_group=group,
         binding_label=v.binding_label if group is not None else None,
         terminal_chunk=chunk,
