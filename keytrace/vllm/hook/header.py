@@ -6,8 +6,10 @@ produce byte-identical headers, which is what lets the reader refuse mixed trace
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -257,10 +259,60 @@ def secondary_tiers(manager: Any, spec: Any) -> list[dict[str, Any]]:
                 "class": type(tier).__name__,
                 "medium": getattr(medium, "name", None),
                 "locality": getattr(locality, "name", None),
-                "settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
+                "settings": redacted(json.loads(json.dumps(settings, sort_keys=True, default=str))),
             }
         )
     return out
+
+
+SECRET_WORDS = frozenset(
+    {"secret", "password", "passwd", "token", "credential", "credentials", "apikey", "auth"}
+)
+"""A setting named with one of these words (split at ``_``, ``-`` and ``.``) holds a
+credential (vLLM's object tier takes ``access_key``, ``secret_key`` and
+``session_token``); so do `SECRET_PAIRS`. ``max_tokens`` is no credential: whole words."""
+SECRET_PAIRS = frozenset({("access", "key"), ("api", "key"), ("private", "key")})
+
+
+def is_secret_name(name: str) -> bool:
+    """A setting of this name holds a credential."""
+    words = [w for w in re.split(r"[_\-.]", name.lower()) if w]
+    return bool(SECRET_WORDS.intersection(words)) or any(
+        pair in SECRET_PAIRS for pair in itertools.pairwise(words)
+    )
+
+
+REDACTED = "<redacted>"
+
+
+def redacted(value: Any, name: str = "") -> Any:
+    """``value`` (a tier's settings, as JSON) with every credential replaced by `REDACTED`
+    and the password of any URL dropped: traces are attached to upstream reports, and a
+    header is the same bytes for every process of one configuration, so what replaces a
+    secret is constant. An empty credential stays empty (it says: the SDK's default chain)."""
+    if isinstance(value, dict):
+        return {k: redacted(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redacted(v, name) for v in value]
+    if is_secret_name(name):
+        return REDACTED if value not in ("", None) else value
+    if isinstance(value, str) and "@" in value and "://" in value:
+        return _without_password(value)
+    return value
+
+
+def _without_password(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:{REDACTED}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def engine_identity(vllm_config: Any) -> tuple[str | None, int | None]:
@@ -428,7 +480,9 @@ def tier_scope(sched: Any, spec: Any, vllm_config: Any) -> dict[str, Any]:
 
 
 def _tier_place(kind: str, tier: Any, settings: dict[str, Any]) -> str | None:
-    """Where a secondary tier keeps its keys: what two engines must both name to share it."""
+    """Where a secondary tier keeps its keys: what two engines must both name to share it
+    (never a credential: `redacted`)."""
+    settings = redacted(settings)
     try:
         base = getattr(getattr(tier, "file_mapper", None), "base_path", None)
         rank = getattr(getattr(tier, "file_mapper", None), "rank", 0)
