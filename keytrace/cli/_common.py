@@ -150,14 +150,17 @@ class DrafterSpec(click.ParamType):  # type: ignore[type-arg]  # not generic at 
         return str(value)
 
 
-def drafter_option(help: str) -> Callable[[Any], Any]:
-    """``--drafter METHOD[:K[:MODULES]]``: the geometry runs a real speculative config."""
+def drafter_option(help: str, *, multiple: bool = False) -> Callable[[Any], Any]:
+    """``--drafter METHOD[:K[:MODULES]]``: the geometry runs a real speculative config
+    (``multiple``: the option may be given several times; a tuple, empty when not given)."""
     from keytrace.analysis.geometry import DRAFTER_METHODS
 
     return click.option(
         "--drafter",
+        "drafters" if multiple else "drafter",
         type=DrafterSpec(),
-        default=None,
+        multiple=multiple,
+        default=() if multiple else None,
         help=f"{help} METHOD is one of {', '.join(DRAFTER_METHODS)}; K the speculative "
         "tokens (default 1); MODULES an MTP checkpoint's module count (n_predict, default 1): "
         "mtp:2:3. The trace header records the drafter and vLLM's hash lookahead.",

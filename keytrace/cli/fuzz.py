@@ -7,7 +7,14 @@ import sys
 
 import click
 
-from keytrace.cli._common import fix_option, inject_option, json_option, progress_option, subcommand
+from keytrace.cli._common import (
+    drafter_option,
+    fix_option,
+    inject_option,
+    json_option,
+    progress_option,
+    subcommand,
+)
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
 
@@ -41,6 +48,11 @@ from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
     is_flag=True,
     help="Only sliding windows that are whole blocks (skip the k*block+1 window class).",
 )
+@drafter_option(
+    "Run each case with a speculative drafter, drawn from those given (repeat the option; "
+    "'none' for no drafter; shrinking prefers the first given). Default: none.",
+    multiple=True,
+)
 @inject_option("Reintroduce a historical store-side bug first.")
 @fix_option("Apply a candidate fix first.")
 @json_option
@@ -51,6 +63,7 @@ def command(
     max_examples: int,
     budget_seconds: float | None,
     aligned_windows: bool,
+    drafters: tuple[str, ...],
     inject: str | None,
     fix: str | None,
     as_json: bool,
@@ -60,20 +73,23 @@ def command(
 
     Hypothesis draws a geometry (a full-attention group and 1-3 sliding-window groups, at
     most one EAGLE/MTP; block sizes, windows, blocks per chunk, step budget) and a traffic
-    shape (identical resend after a GPU-only reset, or the next turn), records it through
-    the real vLLM 0.33.0 scheduler and diffs it. The first mismatch is shrunk to a minimal
+    shape (identical resend after a GPU-only reset, or the next turn), and, with
+    --drafter, a speculative drafter (vLLM 0.34.0 then hashes each block over the next
+    tokens), records it through the installed vLLM's real scheduler and diffs it. The first mismatch is shrunk to a minimal
     case (fewest groups, smallest blocks and lengths), whose trace is kept under
     OUT/minimal-trace for `keytrace diff`, `fixture` and `replay`. Reruns with the same
     OUT start from the examples it found.
 
     \b
     Example: keytrace fuzz --seed 1 --max-examples 200 --aligned-windows
+             keytrace fuzz --drafter none --drafter eagle --drafter mtp:2:3
     Exit status: 0 no mismatch found, 1 a mismatch (minimal case printed), 2 trouble.
     """
     try:
         import hypothesis  # noqa: F401
     except ImportError as exc:
         raise UsageError("keytrace fuzz needs Hypothesis: pip install 'keytrace[fuzz]'") from exc
+    from keytrace.analysis.geometry import parse_drafter
     from keytrace.vllm import require_vllm
     from keytrace.vllm.lab.fuzz import fuzz
 
@@ -87,6 +103,7 @@ def command(
         inject=inject,
         fix=fix,
         aligned_windows=aligned_windows,
+        drafters=tuple(parse_drafter(d) for d in drafters) or (None,),
         progress=progress_printer() if show else None,
     )
     if as_json:

@@ -208,6 +208,29 @@ def test_the_0_34_resend_hole_is_vllm_s_and_keytrace_names_it(tmp_path: Path) ->
     assert found["mtp_3_3"] == {1024: hit, 1025: hole, 1026: hole, 1027: (1024, "hit", "")}
 
 
+FUZZ = """
+import sys
+from keytrace.cli import main
+sys.exit(main(["fuzz", "-o", {out!r}, "--drafter", "mtp:2:3", "--seed", "1",
+               "--max-examples", "40", "--aligned-windows", "--no-progress"]))
+"""
+
+
+def test_fuzz_with_a_drafter_finds_and_shrinks_the_0_34_resend_hole(tmp_path: Path) -> None:
+    """`keytrace fuzz --drafter` draws cases with vLLM's own SpeculativeConfig: on 0.34.0
+    with multi-module MTP it finds the resend hole above by itself, shrunk to two groups."""
+    r = run_python(FUZZ.format(out=str(tmp_path / "f")), **_where())
+    assert r.returncode == 1, r.stderr[-4000:]
+    found = json.loads((tmp_path / "f" / "fuzz.json").read_text())
+    case, verdict = found["failure"], found["verdict"]
+    geometry = case["geometry"]
+    assert geometry["drafter"] == {"method": "mtp", "num_speculative_tokens": 2, "mtp_modules": 3}
+    assert case["shape"] == "resend" and len(geometry["groups"]) == 2
+    A = geometry["groups"][0]["block_size"] * geometry["blocks_per_chunk"]
+    assert case["episode"] % A == 1  # P mod A in [1, L - 1], L = 2
+    assert verdict["external_tokens"] == 0 and verdict["cause"] == "never_offered"
+
+
 def test_doctor_says_the_lab_works_on_0_34() -> None:
     code, found = doctor(**_where())
     assert found["vllm"]["version"] == RELEASE and code == 0

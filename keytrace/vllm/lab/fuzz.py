@@ -13,7 +13,9 @@ What is drawn (every value a multiple of what vLLM requires, so a case is a real
   when the prompt is longer);
 - traffic: an identical resend after a GPU-only reset, or the next turn (the same prompt
   plus 1..3 full-attention blocks of new tokens);
-- a prompt of 2..48 full-attention blocks plus 0..block-1 tokens.
+- a prompt of 2..48 full-attention blocks plus 0..block-1 tokens;
+- a speculative drafter among those asked for (none by default): vLLM builds its own
+  ``SpeculativeConfig`` and, on 0.34.0, hashes every block over the next L tokens.
 
 A case vLLM refuses to build (a geometry it does not support) is rejected, counted and
 reported, never a failure. Imports vLLM (through replay) and Hypothesis lazily.
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from keytrace.analysis.geometry import Geometry, GroupGeom, describe
+from keytrace.analysis.geometry import Drafter, Geometry, GroupGeom, describe
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -70,7 +72,7 @@ class FuzzResult:
         return self.cases / self.seconds if self.seconds else 0.0
 
 
-def _case_strategy(aligned_windows: bool) -> Any:
+def _case_strategy(aligned_windows: bool, drafters: tuple[Drafter | None, ...] = (None,)) -> Any:
     from hypothesis import strategies as st
 
     @st.composite
@@ -102,6 +104,7 @@ def _case_strategy(aligned_windows: bool) -> Any:
         prime = A * draw(st.integers(2, 48)) + draw(st.integers(0, A - 1))
         shape = draw(st.sampled_from(["resend", "next_turn"]))
         episode = prime if shape == "resend" else prime + fa_block * draw(st.integers(1, 3))
+        drafter = draw(st.sampled_from(drafters))  # shrinks towards the first given
         geo = Geometry(
             name="fuzz",
             groups=(GroupGeom(fa_kind, fa_block), *swa),
@@ -109,6 +112,7 @@ def _case_strategy(aligned_windows: bool) -> Any:
             max_num_batched_tokens=budget,
             max_model_len=episode + 4 * A + 1024,
             cpu_chunks=100_000,
+            drafter=drafter,
         )
         return Case(geo, shape, prime, episode)
 
@@ -136,11 +140,15 @@ def fuzz(
     inject: str | None = None,
     fix: str | None = None,
     aligned_windows: bool = False,
+    drafters: tuple[Drafter | None, ...] = (None,),
     progress: ProgressFn | None = None,
 ) -> FuzzResult:
     """Search for a mismatch; shrink the first one found. Writes ``out_dir/fuzz.json`` (and
     the minimal case's trace under ``out_dir/minimal-trace``); the Hypothesis example
-    database lives in ``out_dir/hypothesis`` so a rerun starts from what it found."""
+    database lives in ``out_dir/hypothesis`` so a rerun starts from what it found.
+    ``drafters``: each case runs one of these (None: no drafter), drawn."""
+    if not drafters:
+        raise ValueError("fuzz needs at least one drafter choice (None: no drafter)")
     from hypothesis import HealthCheck, given, reject, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -167,7 +175,7 @@ def fuzz(
         print_blob=False,
         report_multiple_bugs=False,
     )
-    @given(_case_strategy(aligned_windows))
+    @given(_case_strategy(aligned_windows, drafters))
     def prop(case: Case) -> None:
         key = repr(case)
         if key not in seen:
