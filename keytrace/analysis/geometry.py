@@ -120,11 +120,16 @@ class Geometry:
     extra: dict[str, Any] = field(default_factory=dict)
     drafter: Drafter | None = None
     """The speculative drafter (None: no speculative decoding)."""
+    prefix_match_unit: int | None = None
+    """vLLM's ``--prefix-match-unit``: block hashes every this many tokens instead of the
+    block sizes' GCD. Smaller than a recurrent group's block, it turns vLLM's partial
+    tails on (hits and stores at hash boundaries inside a block)."""
 
     @property
     def tokens_per_hash(self) -> int:
-        """vLLM's hash granularity for several groups: the GCD of the block sizes."""
-        return math.gcd(*(g.block_size for g in self.groups))
+        """vLLM's hash granularity for several groups: ``prefix_match_unit`` when set,
+        else the GCD of the block sizes."""
+        return self.prefix_match_unit or math.gcd(*(g.block_size for g in self.groups))
 
     def tokens_per_chunk(self, group_id: int) -> int:
         return self.groups[group_id].block_size * self.blocks_per_chunk
@@ -150,6 +155,8 @@ class Geometry:
         d["groups"] = [asdict(g) for g in self.groups]
         if self.drafter is None:
             del d["drafter"]
+        if self.prefix_match_unit is None:  # plans written before it read as before
+            del d["prefix_match_unit"]
         return d
 
     @classmethod
@@ -348,6 +355,14 @@ def drafter_from_header(header: dict[str, Any]) -> Drafter | None:
     )
 
 
+def _prefix_match_unit(header: dict[str, Any], groups: list[GroupGeom]) -> int | None:
+    """The ``--prefix-match-unit`` a header implies: its hash unit where that is finer
+    than the block sizes' GCD (None: the default)."""
+    tph = header.get("tokens_per_hash")
+    natural = math.gcd(*(g.block_size for g in groups)) if groups else None
+    return int(tph) if tph and natural and int(tph) < natural else None
+
+
 def geometry_from_header(header: dict[str, Any]) -> Geometry:
     """Rebuild a `Geometry` from a recorded header (offloaded groups, in group-id order).
 
@@ -390,6 +405,7 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
         num_gpu_blocks=header.get("num_gpu_blocks"),
         extra=_tier_extra(header),
         drafter=drafter_from_header(header),
+        prefix_match_unit=_prefix_match_unit(header, groups),
     )
 
 

@@ -59,6 +59,13 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
 )
 @click.option("--budget", type=int, default=None, help="max_num_batched_tokens (tokens per step).")
 @click.option(
+    "--prefix-match-unit",
+    type=click.IntRange(min=1),
+    default=None,
+    help="vLLM's --prefix-match-unit: hash every N tokens (finer than a recurrent group's "
+    "block: partial tails on).",
+)
+@click.option(
     "--retention-interval", type=int, default=None, help="prefix_cache_retention_interval."
 )
 @click.option("--blocks-per-chunk", type=int, default=None, help="Offload chunk size in blocks.")
@@ -89,6 +96,7 @@ def command(
     geometry_name: str,
     from_trace: str | None,
     budget: int | None,
+    prefix_match_unit: int | None,
     retention_interval: int | None,
     blocks_per_chunk: int | None,
     drafter: str | None,
@@ -131,6 +139,8 @@ def command(
         changes["max_num_batched_tokens"] = budget
     if retention_interval is not None:
         changes["retention_interval"] = retention_interval
+    if prefix_match_unit is not None:
+        changes["prefix_match_unit"] = prefix_match_unit
     if blocks_per_chunk is not None:
         changes["blocks_per_chunk"] = blocks_per_chunk
     if drafter is not None:

@@ -450,11 +450,19 @@ class Recorder:
             sc is None
             or sc.req_id != req_id
             or sc.secondary != secondary
-            or (not self.exact_scans and key[-4:] != sc.gid_bytes)
+            or key[-4:] != sc.gid_bytes
         ):
             if sc is not None:
                 self.end_scan()
-            if not self.exact_scans:  # without the helper hooks a new group is a new scan
+            # a scan is one group's calls: without the helper hooks a new group starts one,
+            # and with them too where one helper asks every group in turn (a recurrent
+            # model's partial-tail lookup asks each group's key at one boundary)
+            if not self.exact_scans or (
+                sc is not None
+                and sc.req_id == req_id
+                and sc.secondary == secondary
+                and key[-4:] != sc.gid_bytes
+            ):
                 self.scan += 1
             sc = self._scan = Scan(
                 self.episode,

@@ -103,3 +103,34 @@ def test_the_lab_commands_say_no_verdict(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr()
     assert "no_verdict" in out.out and "mismatch" not in out.out
     assert "no verdict: geometry recurrent" in out.err
+
+
+def test_partial_tails_are_recorded_at_their_boundary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --prefix-match-unit 16 below the 64-token block, vLLM's partial tails are on:
+    a resend of 700 tokens loads up to the last hash boundary before its last token,
+    688, past the last chunk end (640). The recorder writes the boundary's lookups and
+    stores as rows at their position (no chunk: 688 ends no chunk), for every group."""
+    from keytrace.analysis import frames
+    from keytrace.analysis.geometry import geometry_from_header
+    from keytrace.vllm.lab.replay import replay
+
+    partial = RECURRENT.with_(prefix_match_unit=16)
+    r = replay(partial, [700], 700, trace_dir=tmp_path / "t")
+    assert r.external_tokens == 688  # vLLM's own answer
+    trace = open_trace(str(tmp_path / "t"))
+    header = trace.header
+    assert header["supports_partial_tail"] is True and header["tokens_per_hash"] == 16
+    assert header["recurrent"]["partial_tail_block_size"] == 64
+    assert geometry_from_header(header).prefix_match_unit == 16  # replay rebuilds it
+    stores = trace.collect("store").to_dicts()
+    at_688 = {(s["group_id"], s["event"]) for s in stores if s["end_token"] == 688}
+    assert {(g, "completed") for g in range(4)} <= at_688
+    assert all(s["chunk_idx"] is None for s in stores if s["end_token"] == 688)
+    last = frames.lookups(trace).collect().to_dicts()
+    resend = max(row["s"] for row in last)
+    hits = {row["gid"] for row in last if row["s"] == resend and row["end_token"] == 688}
+    assert hits == {0, 1, 2, 3}
+    assert main(["diff", str(tmp_path / "t")]) == 2
+    assert capsys.readouterr().out.startswith("NO VERDICT")

@@ -232,6 +232,7 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
         block_size=_cache_block_size(geometry),
         enable_prefix_caching=True,
         prefix_cache_retention_interval=geometry.retention_interval,
+        prefix_match_unit=geometry.prefix_match_unit,
     )
     sched = SchedulerConfig(
         max_num_batched_tokens=geometry.max_num_batched_tokens,
