@@ -28,7 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run(out_path: str, seconds: float, episodes: int, lookahead_only: bool) -> int:
+def run(
+    out_path: str,
+    seconds: float,
+    episodes: int,
+    lookahead_only: bool,
+    recurrent_only: bool,
+    seeds: int,
+) -> int:
     from keytrace.vllm.hook import rulecode
     from keytrace.vllm.lab.verify import DRAFTERS, verify
 
@@ -44,11 +51,14 @@ def run(out_path: str, seconds: float, episodes: int, lookahead_only: bool) -> i
         progress=progress,
         keep=False,
         drafters=drafters,
+        recurrent=not lookahead_only,
+        layouts=not recurrent_only,
+        seeds=seeds,
     )
     doc = asdict(out)
     doc["code_digests"] = dict(rulecode.code_digests())
     doc["how"] = "CI oracle: tools/verify_rules.py run" + (
-        " --lookahead-only" if lookahead_only else ""
+        " --lookahead-only" if lookahead_only else " --recurrent-only" if recurrent_only else ""
     )
     doc["when"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     Path(out_path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
@@ -81,6 +91,7 @@ def ship(paths: list[str]) -> int:
                 "disagreements": len(r["disagreements"]),
                 "when": r["when"],
                 "how": how,
+                **({"covers": r["covers"]} if r.get("covers") else {}),
             }
         )
         digests[r["digest"]] = sorted(runs, key=lambda v: (str(v["vllm"]), str(v["how"])))
@@ -107,14 +118,19 @@ def main() -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--seconds", type=float, default=1500)
     r.add_argument("--episodes", type=int, default=300)
-    r.add_argument(
+    r.add_argument("--seeds", type=int, default=3, help="rounds of every layout in the plan")
+    only = r.add_mutually_exclusive_group()
+    only.add_argument(
         "--lookahead-only", action="store_true", help="only workloads with an EAGLE/MTP drafter"
+    )
+    only.add_argument(
+        "--recurrent-only", action="store_true", help="only workloads with recurrent groups"
     )
     s = sub.add_parser("ship", help="fold run outputs into keytrace/judge/verified_rules.json")
     s.add_argument("paths", nargs="+")
     a = ap.parse_args()
     if a.cmd == "run":
-        return run(a.out, a.seconds, a.episodes, a.lookahead_only)
+        return run(a.out, a.seconds, a.episodes, a.lookahead_only, a.recurrent_only, a.seeds)
     return ship(a.paths)
 
 

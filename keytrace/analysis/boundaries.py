@@ -20,8 +20,9 @@ import polars as pl
 
 from keytrace.analysis import frames
 from keytrace.format.reader import Trace
-from keytrace.judge.definitions import DURABLE_EVENTS, anchor, boundary_chunk
+from keytrace.judge.definitions import DURABLE_EVENTS, anchor, boundary_chunk, junction_kept
 from keytrace.judge.identity import on_shared_tier
+from keytrace.judge.ops import lit
 from keytrace.judge.rules import STORE_OFFERS, Group, align_down, store_boundary
 
 __all__ = [
@@ -47,9 +48,11 @@ def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFr
     own = req.select(
         "inst", "req_id", "P", store_boundary(groups, pl.col("P")).alias("b"), pl.col("s")
     )
+    at = align_down(pl.col("spb"), groups)
+    kept = lit(junction_kept(groups, at, pl.col("S") + pl.col("X")))
     junction = (
-        episodes.filter(pl.col("spb") > 0)
-        .group_by("inst", "req_id", align_down(pl.col("spb"), groups).alias("b"))
+        episodes.filter((pl.col("spb") > 0) & kept)
+        .group_by("inst", "req_id", at.alias("b"))
         .agg(pl.col("s").min())
         .join(req.select("inst", "req_id", "P"), on=["inst", "req_id"])
         .select("inst", "req_id", "P", "b", "s")

@@ -1075,14 +1075,20 @@ def _with_causes(
         )
         probes = probes.join(per_episode, on=KEY, how="left")
     group_ids = [g["group_id"] for g in header["groups"]]
+    recurrent = [g.gid for g in groups if g.recurrent]
     judged = (
-        causes(probes, stores, group_ids, tiers, others)
+        causes(probes, stores, group_ids, tiers, others, recurrent)
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )
     keyable = d.chunk_keyable(pl.col("chunk"), pl.col("tpc"), pl.col("keyable_end"))
     cause = d.chunk_cause(
-        pl.col("result"), pl.col("key").is_not_null(), pl.col("unoffered"), keyable, pl.col("cause")
+        pl.col("result"),
+        pl.col("key").is_not_null(),
+        pl.col("unoffered"),
+        keyable,
+        pl.col("cause"),
+        pl.col("gid").is_in(recurrent) if recurrent else False,
     )
     needed = (
         needed.join(judged, on=[*KEY, "key", "gid"], how="left")

@@ -263,6 +263,7 @@ def causes(
     group_ids: Sequence[int],
     tiers: pl.LazyFrame | None = None,
     others: FirstOffers | None = None,
+    recurrent: Sequence[int] = (),
 ) -> pl.DataFrame:
     """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys (and
     their block hashes under ``group_ids``): two passes over ``stores``, one for those
@@ -396,6 +397,7 @@ def causes(
         own_first_prepared=c("first_prep"),
         token_end=c("token_end"),
         keyable_end=c("keyable_end"),
+        recurrent=c("gid").is_in(list(recurrent)) if recurrent else False,
         **tiered,
     )
     return facts.with_columns(cause(facts_of).alias("cause")).select(*probes.columns, "cause")

@@ -227,7 +227,9 @@ def exit_for_verdicts(verdicts: list[str], what: str) -> int:
         return EXIT_MISMATCH
     if NO_VERDICT in verdicts:
         raise RulesUncoveredError(
-            f"no verdict: {what} has groups keytrace has no rules for (recurrent state "
-            "groups); recorded, not judged (see docs/diff.md, What keytrace does not judge)"
+            f"no verdict: {what} has recurrent state groups in a setting keytrace has no "
+            "rules for yet (partial tails, decode context parallelism, a retention interval "
+            "other than 0, a drafter); recorded, not judged (see docs/diff.md, 'Recurrent "
+            "state groups')"
         )
     return EXIT_OK

@@ -182,7 +182,7 @@ def command(
         raise RulesUncoveredError(
             "no verdict: keytrace has no rules for "
             + "; ".join(report.rules.not_covered)
-            + " (see docs/diff.md, What keytrace does not judge)"
+            + " (see docs/diff.md, 'Recurrent state groups')"
         )
     if report.verdict == NO_VERDICT:  # engines that hash differently: judged before keys
         return EXIT_MISMATCH

@@ -77,6 +77,10 @@ class Cause(StrEnum):
     OTHER_ENGINE = "other_engine"
     STORE_FAILED = "store_failed"
     REJECTED = "rejected"
+    NO_CHECKPOINT = "no_checkpoint"
+    """A recurrent group's key the store path never offered: vLLM keeps a state only where a
+    request computed one, and kept none at this boundary (one phrase for what
+    `OTHER_GROUP` and `NEVER_OFFERED` would say of it: its block hash is every group's)."""
     OTHER_GROUP = "other_group"
     NEVER_OFFERED = "never_offered"
     NOT_KEYABLE = "not_keyable"
@@ -215,15 +219,31 @@ def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
 # ------------------------------------------------------------------ needed chunks
 
 
-def request_boundaries(groups: Sequence[Group], prompt: int, junction: int | None) -> list[int]:
+def junction_kept(groups: Sequence[Group], junction: Num, computed_from: Num) -> Truth:
+    """A request's stores keep what a hit at its junction (``shared_prefix_boundary``,
+    aligned down) needs: windowed groups keep tails there whatever the request loaded;
+    a recurrent group has a state only where the request computed one, so with one the
+    junction counts only when the request computed through it (``computed_from``: where
+    its episode's computation began, local plus external tokens; unknown, as for a
+    deferred episode: not yet)."""
+    if not any(g.recurrent for g in groups):
+        return True
+    return gt(junction, computed_from)
+
+
+def request_boundaries(
+    groups: Sequence[Group], prompt: int, junction: int | None, computed_from: int | None = None
+) -> list[int]:
     """The boundaries a request's stores keep sliding-window tails for (``docs/diff.md``,
     "Intended boundaries"): its own (`store_boundary` of its prompt) and, when the GPU
-    prefix cache reported one, its ``shared_prefix_boundary`` junction aligned down; the
-    positive ones. (The differ builds the same over columns,
+    prefix cache reported one, its ``shared_prefix_boundary`` junction aligned down where
+    `junction_kept`; the positive ones. (The differ builds the same over columns,
     `keytrace.analysis.boundaries.request_boundaries`.)"""
     out = [store_boundary(groups, prompt)]
     if junction:
-        out.append(align_down(junction, groups))
+        b = align_down(junction, groups)
+        if junction_kept(groups, b, computed_from):
+            out.append(b)
     return [b for b in dict.fromkeys(out) if b > 0]
 
 
@@ -362,6 +382,8 @@ class KeyFacts:
     """When the primary had no slot for the episode's promotions, other work in flight held
     so many of its slots that the chunks the episode needs no longer fit in the rest
     (`crowded`): the primary was busy, not wrong."""
+    recurrent: Truth = False
+    """The key's group is a recurrent state group (`keytrace.judge.rules.Group.recurrent`)."""
     fits: Truth = True
     """Every chunk the episode needs for a hit at E fits the primary tier at once (an
     uncontended tiered manager could promote them all: `fits_primary`)."""
@@ -380,6 +402,17 @@ def last_removal(f: KeyFacts) -> Num:
     return removal(f.evicted, f.reset, cases([(f.evicted_now, f.s)], None))
 
 
+def _other_group(f: KeyFacts) -> Truth:
+    """The block hash completed under another group id while this group id had not yet
+    reached the store path on the instance."""
+    return f.sibling_stored & negate(lt(f.own_first_prepared, f.s))
+
+
+def _never_offered(f: KeyFacts) -> Truth:
+    """An earlier request on the chain was long enough to key it, and none offered it."""
+    return le(f.token_end, f.keyable_end)
+
+
 CAUSES: tuple[tuple[Cause, Callable[[KeyFacts], Truth]], ...] = (
     (Cause.RESIDENT, lambda f: resident(f.completed, last_removal(f))),
     (Cause.ON_TIER, lambda f: f.durable & f.unasked),
@@ -395,8 +428,9 @@ CAUSES: tuple[tuple[Cause, Callable[[KeyFacts], Truth]], ...] = (
     (Cause.OTHER_ENGINE, lambda f: f.other_engine),
     (Cause.STORE_FAILED, lambda f: known(f.failed)),
     (Cause.REJECTED, lambda f: f.rejected),
-    (Cause.OTHER_GROUP, lambda f: f.sibling_stored & negate(lt(f.own_first_prepared, f.s))),
-    (Cause.NEVER_OFFERED, lambda f: le(f.token_end, f.keyable_end)),
+    (Cause.NO_CHECKPOINT, lambda f: f.recurrent & (_other_group(f) | _never_offered(f))),
+    (Cause.OTHER_GROUP, lambda f: _other_group(f)),
+    (Cause.NEVER_OFFERED, lambda f: _never_offered(f)),
 )
 """The cause of a key's state at an episode, in precedence order: the first that holds
 (``docs/diff.md``, "Causes"); none holding is `LAST_CAUSE`."""
@@ -430,7 +464,13 @@ wait when the primary is full: a choice upstream made on purpose, vllm #40020)."
 EXPLAINED_CAUSES = tuple(c for c in CAUSE_ORDER if c in (*BLOCKING_CAUSES, *TIER_TIMING_CAUSES))
 """Causes of an absent key that are timing, capacity or routing: a shortfall with only
 these is not a rule bug (in `CAUSE_ORDER`'s order)."""
-STORE_RULE_CAUSES = (Cause.REJECTED, Cause.OTHER_GROUP, Cause.NEVER_OFFERED, Cause.NOT_KEYABLE)
+STORE_RULE_CAUSES = (
+    Cause.REJECTED,
+    Cause.NO_CHECKPOINT,
+    Cause.OTHER_GROUP,
+    Cause.NEVER_OFFERED,
+    Cause.NOT_KEYABLE,
+)
 """The store path and the lookup path disagree about a key: with perfect timing, capacity
 and routing the lookup would still fall short."""
 TIER_RULE_CAUSES = (Cause.PROMOTION_EVICTED, Cause.PROMOTION_STARVED, Cause.SECONDARY_RESIDENT)
@@ -499,17 +539,24 @@ def better_cause(a: Any, b: Any) -> Any:
 
 
 def chunk_cause(
-    result: Any, key_known: Truth, unoffered: Truth, keyable: Truth, key_cause: Any
+    result: Any,
+    key_known: Truth,
+    unoffered: Truth,
+    keyable: Truth,
+    key_cause: Any,
+    recurrent: Truth = False,
 ) -> Any:
     """The cause of one needed chunk of a shortfall: ``resident`` when the episode's own
     lookup of it answered HIT (the manager's word); for a chunk whose key the episode
-    never had, ``never_offered`` or ``not_keyable`` when no request sharing the prefix
-    offered it (``unoffered``; ``keyable``: the chain reached its end), else
-    ``not_looked_up``; otherwise ``key_cause``, the `cause` of its key."""
+    never had, ``never_offered`` (``no_checkpoint`` for a ``recurrent`` group's) or
+    ``not_keyable`` when no request sharing the prefix offered it (``unoffered``;
+    ``keyable``: the chain reached its end), else ``not_looked_up``; otherwise
+    ``key_cause``, the `cause` of its key."""
     unseen = negate(key_known)
     return cases(
         [
             (eq(result, LookupResult.HIT), Cause.RESIDENT),
+            (lambda: unseen & unoffered & keyable & recurrent, Cause.NO_CHECKPOINT),
             (lambda: unseen & unoffered & keyable, Cause.NEVER_OFFERED),
             (lambda: unseen & unoffered, Cause.NOT_KEYABLE),
             (unseen, UNSEEN),

@@ -91,6 +91,13 @@ class Group:
         return self.window is None
 
     @property
+    def recurrent(self) -> bool:
+        """A recurrent state group (Mamba, gated DeltaNet): vLLM keeps one state per
+        checkpoint, where a request computed it, and looks it up with a window of one
+        chunk."""
+        return self.kind == "mamba"
+
+    @property
     def drop(self) -> bool:
         """The group drops a block for its drafter: an EAGLE/MTP group whose keys are
         legacy hashes (no lookahead). Its lookup then queries one *peek* chunk past the

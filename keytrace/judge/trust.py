@@ -17,11 +17,12 @@ A digest is *verified* when some run checked shortfalls on it and none disagreed
 *unverified* otherwise. A trace written before rules digests existed has none: it is
 trusted as before, by whether its release was one keytrace's CI ran (``vllm_verified``).
 
-A digest says which code ran, not which model: the oracle runs that verified it ran the
-geometries keytrace has rules for. A trace whose configuration holds what no rule
-describes (`uncovered`: recurrent groups, whose state is offloaded as checkpoints at
-boundaries) gets no verdict at all, whatever its digest: the trace is kept and its facts
-are shown, nothing is judged.
+A digest says which code ran, not which model: each run records the `features` its
+workloads exercised (``covers``: ``recurrent``), and a trace that needs one is verified
+only by a run that covered it. A trace whose configuration holds what no rule describes
+(`uncovered`: a recurrent group with partial tails, decode context parallelism, another
+retention interval or a drafter) gets no verdict at all, whatever its digest: the trace is
+kept and its facts are shown, nothing is judged.
 
 The status is looked up when a trace is judged, not written into the header: a header is
 the same bytes for every process of one configuration (the reader refuses mixed parts),
@@ -63,22 +64,51 @@ class RulesTrust(StrEnum):
 
 RECURRENT_KINDS = frozenset({"mamba"})
 """Group kinds (the header's ``kind``) whose KV is a recurrent state: vLLM offloads it as a
-checkpoint at chosen boundaries (copy-on-write sources, partial tails), not chunk by chunk.
-keytrace has no rule for them yet (issue 39)."""
+checkpoint where a request computed it (copy-on-write sources), not chunk by chunk."""
+
+
+def _recurrent_groups(header: Mapping[str, Any]) -> list[str]:
+    return [
+        str(g.get("group_id"))
+        for g in header.get("groups", [])
+        if g.get("offloaded") and (g.get("kind") in RECURRENT_KINDS or g.get("requires_cow_source"))
+    ]
+
+
+def features(header: Mapping[str, Any]) -> tuple[str, ...]:
+    """What a trace needs the oracle to have run on before its verdicts count as verified
+    (`Verification.covers`): ``recurrent`` for a trace with a recurrent state group."""
+    return ("recurrent",) if _recurrent_groups(header) else ()
 
 
 def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     """What in a trace header keytrace's rules do not describe, one phrase each (empty:
     every offloaded group is covered). The one place that decides it: the differ, the
-    live alarm and the reporters all ask here."""
-    recurrent = [
-        str(g.get("group_id"))
-        for g in header.get("groups", [])
-        if g.get("offloaded") and (g.get("kind") in RECURRENT_KINDS or g.get("requires_cow_source"))
-    ]
+    live alarm and the reporters all ask here.
+
+    Recurrent state groups are judged with a window of one chunk and states kept where a
+    request computed them (`keytrace.judge.definitions.junction_kept`), on the setting
+    the oracle verified: hash unit = block (no partial tails), no decode context
+    parallelism, retention interval 0, no speculative drafter. Any of those changes where
+    vLLM keeps and looks up states in ways no rule here describes yet."""
+    recurrent = _recurrent_groups(header)
     if not recurrent:
         return ()
-    return (f"recurrent state group{'s' if len(recurrent) > 1 else ''} {', '.join(recurrent)}",)
+    why = []
+    if header.get("supports_partial_tail"):
+        why.append("partial tails (a hash unit below the block)")
+    if int(header.get("dcp_world_size") or 1) > 1:
+        why.append(f"decode context parallel size {header.get('dcp_world_size')}")
+    retention = header.get("retention_interval", 0)
+    if retention != 0:
+        dense = "dense (None)" if retention is None else str(retention)
+        why.append(f"retention interval {dense}")
+    if header.get("spec_method"):
+        why.append(f"a {header.get('spec_method')} drafter")
+    if not why:
+        return ()
+    s = "s" if len(recurrent) > 1 else ""
+    return (f"recurrent state group{s} {', '.join(recurrent)} with {' and '.join(why)}",)
 
 
 @dataclass(frozen=True)
@@ -91,6 +121,13 @@ class Verification:
     disagreements: int
     when: str
     how: str = "keytrace doctor --verify"
+    covers: tuple[str, ...] = ()
+    """`features` its workloads exercised (``recurrent``): a trace that needs one is
+    verified only by a run that covers it."""
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Verification:
+        return cls(**{**raw, "covers": tuple(raw.get("covers", ()))})
 
 
 @dataclass(frozen=True)
@@ -103,16 +140,20 @@ class RulesStatus:
     """For a trace without a digest: its release was one keytrace's CI ran."""
     not_covered: tuple[str, ...] = ()
     """What the trace holds that no rule describes (`uncovered`)."""
+    needs: tuple[str, ...] = ()
+    """`features` of the trace: only runs that cover them verify it."""
 
     @property
     def trust(self) -> RulesTrust:
         if self.not_covered:
             return RulesTrust.UNCOVERED
         if self.digest is None:
+            if self.needs:  # no release's CI run recorded what it covered
+                return RulesTrust.UNVERIFIED
             return RulesTrust.RELEASE if self.release_verified else RulesTrust.UNVERIFIED
         if any(r.disagreements for r in self.runs):
             return RulesTrust.DISPUTED
-        if any(r.episodes > 0 for r in self.runs):
+        if any(r.episodes > 0 and set(self.needs) <= set(r.covers) for r in self.runs):
             return RulesTrust.VERIFIED
         return RulesTrust.UNVERIFIED
 
@@ -134,6 +175,8 @@ class RulesStatus:
         }
         if self.not_covered:  # only then: every other report reads as before
             out["uncovered"] = list(self.not_covered)
+        if self.needs:
+            out["needs"] = list(self.needs)
         return out
 
 
@@ -143,7 +186,9 @@ def shipped() -> dict[str, list[Verification]]:
         raw = json.loads(VERIFIED_FILE.read_text())
     except (OSError, ValueError):
         return {}
-    return {d: [Verification(**v) for v in runs] for d, runs in raw.get("digests", {}).items()}
+    return {
+        d: [Verification.from_json(v) for v in runs] for d, runs in raw.get("digests", {}).items()
+    }
 
 
 def cache_dir() -> Path:
@@ -157,7 +202,7 @@ def local_runs(digest: str) -> list[Verification]:
     """This machine's ``keytrace doctor --verify`` runs on ``digest``, oldest first."""
     try:
         raw = json.loads((cache_dir() / f"{digest}.json").read_text())
-        return [Verification(**v) for v in raw]
+        return [Verification.from_json(v) for v in raw]
     except (OSError, ValueError, TypeError):
         return []
 
@@ -183,13 +228,14 @@ def trace_rules(header: Mapping[str, Any]) -> RulesStatus | None:
     """The rules status of a trace, from its header: by its rules digest, or for a trace
     written before digests, by its release (None for a header the recorder did not write:
     a synthetic trace built by hand, unless it holds what no rule describes)."""
-    gaps = uncovered(header)
+    gaps, needs = uncovered(header), features(header)
     digest = header.get("rules_digest")
     if isinstance(digest, str) and digest:
-        return replace(status_of(digest), not_covered=gaps)
+        return replace(status_of(digest), not_covered=gaps, needs=needs)
     if "vllm_verified" not in header and not gaps:  # built by hand: nothing to say
         return None
-    return RulesStatus(None, release_verified=header.get("vllm_verified") is True, not_covered=gaps)
+    verified = header.get("vllm_verified") is True
+    return RulesStatus(None, release_verified=verified, not_covered=gaps, needs=needs)
 
 
 def verdict_withheld(st: RulesStatus | None) -> bool:
@@ -212,11 +258,13 @@ def trust_line(st: RulesStatus | None) -> str | None:
     if st.trust is RulesTrust.UNCOVERED:
         return (
             f"NO VERDICT: keytrace has no rules for what this trace holds "
-            f"({'; '.join(st.not_covered)}): vLLM offloads a recurrent state as checkpoints "
-            "at chosen boundaries, which the store/lookup rules do not describe yet; the "
-            "trace is recorded and kept, nothing in it is judged"
+            f"({'; '.join(st.not_covered)}): vLLM keeps and looks up recurrent states "
+            "there in ways the store/lookup rules do not describe yet; the trace is "
+            "recorded and kept, nothing in it is judged"
         )
     code = f"rules digest {st.digest}" if st.digest else "a release keytrace's CI has not run"
+    if st.needs and st.trust is RulesTrust.UNVERIFIED:
+        code += f", for {' and '.join(st.needs)} groups"
     if st.trust is RulesTrust.DISPUTED:
         return (
             f"RULES DISPUTED: the oracle disagreed with keytrace {st.disagreements} time(s) on "
@@ -236,6 +284,7 @@ __all__ = [
     "Verification",
     "agree_refused",
     "cache_dir",
+    "features",
     "local_runs",
     "record_run",
     "shipped",

@@ -265,7 +265,10 @@ class Judge:
             end = (n.chunk + 1) * tpc
             key_cause = self.cause(at, n.key, n.gid, end, n.result) if n.key else None
             # the alarm sees no other request's records: no key is settled as unoffered
-            cause = Cause(d.chunk_cause(n.result, n.key is not None, False, False, key_cause))
+            recurrent = self.by_gid[n.gid].recurrent
+            cause = Cause(
+                d.chunk_cause(n.result, n.key is not None, False, False, key_cause, recurrent)
+            )
             proof = ep.proofs.get(n.gid, {}).get(n.chunk)
             if proof is not None and cause is not Cause.RESIDENT:
                 cause = Cause(d.better_cause(cause, self.cause(at, proof, n.gid, end, n.result)))
@@ -288,7 +291,9 @@ class Judge:
         if (
             verdict is Verdict.MISMATCH
             and forgotten
-            and any(c in (Cause.NEVER_OFFERED, Cause.NOT_KEYABLE) for c in rule)
+            and any(
+                c in (Cause.NO_CHECKPOINT, Cause.NEVER_OFFERED, Cause.NOT_KEYABLE) for c in rule
+            )
         ):
             # a forgotten record could have been this key's offer: do not cry wolf
             verdict = Verdict.UNDETERMINED
@@ -330,6 +335,7 @@ class Judge:
             own_first_prepared=st.first_prep.get(gid),
             token_end=token_end,
             keyable_end=at.keyable_end,
+            recurrent=g.recurrent if (g := self.by_gid.get(gid)) is not None else False,
             durable=keys.durable(st, key),
             held=bool(d.resident(*st.held)),
             no_room=key in st.no_room.get(s, ()),

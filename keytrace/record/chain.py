@@ -111,15 +111,18 @@ class ChainBook:
                 )
         return out
 
-    def begin(self, req_id: str, prompt: int, junction: int | None) -> None:
-        """An episode of ``req_id`` began: the boundaries its stores will keep tails for
+    def begin(
+        self, req_id: str, prompt: int, junction: int | None, computed_from: int | None = None
+    ) -> None:
+        """An episode of ``req_id`` began (or was answered: ``computed_from``, where its
+        computation begins, known): the boundaries its stores will keep tails for
         (`keytrace.judge.definitions.request_boundaries`; a prompt only grows)."""
         if self.anchor is None:
             return
         P = max(prompt, self.prompt.get(req_id, 0))
         self.prompt[req_id] = P
         chunks = self.bounds.setdefault(req_id, {})
-        for b in request_boundaries(self.groups, P, junction):
+        for b in request_boundaries(self.groups, P, junction, computed_from):
             chunks.setdefault(boundary_chunk(b, self.anchor.tpc), b)
 
     def offered(

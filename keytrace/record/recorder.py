@@ -239,9 +239,14 @@ class Recorder:
         if ep is not None:
             ep.external = external
             ep.load_async = load_async
+            # where its computation begins is known now: a recurrent model keeps a state
+            # at the junction only if the request computes through it (`junction_kept`)
+            computed_from = None if external is None else ep.local + external
             if junction and junction > (ep.spb or 0):
                 ep.spb = junction
-                self.book.begin(req_id, ep.prompt, junction)
+                self.book.begin(req_id, ep.prompt, junction, computed_from)
+            elif ep.spb and computed_from is not None:
+                self.book.begin(req_id, ep.prompt, ep.spb, computed_from)
             if self.listener is not None:
                 self._tell(self.listener.episode_ended, self.inst, ep)
             if not external:

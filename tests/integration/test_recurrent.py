@@ -1,11 +1,11 @@
-"""Recurrent state groups (Mamba, gated DeltaNet) on the real scheduler: recorded, and
-judged by nothing until keytrace has rules for them (issue 39).
+"""Recurrent state groups (Mamba, gated DeltaNet) on the real scheduler.
 
-vLLM offloads a recurrent group's state as a checkpoint at chosen boundaries (the core's
-boundary hand-offs in ``align`` cache mode), not chunk by chunk, and looks it up with a
-window of one chunk. keytrace's store/lookup rules describe attention groups; on a trace
-with a recurrent group they would judge another model, so the differ, the reporters, the
-lab commands and the live alarm claim no verdict, while the trace records everything.
+vLLM offloads a recurrent group's state as one checkpoint where a request computed it
+(the core's boundary hand-offs in ``align`` cache mode: its last block boundary, a
+junction it computed through) and looks it up with a window of one chunk. keytrace judges
+that setting (hash unit = block, no decode context parallelism, retention 0, no drafter),
+verified by the oracle per release; partial tails and the rest are recorded and get no
+verdict (`keytrace.judge.trust.uncovered`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.conftest import require_vllm
 
 require_vllm()
 
-from keytrace.analysis.geometry import RECURRENT, synthetic_header  # noqa: E402
+from keytrace.analysis.geometry import RECURRENT, Geometry, synthetic_header  # noqa: E402
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.live.registry import AlarmSettings, forget_alarms  # noqa: E402
@@ -32,14 +32,18 @@ BPC2 = RECURRENT.with_(blocks_per_chunk=2)
 """Chunks of two blocks: a recurrent state is stored only at a multiple of the chunk
 (``_build_aligned_boundary_store_jobs``), and a prompt's last state sits at
 ``(P - 1) // 64 * 64``."""
+PARTIAL = RECURRENT.with_(prefix_match_unit=16)
+"""A hash unit below the 64-token block: vLLM's partial tails on."""
 
 
-def _prime_and_resend(d: Path, n: int, caplog: pytest.LogCaptureFixture) -> tuple[int, list]:
+def _prime_and_resend(
+    geometry: Geometry, d: Path, n: int, caplog: pytest.LogCaptureFixture
+) -> tuple[int, list]:
     forget_alarms()
     hooks._UNJUDGED_SAID = False
     with caplog.at_level(logging.WARNING, logger="keytrace"):
         with recording(d, AlarmSettings(warn=True, keep_judged=True)) as recs:
-            h = Harness(BPC2, max_prompt_tokens=n)
+            h = Harness(geometry, max_prompt_tokens=n)
             h.submit_tokens(h.tokens(n, chain=0))
             h.run_until_idle(give_up=True)
             h.reset_gpu_prefix_cache()
@@ -50,17 +54,17 @@ def _prime_and_resend(d: Path, n: int, caplog: pytest.LogCaptureFixture) -> tupl
     return h.observations[rid].external_tokens, listeners
 
 
-def test_a_recurrent_trace_is_recorded_and_gets_no_verdict(
+def test_a_state_that_ends_no_chunk_is_never_kept_and_keytrace_names_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # GIVEN a 760-token prompt stored, then resent: its last state (at 704) is no multiple
     # of the 128-token chunk, so vLLM stored none, while full attention stored 5 chunks
-    external, listeners = _prime_and_resend(tmp_path / "t", 760, caplog)
+    external, listeners = _prime_and_resend(BPC2, tmp_path / "t", 760, caplog)
     assert external == 0  # vLLM's own answer: the resend loads nothing
-    # THEN the live alarm does not judge the engine, and says so once; recording goes on
-    assert listeners == [None]
-    said = [r for r in caplog.records if "does not judge this engine" in r.getMessage()]
-    assert len(said) == 1 and "recurrent state groups 0, 1, 2" in said[0].getMessage()
+    # THEN the live alarm judges the engine and warns
+    assert listeners != [None]
+    warned = [r.getMessage() for r in caplog.records if "mismatch" in r.getMessage().lower()]
+    assert warned and "no_checkpoint" in " ".join(warned)
     # AND the header records what decides a recurrent group's checkpoints
     header = open_trace(str(tmp_path / "t")).header
     rec = header["recurrent"]
@@ -73,52 +77,42 @@ def test_a_recurrent_trace_is_recorded_and_gets_no_verdict(
     for got, want in zip(header["groups"], synthetic["groups"], strict=True):
         for key in ("kind", "spec_class", "window_chunks", "requires_cow_source", "manager_cls"):
             assert got[key] == want[key], key
-    # AND keytrace diff claims no verdict: exit 2, its first line says why
-    assert main(["diff", str(tmp_path / "t")]) == 2
-    out = capsys.readouterr()
-    assert out.out.startswith("NO VERDICT: keytrace has no rules for what this trace holds")
-    assert "MISMATCH" not in out.out and "AGREE" not in out.out
-    assert "no verdict" in out.err
-    assert main(["diff", "--json", str(tmp_path / "t")]) == 2
+    # AND keytrace diff names the group, the chunk and why, on rules the oracle verified
+    assert main(["diff", "--json", str(tmp_path / "t")]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["verdict"] == "no_verdict" and report["first_mismatch"] is None
-    assert report["rules"]["trust"] == "uncovered"
-    assert report["rules"]["uncovered"] == ["recurrent state groups 0, 1, 2"]
-    assert main(["diff", "--by", "engine", str(tmp_path / "t")]) == 2
-    assert "AGREE" not in capsys.readouterr().out
+    first = report["first_mismatch"]
+    assert report["rules"]["trust"] == "verified" and report["rules"]["needs"] == ["recurrent"]
+    assert first["E"] == 640 and first["external_tokens"] == 0 and first["binding_group"] == 0
+    assert first["terminal"]["chunk"] == 4 and first["terminal"]["cause"] == "no_checkpoint"
+    assert main(["diff", str(tmp_path / "t")]) == 1
+    assert capsys.readouterr().out.startswith("MISMATCH: request ")
 
 
-def test_no_agree_where_vllm_hits_either(
+def test_a_state_on_a_chunk_end_is_kept_and_served(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # 700 tokens: the last state (at 640) is on a chunk boundary and the resend loads it
-    external, _ = _prime_and_resend(tmp_path / "t", 700, caplog)
+    # 700 tokens: the last state (at 640) ends a chunk and the resend loads it
+    external, _ = _prime_and_resend(BPC2, tmp_path / "t", 700, caplog)
     assert external == 640
-    assert main(["diff", str(tmp_path / "t")]) == 2
-    assert capsys.readouterr().out.startswith("NO VERDICT")
+    assert main(["diff", str(tmp_path / "t")]) == 0
+    assert capsys.readouterr().out.startswith("AGREE")
 
 
-def test_the_lab_commands_say_no_verdict(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sweep", "--geometry", "recurrent", "--lengths", "700", "--no-progress"]) == 2
-    out = capsys.readouterr()
-    assert "no_verdict" in out.out and "mismatch" not in out.out
-    assert "no verdict: geometry recurrent" in out.err
-
-
-def test_partial_tails_are_recorded_at_their_boundary(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_partial_tails_are_recorded_at_their_boundary_and_not_judged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """With --prefix-match-unit 16 below the 64-token block, vLLM's partial tails are on:
-    a resend of 700 tokens loads up to the last hash boundary before its last token,
-    688, past the last chunk end (640). The recorder writes the boundary's lookups and
-    stores as rows at their position (no chunk: 688 ends no chunk), for every group."""
+    """With partial tails on, a resend of 700 tokens loads up to the last hash boundary
+    before its last token, 688, past the last chunk end (640). The recorder writes the
+    boundary's lookups and stores as rows at their position, for every group (no chunk:
+    688 ends none); keytrace has no rule for partial tails: no verdict, no alarm."""
     from keytrace.analysis import frames
     from keytrace.analysis.geometry import geometry_from_header
-    from keytrace.vllm.lab.replay import replay
 
-    partial = RECURRENT.with_(prefix_match_unit=16)
-    r = replay(partial, [700], 700, trace_dir=tmp_path / "t")
-    assert r.external_tokens == 688  # vLLM's own answer
+    external, listeners = _prime_and_resend(PARTIAL, tmp_path / "t", 700, caplog)
+    assert external == 688  # vLLM's own answer
+    assert listeners == [None]
+    said = [r for r in caplog.records if "does not judge this engine" in r.getMessage()]
+    assert len(said) == 1 and "partial tails" in said[0].getMessage()
     trace = open_trace(str(tmp_path / "t"))
     header = trace.header
     assert header["supports_partial_tail"] is True and header["tokens_per_hash"] == 16
@@ -128,9 +122,46 @@ def test_partial_tails_are_recorded_at_their_boundary(
     at_688 = {(s["group_id"], s["event"]) for s in stores if s["end_token"] == 688}
     assert {(g, "completed") for g in range(4)} <= at_688
     assert all(s["chunk_idx"] is None for s in stores if s["end_token"] == 688)
-    last = frames.lookups(trace).collect().to_dicts()
-    resend = max(row["s"] for row in last)
-    hits = {row["gid"] for row in last if row["s"] == resend and row["end_token"] == 688}
-    assert hits == {0, 1, 2, 3}
+    rows = frames.lookups(trace).collect().to_dicts()
+    resend = max(row["s"] for row in rows)
+    hits = {row["gid"] for row in rows if row["s"] == resend and row["end_token"] == 688}
+    assert hits == {0, 1, 2, 3}  # each group's own lookup row, under its own id
     assert main(["diff", str(tmp_path / "t")]) == 2
-    assert capsys.readouterr().out.startswith("NO VERDICT")
+    out = capsys.readouterr()
+    assert out.out.startswith("NO VERDICT: keytrace has no rules for what this trace holds")
+    assert "partial tails" in out.out and "MISMATCH" not in out.out and "AGREE" not in out.out
+    assert main(["diff", "--json", str(tmp_path / "t")]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "no_verdict" and report["first_mismatch"] is None
+    assert report["rules"]["trust"] == "uncovered"
+    assert main(["diff", "--by", "engine", str(tmp_path / "t")]) == 2
+    assert "AGREE" not in capsys.readouterr().out
+
+
+def test_the_lab_commands_say_no_verdict_where_no_rule_describes_the_geometry(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["sweep", "--geometry", "recurrent", "--lengths", "700", "--no-progress"]
+    assert main([*argv, "--prefix-match-unit", "16"]) == 2
+    out = capsys.readouterr()
+    assert "no_verdict" in out.out and "mismatch" not in out.out
+    assert "no verdict: geometry recurrent" in out.err
+    assert main(argv) == 0  # the rules describe it: judged
+    assert " hit" in capsys.readouterr().out
+
+
+def test_the_oracle_and_the_alarm_agree_with_the_differ_on_recurrent_traffic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One round of `keytrace doctor --verify`'s recurrent layouts (chunks of one and two
+    blocks, a CPU and a tiered manager): every shortfall looked up again alone on a fresh
+    scheduler agrees with the differ, and the live alarm counts every verdict the same."""
+    from keytrace.vllm.lab.verify import RECURRENT_LAYOUTS, verify
+
+    monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    out = verify(layouts=False, seeds=1, keep=False, min_episodes=1)
+    assert out.workloads == len(RECURRENT_LAYOUTS) and not out.skipped
+    assert out.episodes >= 30 and out.disagreements == [], out.disagreements
+    assert out.covers == ["recurrent"]
+    mismatches = sum(r.episodes.get("mismatch", 0) for r in out.runs)
+    assert mismatches > 0  # chunks of two blocks: states that end no chunk

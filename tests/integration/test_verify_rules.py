@@ -95,15 +95,23 @@ def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
 
 
 def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
-    from keytrace.vllm.lab.verify import DRAFTERS, LAYOUTS, plan
+    from keytrace.vllm.lab.verify import DRAFTERS, LAYOUTS, RECURRENT_LAYOUTS, first_pass, plan
 
     specs = list(plan())
-    first = specs[: len(DRAFTERS) * len(LAYOUTS)]
-    assert {(s.drafter, s.geometry, s.tiers) for s in first} == {
+    first = specs[: first_pass(DRAFTERS, recurrent=True, layouts=True)]
+    assert {(s.drafter, s.geometry, s.tiers) for s in first if s.geometry != "recurrent"} == {
         (d, g, t) for d in DRAFTERS for g, t, _ in LAYOUTS
     }
+    assert {(s.tiers, s.blocks_per_chunk) for s in first if s.geometry == "recurrent"} == {
+        (t, bpc) for _, t, _, bpc in RECURRENT_LAYOUTS
+    }
+    # a recurrent model with a drafter is not judged: its layouts run without one
+    assert all(s.drafter is None for s in specs if s.geometry == "recurrent")
     assert len({s.seed for s in specs}) == len(specs)  # every workload its own traffic
-    assert {s.drafter for s in plan(drafters=DRAFTERS[1:])} == set(DRAFTERS[1:])
+    lookahead = list(plan(drafters=DRAFTERS[1:], recurrent=False))
+    assert {s.drafter for s in lookahead} == set(DRAFTERS[1:])
+    only = list(plan(layouts=False))
+    assert only and {s.geometry for s in only} == {"recurrent"}
 
 
 def test_a_workload_vllm_fails_on_is_skipped_with_where_not_a_crash(

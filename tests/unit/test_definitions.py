@@ -54,6 +54,7 @@ FACT_SCHEMA = {
     "fits": pl.Boolean,
     "unsettled": pl.Boolean,
     "unasked": pl.Boolean,
+    "recurrent": pl.Boolean,
 }
 FACTS = st.fixed_dictionaries(
     {
@@ -78,6 +79,7 @@ FACTS = st.fixed_dictionaries(
         "fits": FLAG,
         "unsettled": FLAG,
         "unasked": FLAG,
+        "recurrent": FLAG,
     }
 )
 
@@ -338,7 +340,7 @@ def facts(**kw: Any) -> d.KeyFacts:
     base: dict[str, Any] = dict.fromkeys(FACT_SCHEMA)
     base.update(s=100, rejected=False, other_engine=False, sibling_stored=False, token_end=64)
     base.update(durable=False, held=False, no_room=False, own_promotion_evicted=False, fits=True)
-    base.update(unsettled=False, unasked=False, evicted_now=False, crowded=False)
+    base.update(unsettled=False, unasked=False, evicted_now=False, crowded=False, recurrent=False)
     base.update(kw)
     return d.KeyFacts(**base)
 
@@ -368,7 +370,8 @@ def test_each_precedence_in_the_cause_table() -> None:
         ("evicted", "other_engine", facts(completed=20, evicted=30, other_engine=True)),
         ("other_engine", "store_failed", facts(prepared=20, failed=30, other_engine=True)),
         ("store_failed", "rejected", facts(failed=30, rejected=True)),
-        ("rejected", "other_group", facts(rejected=True, sibling_stored=True)),
+        ("rejected", "no_checkpoint", facts(rejected=True, sibling_stored=True, recurrent=True)),
+        ("no_checkpoint", "other_group", facts(sibling_stored=True, recurrent=True)),
         ("other_group", "never_offered", facts(sibling_stored=True, keyable_end=1000)),
         ("never_offered", "not_keyable", facts(keyable_end=64)),
     ]
@@ -508,20 +511,48 @@ def test_the_cause_of_a_needed_chunk() -> None:
     assert d.chunk_cause(None, False, True, True, None) == "never_offered"
     assert d.chunk_cause(None, False, True, False, None) == "not_keyable"
     assert d.chunk_cause(None, False, False, True, None) == "not_looked_up"
+    # a recurrent group's chunk nobody offered: its state was never kept there
+    assert d.chunk_cause(None, False, True, True, None, True) == "no_checkpoint"
+    assert d.chunk_cause(None, False, True, False, None, True) == "not_keyable"
     rows = [
-        {"r": r, "k": k, "u": u, "y": y, "c": c}
+        {"r": r, "k": k, "u": u, "y": y, "c": c, "m": m}
         for r in (None, "HIT", "MISS")
         for k in (False, True)
         for u in (False, True)
         for y in (False, True)
         for c in (None, "evicted")
+        for m in (False, True)
     ]
-    schema = {"r": pl.String, "k": pl.Boolean, "u": pl.Boolean, "y": pl.Boolean, "c": pl.String}
-    plain = [d.chunk_cause(x["r"], x["k"], x["u"], x["y"], x["c"]) for x in rows]
+    schema = {
+        "r": pl.String,
+        "k": pl.Boolean,
+        "u": pl.Boolean,
+        "y": pl.Boolean,
+        "c": pl.String,
+        "m": pl.Boolean,
+    }
+    plain = [d.chunk_cause(x["r"], x["k"], x["u"], x["y"], x["c"], x["m"]) for x in rows]
     assert (
-        evaluated(lambda c: d.chunk_cause(c["r"], c["k"], c["u"], c["y"], c["c"]), rows, schema)
+        evaluated(
+            lambda c: d.chunk_cause(c["r"], c["k"], c["u"], c["y"], c["c"], c["m"]), rows, schema
+        )
         == plain
     )
+
+
+def test_a_recurrent_key_never_kept_is_no_checkpoint_whatever_else_holds() -> None:
+    # what other_group and never_offered say of an attention group's key...
+    assert d.cause(facts(sibling_stored=True)) == "other_group"
+    assert d.cause(facts(keyable_end=128)) == "never_offered"
+    # ...of a recurrent group's: its block hash is every group's, and its state is kept
+    # only where a request computed one
+    assert d.cause(facts(sibling_stored=True, recurrent=True)) == "no_checkpoint"
+    assert d.cause(facts(keyable_end=128, recurrent=True)) == "no_checkpoint"
+    # timing and capacity come first, for every group
+    assert d.cause(facts(completed=50, recurrent=True)) == "resident"
+    assert d.cause(facts(completed=50, evicted=60, recurrent=True)) == "evicted"
+    assert d.cause(facts(recurrent=True)) == "not_keyable"
+    assert "no_checkpoint" in d.STORE_RULE_CAUSES
 
 
 def test_the_binding_scan_and_the_terminal_key_rank() -> None:
@@ -541,3 +572,38 @@ def test_the_binding_scan_and_the_terminal_key_rank() -> None:
     plain = [d.terminal_rank(x["r"], x["s"]) for x in rows]
     schema = {"r": pl.String, "s": pl.Int64}
     assert evaluated(lambda c: d.terminal_rank(c["r"], c["s"]), rows, schema) == plain
+
+
+def test_a_recurrent_model_keeps_a_junction_only_where_the_request_computed_through_it() -> None:
+    from keytrace.analysis.boundaries import request_boundaries
+    from keytrace.judge.rules import Group
+
+    fa = Group(gid=3, tpc=64, window=None, kind="full_attention")
+    swa = Group(gid=1, tpc=64, window=2, sliding_window=128)
+    mamba = Group(gid=0, tpc=64, window=1, kind="mamba")
+    # windowed groups keep tails at a junction whatever the request loaded
+    assert d.request_boundaries([swa, fa], 700, 128, computed_from=768) == [640, 128]
+    # a recurrent state exists at the junction only where the request computed through it
+    assert d.request_boundaries([mamba, fa], 700, 128, computed_from=768) == [640]
+    assert d.request_boundaries([mamba, fa], 700, 128, computed_from=128) == [640]
+    assert d.request_boundaries([mamba, fa], 700, 130, computed_from=64) == [640, 128]
+    assert d.request_boundaries([mamba, fa], 700, 128) == [640]  # not answered yet
+    # the differ's columns say the same, episode by episode
+    episodes = pl.LazyFrame(
+        {
+            "inst": [1, 1, 1, 1],
+            "req_id": ["loaded", "computed", "deferred", "deferred"],
+            "s": [10, 20, 30, 40],
+            "P": [700, 700, 700, 700],
+            "spb": [128, 130, None, 128],
+            "S": [0, 0, 0, 0],
+            "X": [768, 64, None, None],
+        }
+    )
+    for groups, kept in (
+        ([mamba, fa], {("computed", 128)}),
+        ([swa, fa], {("loaded", 128), ("computed", 128), ("deferred", 128)}),
+    ):
+        got = request_boundaries(episodes, groups).collect()
+        junctions = {(r, b) for r, b in zip(got["req_id"], got["b"], strict=True) if b != 640}
+        assert junctions == kept, groups

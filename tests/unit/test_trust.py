@@ -123,29 +123,60 @@ def test_diff_claims_no_agree_on_code_the_oracle_disputed(
     assert "no AGREE" in captured.err and len(captured.err.strip().splitlines()) == 1
 
 
-def test_a_recurrent_group_is_judged_by_no_rule_whatever_the_digest() -> None:
+def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     from keytrace.analysis.geometry import RECURRENT, SMALL, synthetic_header
 
-    assert trust.uncovered(synthetic_header(SMALL)) == ()
+    assert (
+        trust.uncovered(synthetic_header(SMALL)) == ()
+        and trust.features(synthetic_header(SMALL)) == ()
+    )
     header = synthetic_header(RECURRENT)
-    assert trust.uncovered(header) == ("recurrent state groups 0, 1, 2",)
+    # chunk-aligned states, retention 0, no drafter: judged, and needs a recurrent run
+    assert trust.uncovered(header) == () and trust.features(header) == ("recurrent",)
+    # what changes where vLLM keeps and looks up states: no verdict, each named
+    for change, why in (
+        ({"supports_partial_tail": True}, "partial tails"),
+        ({"dcp_world_size": 2}, "decode context parallel size 2"),
+        ({"retention_interval": 512}, "retention interval 512"),
+        ({"retention_interval": None}, "retention interval dense (None)"),
+        ({"spec_method": "mtp"}, "a mtp drafter"),
+    ):
+        gaps = trust.uncovered({**header, **change})
+        assert len(gaps) == 1 and gaps[0].startswith("recurrent state groups 0, 1, 2 with ")
+        assert why in gaps[0], change
     # a group that is not offloaded is not judged either way
-    one = {**header, "groups": [{**g, "offloaded": g["group_id"] != 0} for g in header["groups"]]}
-    assert trust.uncovered(one) == ("recurrent state groups 1, 2",)
+    partial = {**header, "supports_partial_tail": True}
+    one = {**partial, "groups": [{**g, "offloaded": g["group_id"] != 0} for g in partial["groups"]]}
+    assert trust.uncovered(one)[0].startswith("recurrent state groups 1, 2 with")
     # a copy-on-write group counts whatever its kind is called
     cow = {"groups": [{"group_id": 3, "offloaded": True, "kind": "x", "requires_cow_source": True}]}
-    assert trust.uncovered(cow) == ("recurrent state group 3",)
-    # even on code the oracle verified: the runs that verified it ran other models
+    assert trust.features(cow) == ("recurrent",)
+    # uncovered: no verdict whatever the digest
     trust.record_run("d", GOOD)
-    st = trust.trace_rules({**header, "rules_digest": "d"})
+    st = trust.trace_rules({**partial, "rules_digest": "d"})
     assert st is not None and st.trust is RulesTrust.UNCOVERED and st.episodes == GOOD.episodes
     assert trust.verdict_withheld(st) and trust.agree_refused(st)
     line = trust.trust_line(st)
     assert line is not None and line.startswith("NO VERDICT")
-    assert st.as_json()["uncovered"] == ["recurrent state groups 0, 1, 2"]
+    assert st.as_json()["uncovered"] == [trust.uncovered(partial)[0]]
+    # covered, on code verified without recurrent runs: judged, and said to be unverified
+    st = trust.trace_rules({**header, "rules_digest": "d"})
+    assert st is not None and st.trust is RulesTrust.UNVERIFIED and not trust.verdict_withheld(st)
+    line = trust.trust_line(st)
+    assert line is not None and line.endswith("verify` where it was recorded checks them")
+    assert "for recurrent groups" in line and st.as_json()["needs"] == ["recurrent"]
+    # a run that covered recurrent groups verifies it; a disagreement anywhere disputes it
+    trust.record_run("d", Verification("0.33.0", 50, 0, "t", covers=("recurrent",)))
+    st = trust.trace_rules({**header, "rules_digest": "d"})
+    assert st is not None and st.trust is RulesTrust.VERIFIED
+    assert trust.trace_rules({**synthetic_header(SMALL), "rules_digest": "d"}).trust is (
+        RulesTrust.VERIFIED
+    )
+    # the coverage survives the cache's JSON
+    assert any(r.covers == ("recurrent",) for r in trust.local_runs("d"))
     # a hand-built header has nothing to say, unless it holds what no rule describes
     assert trust.trace_rules(synthetic_header(SMALL)) is None
-    assert trust.verdict_withheld(trust.trace_rules(header))
-    covered = trust.trace_rules({**synthetic_header(SMALL), "rules_digest": "d"})
-    assert covered is not None and "uncovered" not in covered.as_json()
-    assert not trust.verdict_withheld(covered)
+    assert trust.verdict_withheld(trust.trace_rules(partial))
+    # a trace without a digest from a release: runs before coverage covered no recurrent
+    old = trust.trace_rules({**header, "vllm_verified": True})
+    assert old is not None and old.trust is RulesTrust.UNVERIFIED

@@ -5,7 +5,8 @@ commit on main) that changes that arithmetic makes them silently wrong. The orac
 (`keytrace.vllm.lab.oracle`: every shortfall looked up again alone, on a fresh real
 scheduler) is the arbiter. This module runs it on seeded workloads through the installed
 vLLM, as many as a time budget allows, in an order that covers the switches first (each
-geometry, a CPU and a tiered manager, no drafter, EAGLE and MTP lookahead), and keeps the
+geometry, a CPU and a tiered manager, no drafter, EAGLE and MTP lookahead, recurrent state
+groups in chunks of one and two blocks), and keeps the
 outcome under the installed code's rules digest (`keytrace.vllm.hook.rulecode`): the
 header of every trace recorded on that code then says whether its verdicts were verified,
 and ``keytrace diff`` refuses AGREE on code where the oracle disagreed.
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keytrace.analysis.geometry import Drafter
-from keytrace.judge.trust import Verification, record_run
+from keytrace.judge.trust import Verification, features, record_run
 from keytrace.vllm.hook import rulecode
 from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
 
@@ -52,12 +53,27 @@ LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (
 enough to evict, and a tiered manager (vLLM's own, over a real fs tier and the in-memory
 example tier) with a primary small enough to promote."""
 
+RECURRENT_LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None, int], ...] = (
+    ("recurrent", (), 30, 1),
+    ("recurrent", (), 30, 2),
+    ("recurrent", ("fs",), 40, 1),
+)
+"""(geometry, secondary tiers, CPU chunks, blocks per chunk): recurrent state groups on a
+CPU tier that evicts, in chunks of one block and of two (where a prompt's last state may
+fall inside a chunk), and under a tiered manager; no drafter (a recurrent trace with one
+is not judged: `keytrace.judge.trust.uncovered`)."""
 
-def plan(seeds: int = 3, drafters: tuple[Drafter | None, ...] = DRAFTERS) -> Iterator[WorkloadSpec]:
-    """The workloads `verify` runs, covering every layout and drafter once before any
-    repeats with another seed."""
+
+def plan(
+    seeds: int = 3,
+    drafters: tuple[Drafter | None, ...] = DRAFTERS,
+    recurrent: bool = True,
+    layouts: bool = True,
+) -> Iterator[WorkloadSpec]:
+    """The workloads `verify` runs, covering every layout and drafter (``layouts``) and
+    every recurrent layout (``recurrent``) once before any repeats with another seed."""
     for seed in range(seeds):
-        for i, drafter in enumerate(drafters):
+        for i, drafter in enumerate(drafters if layouts else ()):
             for j, (geometry, tiers, cpu_chunks) in enumerate(LAYOUTS):
                 yield WorkloadSpec(
                     geometry=geometry,
@@ -67,6 +83,22 @@ def plan(seeds: int = 3, drafters: tuple[Drafter | None, ...] = DRAFTERS) -> Ite
                     cpu_chunks=cpu_chunks,
                     drafter=drafter,
                 )
+        for j, (geometry, tiers, cpu_chunks, bpc) in enumerate(
+            RECURRENT_LAYOUTS if recurrent else ()
+        ):
+            yield WorkloadSpec(
+                geometry=geometry,
+                seed=1000 * seed + 500 + j,
+                conversations=10,
+                tiers=tiers,
+                cpu_chunks=cpu_chunks,
+                blocks_per_chunk=bpc,
+            )
+
+
+def first_pass(drafters: tuple[Drafter | None, ...], recurrent: bool, layouts: bool) -> int:
+    """How many of `plan`'s workloads cover each layout once."""
+    return len(drafters) * len(LAYOUTS) * layouts + len(RECURRENT_LAYOUTS) * recurrent
 
 
 @dataclass(frozen=True)
@@ -100,6 +132,8 @@ class VerifyOutcome:
     """Workloads that did not run (a drafter this vLLM cannot configure, vLLM failing on
     the workload), with why: nothing checked there."""
     seconds: float = 0.0
+    covers: list[str] = field(default_factory=list)
+    """`keytrace.judge.trust.features` the checked workloads exercised (``recurrent``)."""
 
     @property
     def verified(self) -> bool:
@@ -114,23 +148,28 @@ def verify(
     progress: ProgressFn | None = None,
     keep: bool = True,
     drafters: tuple[Drafter | None, ...] = DRAFTERS,
+    recurrent: bool = True,
+    layouts: bool = True,
+    seeds: int = 3,
 ) -> VerifyOutcome:
     """Run the oracle (and the alarm) on `plan`'s workloads through the installed vLLM
     until ``min_episodes`` shortfalls were checked after every layout and drafter ran once,
     or ``budget_seconds`` passed (a workload in progress finishes) or ``max_workloads``
     ran (a bound that does not depend on the machine's speed); with ``keep``, record the
     outcome under the installed code's rules digest. ``drafters``: the drafters to
-    run (default: none, EAGLE, MTP with 1, 2, 3 tokens)."""
+    run (default: none, EAGLE, MTP with 1, 2, 3 tokens); ``recurrent``: also the
+    recurrent layouts; ``layouts``: the attention layouts (False: recurrent only);
+    ``seeds``: how many rounds of every layout the plan holds."""
     from keytrace.vllm.hook.support import vllm_info
 
     digest = rulecode.rules_digest()
     out = VerifyOutcome(digest=digest, vllm=vllm_info().version or "?")
     t0 = time.monotonic()
-    specs = list(plan(drafters=drafters))
-    first_pass = len(drafters) * len(LAYOUTS)
+    specs = list(plan(seeds, drafters=drafters, recurrent=recurrent, layouts=layouts))
+    once = first_pass(drafters, recurrent, layouts)
     for n, spec in enumerate(specs):
         elapsed = time.monotonic() - t0
-        if elapsed >= budget_seconds or (n >= first_pass and out.episodes >= min_episodes):
+        if elapsed >= budget_seconds or (n >= once and out.episodes >= min_episodes):
             break
         if max_workloads is not None and n >= max_workloads:
             break
@@ -144,6 +183,7 @@ def verify(
             Verification(
                 vllm=out.vllm,
                 episodes=out.episodes,
+                covers=tuple(out.covers),
                 disagreements=len(out.disagreements),
                 when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             ),
@@ -154,7 +194,8 @@ def verify(
 def _name(spec: WorkloadSpec) -> str:
     tiers = "+".join(("cpu", *spec.tiers))
     drafter = spec.drafter.spec if spec.drafter is not None else "no drafter"
-    return f"{spec.geometry} {tiers} {drafter} seed {spec.seed}"
+    bpc = f" bpc {spec.blocks_per_chunk}" if spec.blocks_per_chunk else ""
+    return f"{spec.geometry}{bpc} {tiers} {drafter} seed {spec.seed}"
 
 
 def _alarm_lines(record: logging.LogRecord) -> bool:
@@ -181,6 +222,10 @@ def _run_one(spec: WorkloadSpec, out: VerifyOutcome) -> None:
     out.workloads += 1
     cases = study.oracle or []
     out.episodes += len(cases)
+    if cases:
+        for feature in features(study.report.header):
+            if feature not in out.covers:
+                out.covers.append(feature)
     found = [f"{_name(spec)}: {c.describe()}" for c in study.disagreements]
     if study.alarm_counts is not None and study.alarm_counts != study.report.counts:
         found.append(
@@ -207,4 +252,13 @@ def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}{where}: {exc}".rstrip(": ")
 
 
-__all__ = ["DRAFTERS", "LAYOUTS", "VerifyOutcome", "WorkloadRun", "plan", "verify"]
+__all__ = [
+    "DRAFTERS",
+    "LAYOUTS",
+    "RECURRENT_LAYOUTS",
+    "VerifyOutcome",
+    "WorkloadRun",
+    "first_pass",
+    "plan",
+    "verify",
+]

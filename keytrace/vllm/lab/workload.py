@@ -72,6 +72,7 @@ class WorkloadSpec:
     fix: str | None = None  # a candidate fix (keytrace.vllm.mods.fixes) active for the whole run
     tiers: tuple[str, ...] = ()  # secondary tiers under the CPU tier (keytrace.vllm.lab.harness)
     drafter: Drafter | None = None  # a speculative drafter on the built-in geometry
+    blocks_per_chunk: int | None = None  # default: the built-in geometry's
 
 
 @dataclass
@@ -127,6 +128,8 @@ def workload_geometry(spec: WorkloadSpec) -> Geometry:
     geo = builtin(spec.geometry)
     if spec.drafter is not None:
         geo = geo.with_(drafter=spec.drafter)
+    if spec.blocks_per_chunk is not None:
+        geo = geo.with_(blocks_per_chunk=spec.blocks_per_chunk)
     a = _unit(geo)
     budget = spec.budget or geo.max_num_batched_tokens
 
