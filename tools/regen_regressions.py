@@ -31,6 +31,7 @@ class Regression:
     note: str
     cpu_chunks: int | None = None  # the CPU tier (the primary, when tiered); None: the geometry's
     tiers: tuple[str, ...] = ()  # secondary tiers (`keytrace.vllm.lab.config.tiered`)
+    blocks_per_chunk: int | None = None  # None: the geometry's
 
 
 REGRESSIONS = (
@@ -95,6 +96,26 @@ recomputes the request. With --fix promotion_pins_prefix the promotions cannot e
 request's own CPU-tier hits, prepare_write finds no room, vLLM answers its designed MISS
 (explained: promotion_no_room) and the request runs.""",
     ),
+    Regression(
+        geometry="recurrent",
+        prime_lengths=(760,),
+        episode_length=760,
+        blocks_per_chunk=2,
+        xfail=(
+            "vLLM 0.33.0: a recurrent group's last state that ends no chunk is never stored, "
+            "so the resend loads nothing (keytrace findings, docs/findings.md)"
+        ),
+        note="""\
+Evidence (keytrace diff on stock vLLM 0.33.0): three recurrent (gated DeltaNet) groups and
+one full-attention group, block 64, two blocks per chunk. vLLM keeps a recurrent group's
+state where the request computed it: at the prompt's last block boundary, 704 for 760
+tokens, and stores it only at a multiple of the 128-token chunk
+(_build_aligned_boundary_store_jobs skips any other boundary). Full attention stored every
+chunk up to 640; the resend's lookup rounds its hit down to the chunk (_mamba_align_size)
+and needs group 0's state at 640, which no request kept: 0 external tokens. keytrace:
+mismatch, binding group 0, cause no_checkpoint. It holds for every prompt with
+floor((P - 1) / 64) odd (docs/findings.md: 385 consecutive lengths on 0.33.0).""",
+    ),
 )
 
 
@@ -107,6 +128,8 @@ def _geometry(reg: Regression) -> object:
     geo = builtin(reg.geometry)
     if reg.cpu_chunks is not None:
         geo = geo.with_(cpu_chunks=reg.cpu_chunks)
+    if reg.blocks_per_chunk is not None:
+        geo = geo.with_(blocks_per_chunk=reg.blocks_per_chunk)
     if reg.tiers:
         geo = tiered(geo, reg.tiers, None)
     return geo

@@ -90,7 +90,8 @@ def command(
         click.echo(f"  cpu {r.cpu_chunks:>5} {r.verdict}, {r.external:,} external{fixed}")
     if files.fix is not None:
         click.echo(f"  fix       {files.fix.text()}")
-    click.echo(f"  test      {files.standalone}   (vLLM only: drop into vLLM's tests)")
+    if files.standalone:
+        click.echo(f"  test      {files.standalone}   (vLLM only: drop into vLLM's tests)")
     click.echo(f"  test      {files.fixture}   (through keytrace)")
     click.echo(f"  chunk map {files.html}")
     for p in files.plots:

@@ -30,7 +30,7 @@ class ReportPage:
     step: int
     """Tokens between the swept lengths."""
     fixture: str
-    standalone: str
+    standalone: str | None
     trace: str
     """The trace as given on the command line (for the reproduce line)."""
     html: str | None = None
@@ -41,6 +41,8 @@ class ReportPage:
     minimal_trace: str | None = None
     fix: FixComparison | None = None
     fix_text: str = ""
+    no_standalone: str = ""
+    """Why there is no vLLM-only test (`keytrace.report.standalone.unsupported`)."""
 
 
 def _case(page: ReportPage | StalledPage) -> dict[str, Any]:
@@ -60,6 +62,7 @@ def _case(page: ReportPage | StalledPage) -> dict[str, Any]:
         "fix_text": page.fix_text,
         "fixture": page.fixture,
         "standalone": page.standalone,
+        "no_standalone": page.no_standalone,
         "trace": page.trace,
     }
 
@@ -117,11 +120,13 @@ class StalledPage:
     rows: Sequence[CapacityRow]
     give_up: int
     fixture: str
-    standalone: str
+    standalone: str | None
     trace: str
     html: str | None = None
     fix: str | None = None
     fix_text: str = ""
+    no_standalone: str = ""
+    """Why there is no vLLM-only test (`keytrace.report.standalone.unsupported`)."""
 
 
 def render_stalled_report(page: StalledPage) -> str:

@@ -24,8 +24,27 @@ from keytrace.judge.definitions import STALL_EPISODES
 from keytrace.report.templates import render
 
 
+def unsupported(plan: ReplayPlan) -> str | None:
+    """Why no vLLM-only test can be written for ``plan`` (None: one can). The test drives
+    vLLM's store path by hand with attention specs; a recurrent group's states come from
+    the core's boundary hand-offs, which it does not drive: a test that treated the group
+    as full attention would pass on the bug."""
+    kinds = {g.get("kind") for g in plan.geometry.get("groups", [])}
+    if "mamba" in kinds:
+        return (
+            "the geometry has recurrent state groups, whose states come from vLLM's core "
+            "(boundary hand-offs), which a vLLM-only store-path test does not drive; the "
+            "keytrace test replays the whole scheduler"
+        )
+    return None
+
+
 def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
-    """The test file's text for ``plan`` (its last prime and its episode)."""
+    """The test file's text for ``plan`` (its last prime and its episode); `unsupported`
+    plans are refused (ValueError)."""
+    why = unsupported(plan)
+    if why is not None:
+        raise ValueError(f"no vLLM-only test: {why}")
     if plan.expected_E is None:
         raise ValueError("the episode has no expected boundary: nothing to assert")
     geo: dict[str, Any] = plan.geometry

@@ -165,3 +165,22 @@ def test_the_oracle_and_the_alarm_agree_with_the_differ_on_recurrent_traffic(
     assert out.covers == ["recurrent"]
     mismatches = sum(r.episodes.get("mismatch", 0) for r in out.runs)
     assert mismatches > 0  # chunks of two blocks: states that end no chunk
+
+
+def test_the_report_writes_no_vllm_only_test_it_cannot_make_fail(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The vLLM-only test drives vLLM's store path by hand with attention specs; a
+    recurrent group's states come from vLLM's core, so such a test would treat the group
+    as full attention and pass on the bug. The report says so instead of writing it, and
+    keeps the keytrace test (red on stock)."""
+    _prime_and_resend(BPC2, tmp_path / "t", 760, caplog)
+    out = tmp_path / "report"
+    argv = ["report", str(tmp_path / "t"), "-o", str(out), "--no-minimize", "--no-progress"]
+    assert main(argv) == 1
+    names = [p.name for p in out.iterdir()]
+    assert not [n for n in names if n.startswith("test_offload_regression_")]
+    assert [n for n in names if n.startswith("test_keytrace_recorded_760_")]
+    md = (out / "report.md").read_text()
+    assert "No vLLM-only test: the geometry has recurrent state groups" in md
+    assert "no_checkpoint" in md.splitlines()[0]

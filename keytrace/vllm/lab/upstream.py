@@ -12,6 +12,7 @@ from typing import Any
 
 from keytrace.analysis.lengthrule import LengthRule, length_rule
 from keytrace.analysis.sweep import FixComparison, SweepRow, compare_fix
+from keytrace.report.standalone import unsupported
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -21,7 +22,8 @@ class ReportFiles:
     out_dir: str
     markdown: str
     fixture: str
-    standalone: str
+    standalone: str | None
+    """The vLLM-only test (None: `keytrace.report.standalone.unsupported` says why)."""
     html: str
     sweep_csv: str
     rule: LengthRule | None
@@ -127,7 +129,8 @@ def write_report(
             rule=rule,
             step=step,
             fixture=os.path.basename(fixture),
-            standalone=os.path.basename(standalone),
+            standalone=os.path.basename(standalone) if standalone else None,
+            no_standalone=unsupported(plan) or "",
             trace=" ".join(paths),
             html=os.path.basename(html),
             plot=os.path.basename(plots[0]) if plots else None,
@@ -151,10 +154,11 @@ def write_report(
     )
 
 
-def _write_tests_and_map(report: Any, plan: Any, out_dir: str) -> tuple[str, str, str, str]:
+def _write_tests_and_map(report: Any, plan: Any, out_dir: str) -> tuple[str, str | None, str, str]:
     """The two regression tests for the report's first finding (keytrace's fixture, the
-    standalone one for vLLM's tree) and its chunk map, written into ``out_dir``; their
-    paths and the differ's text for the episode (the standalone test quotes it)."""
+    standalone one for vLLM's tree, where one can be written) and its chunk map, written
+    into ``out_dir``; their paths (None: no standalone test) and the differ's text for
+    the episode (the standalone test quotes it)."""
     from keytrace.report.fixture import file_name, render_fixture
     from keytrace.report.html import write_page
     from keytrace.report.standalone import regression_name, render_vllm_regression
@@ -162,19 +166,21 @@ def _write_tests_and_map(report: Any, plan: Any, out_dir: str) -> tuple[str, str
 
     evidence = io.StringIO()
     render_episode(report.first_mismatch, evidence, header=report.header)
-    fixture_text = render_fixture(plan)
-    standalone_text = render_vllm_regression(plan, evidence=evidence.getvalue())
+    files = [render_fixture(plan)]
+    if unsupported(plan) is None:
+        files.append(render_vllm_regression(plan, evidence=evidence.getvalue()))
     paths = []
-    for text, name in (
-        (fixture_text, file_name(plan, fixture_text)),
-        (standalone_text, regression_name(plan, standalone_text)),
+    for text, name in zip(
+        files,
+        (file_name(plan, files[0]), *(regression_name(plan, t) for t in files[1:])),
+        strict=True,
     ):
         paths.append(os.path.join(out_dir, name))
         with open(paths[-1], "w") as fh:
             fh.write(text)
     html = os.path.join(out_dir, "chunkmap.html")
     write_page(html, report)
-    return paths[0], paths[1], html, evidence.getvalue()
+    return paths[0], paths[1] if len(paths) > 1 else None, html, evidence.getvalue()
 
 
 def _write_markdown(out_dir: str, text: str) -> str:
@@ -260,7 +266,8 @@ def _write_stalled_report(
             rows=rows,
             give_up=ABORT_DEFERRALS,
             fixture=os.path.basename(fixture),
-            standalone=os.path.basename(standalone),
+            standalone=os.path.basename(standalone) if standalone else None,
+            no_standalone=unsupported(plan) or "",
             trace=" ".join(paths),
             html=os.path.basename(html),
             fix=fix,
