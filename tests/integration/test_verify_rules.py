@@ -92,6 +92,14 @@ def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
     st = rulecode.status()
     assert st.trust is RulesTrust.VERIFIED and st.episodes == out["episodes"]
     assert (own_cache / "verified" / f"{st.digest}.json").exists()
+    # the one workload was no recurrent one: doctor says what it did not cover
+    assert out["covers"] == []
+    check = rulecode.judge_capability().checks[0]
+    assert check.ok and check.what.endswith(
+        "not on recurrent state groups (keytrace doctor --verify runs them)"
+    )
+    trust.record_run(st.digest, Verification("x", 5, 0, "t", covers=("recurrent",)))
+    assert rulecode.judge_capability().checks[0].what.endswith("recurrent state groups too")
 
 
 def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:

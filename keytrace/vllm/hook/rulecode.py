@@ -137,6 +137,12 @@ def judge_capability() -> Capability:
     st = status()
     what = f"the oracle verified keytrace's rules on this code (rules digest {st.digest})"
     if st.trust is RulesTrust.VERIFIED:
+        recurrent = any(r.episodes and "recurrent" in r.covers for r in st.runs)
+        what += (
+            ", recurrent state groups too"
+            if recurrent
+            else "; not on recurrent state groups (keytrace doctor --verify runs them)"
+        )
         return Capability("judge", (Check(what),))
     if st.trust is RulesTrust.DISPUTED:
         problem = (
