@@ -38,7 +38,7 @@ CAUSE_TEXT = {
     "other_engine": "offered on another engine before the lookup (a routing miss)",
     "store_failed": "offered, but the store's allocation or transfer failed",
     "rejected": "offered but declined by prepare_store",
-    "no_checkpoint": "a recurrent state the store path never kept at this boundary (a state is kept only where a request computed one)",
+    "no_checkpoint": "no recurrent state kept at this boundary (kept only where a request computed one)",
     "other_group": "same hash stored under another group id",
     "never_offered": "never offered by the store path",
     "not_keyable": "never complete in any earlier request on the chain (not keyable)",

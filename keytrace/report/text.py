@@ -171,7 +171,7 @@ def render_diff(report: Any, file: IO[str]) -> None:
         n = sum(report.counts.values())
         file.write(
             f"recorded: {n} lookup episode(s); none judged (`--json` has what the rules "
-            "written for other models would say, for whoever writes the missing ones)\n"
+            "would say where they do not apply, for whoever writes the missing ones)\n"
         )
         return
     if report.first_mismatch is not None and report.first_mismatch.verdict == "stalled":
