@@ -102,11 +102,30 @@ def live_totals() -> tuple[dict[str, int], int]:
     return dict(counts), warnings
 
 
+_UNJUDGED_SAID: list[bool] = [False]
+"""Whether this process said that an engine is not judged (`say_unjudged`)."""
+
+
+def say_unjudged(gaps: tuple[str, ...]) -> None:
+    """Once per process (until `forget_alarms`): the live alarm does not judge an engine
+    whose configuration keytrace's rules do not describe."""
+    with _ALARMS_LOCK:
+        if _UNJUDGED_SAID[0]:
+            return
+        _UNJUDGED_SAID[0] = True
+    log.warning(
+        "keytrace: the live alarm does not judge this engine: keytrace has no rules for %s "
+        "yet; recording goes on",
+        "; ".join(gaps),
+    )
+
+
 def forget_alarms() -> None:
     """Drop every alarm (a new recording session starts from nothing)."""
     with _ALARMS_LOCK:
         _ALARMS.clear()
         _ENGINES.clear()
+        _UNJUDGED_SAID[0] = False
 
 
 _ENGINES: list[dict[str, Any]] = []

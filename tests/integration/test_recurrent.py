@@ -24,7 +24,6 @@ from keytrace.analysis.geometry import RECURRENT, Geometry, synthetic_header  # 
 from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.live.registry import AlarmSettings, forget_alarms  # noqa: E402
-from keytrace.vllm.hook import hooks  # noqa: E402
 from keytrace.vllm.hook.patches import recording  # noqa: E402
 from keytrace.vllm.lab.harness import Harness  # noqa: E402
 
@@ -39,8 +38,7 @@ PARTIAL = RECURRENT.with_(prefix_match_unit=16)
 def _prime_and_resend(
     geometry: Geometry, d: Path, n: int, caplog: pytest.LogCaptureFixture
 ) -> tuple[int, list]:
-    forget_alarms()
-    hooks._UNJUDGED_SAID = False
+    forget_alarms()  # also: the once-per-process 'not judged' warning
     with caplog.at_level(logging.WARNING, logger="keytrace"):
         with recording(d, AlarmSettings(warn=True, keep_judged=True)) as recs:
             h = Harness(geometry, max_prompt_tokens=n)

@@ -105,22 +105,15 @@ def start_recording(
     return rec
 
 
-_UNJUDGED_SAID = False
-
-
 def unjudged_here(header: Mapping[str, Any]) -> bool:
     """This engine holds what keytrace's rules do not describe
     (`keytrace.judge.trust.uncovered`): the live alarm does not judge it (said once per
-    process, at WARNING) and recording goes on."""
-    global _UNJUDGED_SAID
+    process, at WARNING: `keytrace.live.registry.say_unjudged`) and recording goes on."""
+    from keytrace.live.registry import say_unjudged
+
     gaps = uncovered(header)
-    if gaps and not _UNJUDGED_SAID:
-        _UNJUDGED_SAID = True
-        log.warning(
-            "keytrace: the live alarm does not judge this engine: keytrace has no rules "
-            "for %s yet; recording goes on",
-            "; ".join(gaps),
-        )
+    if gaps:
+        say_unjudged(gaps)
     return bool(gaps)
 
 
