@@ -227,7 +227,17 @@ RECURRENT = Geometry(
 (full attention every fourth layer), block 64, in vLLM's ``align`` cache mode. keytrace
 records it and judges nothing on it yet (no rules for recurrent groups: issue 39)."""
 
-BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT)}
+RECURRENT_MTP = RECURRENT.with_(
+    name="recurrent_mtp",
+    groups=(*RECURRENT.groups, GroupGeom("full_attention", 64, eagle=True, name="mtp")),
+    drafter=Drafter("mtp", 1, 1),
+)
+"""`RECURRENT` with Qwen3-Next's MTP drafter (one module, one speculative token) and its
+draft layer's full-attention group. vLLM 0.34.0 then hashes each block over the next
+token (L = 1) and keytrace judges it; on 0.33.0 (no lookahead hashes, the EAGLE block drop)
+it is recorded and not judged."""
+
+BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT, RECURRENT_MTP)}
 
 
 def describe(geo: Geometry) -> str:

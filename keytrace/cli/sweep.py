@@ -52,7 +52,8 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     show_default=True,
     type=click.Choice(sorted(BUILTIN)),
     help="Built-in geometry: dsv4 (DeepSeek-V4-like, MTP), small, hybrid (no MTP group), "
-    "recurrent (Qwen3-Next-like: recurrent state groups, recorded and not judged yet).",
+    "recurrent (Qwen3-Next-like: recurrent state groups and full attention), recurrent_mtp "
+    "(the same with its MTP drafter: judged on vLLM 0.34.0, not on 0.33.0).",
 )
 @click.option(
     "--from", "from_trace", default=None, help="Take the geometry from this trace's header instead."

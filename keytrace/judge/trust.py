@@ -77,8 +77,13 @@ def _recurrent_groups(header: Mapping[str, Any]) -> list[str]:
 
 def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     """What a trace needs the oracle to have run on before its verdicts count as verified
-    (`Verification.covers`): ``recurrent`` for a trace with a recurrent state group."""
-    return ("recurrent",) if _recurrent_groups(header) else ()
+    (`Verification.covers`): ``recurrent`` for a trace with a recurrent state group, and
+    ``recurrent+lookahead`` when its block hashes also look ahead (a drafter, 0.34.0)."""
+    if not _recurrent_groups(header):
+        return ()
+    if int(header.get("num_hash_lookahead_tokens") or 0):
+        return ("recurrent", "recurrent+lookahead")
+    return ("recurrent",)
 
 
 def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
@@ -89,8 +94,10 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     Recurrent state groups are judged with a window of one chunk and states kept where a
     request computed them (`keytrace.judge.definitions.junction_kept`), on the setting
     the oracle verified: hash unit = block (no partial tails), no decode context
-    parallelism, retention interval 0, no speculative drafter. Any of those changes where
-    vLLM keeps and looks up states in ways no rule here describes yet."""
+    parallelism, retention interval 0, and no speculative drafter unless its block hashes
+    look ahead (``num_hash_lookahead_tokens`` > 0, vLLM 0.34.0: no EAGLE block drop). Any
+    of the others changes where vLLM keeps and looks up states in ways no rule here
+    describes yet."""
     recurrent = _recurrent_groups(header)
     if not recurrent:
         return ()
@@ -103,8 +110,12 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     if retention != 0:
         dense = "dense (None)" if retention is None else str(retention)
         why.append(f"retention interval {dense}")
-    if header.get("spec_method"):
-        why.append(f"a {header.get('spec_method')} drafter")
+    drafted = header.get("spec_method") or any(
+        g.get("is_eagle") for g in header.get("groups", []) if g.get("offloaded")
+    )
+    if drafted and not int(header.get("num_hash_lookahead_tokens") or 0):
+        # legacy hashes: the EAGLE block drop moves the state boundaries (vLLM 0.33.0)
+        why.append("an EAGLE/MTP drafter without lookahead hashes")
     if not why:
         return ()
     s = "s" if len(recurrent) > 1 else ""

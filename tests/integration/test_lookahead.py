@@ -338,3 +338,34 @@ def test_the_oracle_agrees_on_0_34_under_mtp_lookahead_on_a_tiered_manager() -> 
     assert found["lookahead"] == 2
     assert found["checked"] >= 10 and found["disagreements"] == []
     assert found["alarm"] == found["differ"]
+
+
+RECURRENT_MTP = """
+import json, sys, tempfile
+from keytrace.analysis.diff import diff
+from keytrace.analysis.geometry import RECURRENT_MTP
+from keytrace.format.reader import open_trace
+from keytrace.vllm.lab.replay import replay
+out = {{}}
+for n in (700, 760):
+    with tempfile.TemporaryDirectory() as d:
+        r = replay(RECURRENT_MTP.with_(blocks_per_chunk=2), [n], n, trace_dir=d)
+        rules = diff(open_trace(d)).rules
+        out[n] = [r.external_tokens, r.verdict, r.cause, rules.as_json(), open_trace(d).header["num_hash_lookahead_tokens"]]
+print(json.dumps(out))
+"""
+
+
+def test_a_recurrent_model_with_its_mtp_drafter_is_judged_on_0_34() -> None:
+    """Qwen3-Next-like with its MTP drafter: vLLM 0.34.0 hashes each block over the next
+    token (L = 1) and drops no block, so keytrace judges it, verified by the shipped oracle
+    run that covered recurrent groups under lookahead; the state that ends no chunk is the
+    same finding as without a drafter."""
+    r = run_python(RECURRENT_MTP.format(), **_where())
+    assert r.returncode == 0, r.stderr[-4000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    hit, miss = found["700"], found["760"]
+    assert hit[:3] == [640, "hit", None] and hit[4] == 1
+    assert miss[:3] == [0, "mismatch", "no_checkpoint"]
+    assert miss[3]["trust"] == "verified"
+    assert miss[3]["needs"] == ["recurrent", "recurrent+lookahead"]

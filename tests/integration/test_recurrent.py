@@ -158,8 +158,12 @@ def test_the_oracle_and_the_alarm_agree_with_the_differ_on_recurrent_traffic(
 
     monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
     out = verify(layouts=False, seeds=1, keep=False, min_episodes=1)
-    assert out.workloads == len(RECURRENT_LAYOUTS) and not out.skipped
     assert out.episodes >= 30 and out.disagreements == [], out.disagreements
+    # vLLM 0.33.0 has no lookahead hashes: the MTP layouts are recorded and not judged
+    mtp = [g for g, *_ in RECURRENT_LAYOUTS if g == "recurrent_mtp"]
+    assert out.workloads == len(RECURRENT_LAYOUTS) - len(mtp)
+    assert len(out.skipped) == len(mtp)
+    assert all("without lookahead hashes" in s for s in out.skipped), out.skipped
     assert out.covers == ["recurrent"]
     mismatches = sum(r.episodes.get("mismatch", 0) for r in out.runs)
     assert mismatches > 0  # chunks of two blocks: states that end no chunk

@@ -107,19 +107,18 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
 
     specs = list(plan())
     first = specs[: first_pass(DRAFTERS, recurrent=True, layouts=True)]
-    assert {(s.drafter, s.geometry, s.tiers) for s in first if s.geometry != "recurrent"} == {
+    assert {(s.drafter, s.geometry, s.tiers) for s in first if "recurrent" not in s.geometry} == {
         (d, g, t) for d in DRAFTERS for g, t, _ in LAYOUTS
     }
-    assert {(s.tiers, s.blocks_per_chunk) for s in first if s.geometry == "recurrent"} == {
-        (t, bpc) for _, t, _, bpc in RECURRENT_LAYOUTS
-    }
-    # a recurrent model with a drafter is not judged: its layouts run without one
-    assert all(s.drafter is None for s in specs if s.geometry == "recurrent")
+    recurrent = [s for s in first if s.geometry.startswith("recurrent")]
+    assert [(s.geometry, s.tiers, s.blocks_per_chunk, s.drafter) for s in recurrent] == [
+        (g, t, bpc, d) for g, t, _, bpc, d in RECURRENT_LAYOUTS
+    ]
     assert len({s.seed for s in specs}) == len(specs)  # every workload its own traffic
     lookahead = list(plan(drafters=DRAFTERS[1:], recurrent=False))
     assert {s.drafter for s in lookahead} == set(DRAFTERS[1:])
     only = list(plan(layouts=False))
-    assert only and {s.geometry for s in only} == {"recurrent"}
+    assert only and {s.geometry for s in only} == {"recurrent", "recurrent_mtp"}
 
 
 def test_a_workload_vllm_fails_on_is_skipped_with_where_not_a_crash(

@@ -139,11 +139,22 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
         ({"dcp_world_size": 2}, "decode context parallel size 2"),
         ({"retention_interval": 512}, "retention interval 512"),
         ({"retention_interval": None}, "retention interval dense (None)"),
-        ({"spec_method": "mtp"}, "a mtp drafter"),
+        ({"spec_method": "mtp"}, "an EAGLE/MTP drafter without lookahead hashes"),
     ):
         gaps = trust.uncovered({**header, **change})
         assert len(gaps) == 1 and gaps[0].startswith("recurrent state groups 0, 1, 2 with ")
         assert why in gaps[0], change
+    # a drafter whose block hashes look ahead (vLLM 0.34.0) drops no block: judged, and
+    # needs a run that covered recurrent groups under lookahead
+    ahead = {**header, "spec_method": "mtp", "num_hash_lookahead_tokens": 1}
+    assert trust.uncovered(ahead) == ()
+    assert trust.features(ahead) == ("recurrent", "recurrent+lookahead")
+    # an EAGLE/MTP group without lookahead is the legacy drop, drafter named or not
+    eagle = {
+        **header,
+        "groups": [*header["groups"], {**header["groups"][-1], "group_id": 4, "is_eagle": True}],
+    }
+    assert "without lookahead hashes" in trust.uncovered(eagle)[0]
     # a group that is not offloaded is not judged either way
     partial = {**header, "supports_partial_tail": True}
     one = {**partial, "groups": [{**g, "offloaded": g["group_id"] != 0} for g in partial["groups"]]}
@@ -172,6 +183,14 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     assert trust.trace_rules({**synthetic_header(SMALL), "rules_digest": "d"}).trust is (
         RulesTrust.VERIFIED
     )
+    # ...but not one under lookahead hashes, which needs a run that covered those too
+    st = trust.trace_rules({**ahead, "rules_digest": "d"})
+    assert st is not None and st.trust is RulesTrust.UNVERIFIED
+    trust.record_run(
+        "d", Verification("0.34.0", 50, 0, "t", covers=("recurrent", "recurrent+lookahead"))
+    )
+    st = trust.trace_rules({**ahead, "rules_digest": "d"})
+    assert st is not None and st.trust is RulesTrust.VERIFIED
     # the coverage survives the cache's JSON
     assert any(r.covers == ("recurrent",) for r in trust.local_runs("d"))
     # a hand-built header has nothing to say, unless it holds what no rule describes
