@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keytrace.analysis.lost import LostRow
-from keytrace.analysis.results import NOT_IN_JSON, DiffReport, EpisodeVerdict
+from keytrace.analysis.results import DiffReport, EpisodeVerdict
 from keytrace.judge import definitions as d
 from keytrace.judge.identity import IdentityFinding
 from keytrace.judge.trust import RulesStatus
@@ -45,8 +45,9 @@ class FleetReport:
     warnings: list[str] = field(default_factory=list)
     identity: list[IdentityFinding] = field(default_factory=list)
     """Engines that share a tier and hash differently (`DiffReport.identity`)."""
-    rules: RulesStatus | None = field(default=None, metadata=NOT_IN_JSON)
-    """`DiffReport.rules`: the text's first line says what it says there."""
+    rules: RulesStatus | None = None
+    """`DiffReport.rules`: what the oracle found on the recording's code, and what the
+    rules do not describe (the text's first line says it as `keytrace diff` does)."""
 
 
 def engine_of(v: EpisodeVerdict) -> str:

@@ -14,8 +14,8 @@ from keytrace.judge.rules import group_label, window_chunks
 
 GROUP_KINDS = ("full_attention", "mla", "sliding_window", "mamba")
 """``mamba``: a recurrent state group (Mamba, gated DeltaNet, linear attention) in vLLM's
-``align`` cache mode: one state per checkpoint, looked up with a window of one chunk.
-keytrace records it and has no rule for it yet (`keytrace.judge.trust.uncovered`)."""
+``align`` cache mode: one state per checkpoint, looked up with a window of one chunk
+(judged where `keytrace.judge.trust.uncovered` names nothing)."""
 
 DRAFTER_METHODS = ("eagle", "eagle3", "mtp")
 """The speculative methods whose drafter decides vLLM's hash lookahead (0.34.0: those with
@@ -224,8 +224,7 @@ RECURRENT = Geometry(
     cpu_chunks=20_000,
 )
 """Qwen3-Next-like: three gated-DeltaNet (recurrent) groups and one full-attention group
-(full attention every fourth layer), block 64, in vLLM's ``align`` cache mode. keytrace
-records it and judges nothing on it yet (no rules for recurrent groups: issue 39)."""
+(full attention every fourth layer), block 64, in vLLM's ``align`` cache mode."""
 
 RECURRENT_MTP = RECURRENT.with_(
     name="recurrent_mtp",

@@ -228,8 +228,7 @@ def exit_for_verdicts(verdicts: list[str], what: str) -> int:
     if NO_VERDICT in verdicts:
         raise RulesUncoveredError(
             f"no verdict: {what} has recurrent state groups in a setting keytrace has no "
-            "rules for yet (partial tails, decode context parallelism, a retention interval "
-            "other than 0, a drafter); recorded, not judged (see docs/diff.md, 'Recurrent "
-            "state groups')"
+            "rules for yet (keytrace diff on its trace names it); recorded, not judged "
+            "(see docs/diff.md, 'Recurrent state groups')"
         )
     return EXIT_OK

@@ -73,7 +73,8 @@ from keytrace.report.text import render_diff, render_fleet
     default=None,
     help="One row per engine (engine id, else recorder instance), worst first: verdict "
     "counts, the first mismatch (or stalled request), and the tokens it lost for RULE "
-    "causes (store and lookup paths disagree: rejected, other_group, never_offered, "
+    "causes (store and lookup paths disagree: rejected, no_checkpoint, other_group, "
+    "never_offered, "
     "not_keyable and the tiered ones; docs/diff.md, Causes). With --json: the fleet report.",
 )
 @click.option(
@@ -134,7 +135,7 @@ def command(
 
     \b
     Exit status: 0 no mismatch, 1 mismatch found, 2 could not decide (bad or incomplete
-    input).
+    input, rules the oracle disputed, or NO VERDICT: a trace the rules do not describe).
     """
     if by is not None and (all_episodes or html_path is not None):
         raise UsageError("--by engine is a table of engines: use it without --all and --html")

@@ -51,7 +51,8 @@ def command(
 
     \b
     Exit status: 0 the replay agrees (no mismatch), 1 the mismatch reproduces, 2 trouble
-    (header lacks what replay needs, vLLM missing or a different version).
+    (header lacks what replay needs, vLLM missing or a different version, or no verdict:
+    a geometry the rules do not describe).
     """
     trace = open_trace(list(paths))
     echo_trace_warnings(trace)

@@ -61,7 +61,8 @@ def command(
     (OUT/capacity.csv; with --fix, each also with the fix).
 
     \b
-    Exit status: 1 (a mismatch was reported), 2 trouble (no mismatch, no vLLM, ...).
+    Exit status: 1 (a mismatch was reported), 2 trouble (no mismatch, no verdict, no
+    vLLM, ...).
     """
     from keytrace.errors import UsageError
     from keytrace.vllm.lab.upstream import write_report

@@ -118,7 +118,8 @@ def command(
 
     \b
     Example: keytrace sweep --lengths 17900:18200 --plot sweep
-    Exit status: 0 no mismatch, 1 some length mismatched, 2 trouble.
+    Exit status: 0 no mismatch, 1 some length mismatched, 2 trouble (or no verdict: a
+    geometry the rules do not describe).
     """
     if compare and not fix:
         raise UsageError("--compare needs --fix NAME (it compares the fix with stock vLLM)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,8 @@ class Group:
     eagle: bool = False
     kind: str = "sliding_window"
     lookahead: int = 0
+    cow: bool = False
+    """The connector stores the group from copy-on-write sources (``requires_cow_source``)."""
 
     @property
     def label(self) -> str:
@@ -94,8 +96,8 @@ class Group:
     def recurrent(self) -> bool:
         """A recurrent state group (Mamba, gated DeltaNet): vLLM keeps one state per
         checkpoint, where a request computed it, and looks it up with a window of one
-        chunk."""
-        return self.kind == "mamba"
+        chunk (`is_recurrent`)."""
+        return self.kind in RECURRENT_KINDS or self.cow
 
     @property
     def drop(self) -> bool:
@@ -104,6 +106,17 @@ class Group:
         hit, needs one more hit, and pops it (vLLM's ``apply_eagle_drop``); with lookahead
         hashes the hash of a block proves the drafter's input and no block is dropped."""
         return self.eagle and self.lookahead == 0
+
+
+RECURRENT_KINDS = frozenset({"mamba"})
+"""Group kinds (the header's ``kind``) whose KV is a recurrent state."""
+
+
+def is_recurrent(group: Mapping[str, Any]) -> bool:
+    """A header's group is a recurrent state group: its kind is one, or the connector
+    stores it from copy-on-write sources (vLLM does so for exactly those). The one
+    predicate: `Group.recurrent` and `keytrace.judge.trust` read it."""
+    return group.get("kind") in RECURRENT_KINDS or bool(group.get("requires_cow_source"))
 
 
 def lookahead_of(header: dict[str, Any]) -> int:
@@ -137,6 +150,7 @@ def groups_from_header(header: dict[str, Any]) -> list[Group]:
                 extra=int(g.get("extra_retained_tokens") or 0),
                 eagle=bool(g.get("is_eagle")),
                 kind=str(g["kind"]),
+                cow=bool(g.get("requires_cow_source")),
                 lookahead=lookahead,
             )
         )

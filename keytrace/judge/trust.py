@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from keytrace.format.remote import keytrace_cache
+from keytrace.judge.rules import is_recurrent
 
 VERIFIED_FILE = Path(__file__).with_name("verified_rules.json")
 """Rules digest -> the oracle runs keytrace's CI made on that code (`Verification`)."""
@@ -62,25 +63,31 @@ class RulesTrust(StrEnum):
     no verdict is claimed, AGREE or MISMATCH."""
 
 
-RECURRENT_KINDS = frozenset({"mamba"})
-"""Group kinds (the header's ``kind``) whose KV is a recurrent state: vLLM offloads it as a
-checkpoint where a request computed it (copy-on-write sources), not chunk by chunk."""
-
-
 def _recurrent_groups(header: Mapping[str, Any]) -> list[str]:
     return [
         str(g.get("group_id"))
         for g in header.get("groups", [])
-        if g.get("offloaded") and (g.get("kind") in RECURRENT_KINDS or g.get("requires_cow_source"))
+        if g.get("offloaded") and is_recurrent(g)
     ]
+
+
+ATTENTION = "attention"
+"""The feature of every trace without a recurrent group; a run recorded before runs said
+what they covered (``covers`` empty) covered exactly this."""
+FEATURE_TEXT = {
+    ATTENTION: "attention groups",
+    "recurrent": "recurrent state groups",
+    "recurrent+lookahead": "recurrent state groups under lookahead hashes",
+}
 
 
 def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     """What a trace needs the oracle to have run on before its verdicts count as verified
-    (`Verification.covers`): ``recurrent`` for a trace with a recurrent state group, and
-    ``recurrent+lookahead`` when its block hashes also look ahead (a drafter, 0.34.0)."""
+    (`Verification.covers`): ``attention`` for a trace without a recurrent state group,
+    ``recurrent`` for one with, and ``recurrent+lookahead`` too when its block hashes look
+    ahead (a drafter, 0.34.0)."""
     if not _recurrent_groups(header):
-        return ()
+        return (ATTENTION,)
     if int(header.get("num_hash_lookahead_tokens") or 0):
         return ("recurrent", "recurrent+lookahead")
     return ("recurrent",)
@@ -116,6 +123,13 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     if drafted and not int(header.get("num_hash_lookahead_tokens") or 0):
         # legacy hashes: the EAGLE block drop moves the state boundaries (vLLM 0.33.0)
         why.append("an EAGLE/MTP drafter without lookahead hashes")
+    rec = header.get("recurrent") or {}
+    if rec.get("mamba_cache_mode") not in (None, "align"):
+        why.append(f"mamba cache mode {rec.get('mamba_cache_mode')}")
+    specs = (rec.get("groups") or {}).values()
+    if any(int(g.get("num_prefill_checkpoint_blocks") or 0) for g in specs):
+        # the backend exports a state from inside a chunk (Mamba2, FlashInfer GDN)
+        why.append("prefill checkpoints exported inside a chunk")
     if not why:
         return ()
     s = "s" if len(recurrent) > 1 else ""
@@ -133,8 +147,13 @@ class Verification:
     when: str
     how: str = "keytrace doctor --verify"
     covers: tuple[str, ...] = ()
-    """`features` its workloads exercised (``recurrent``): a trace that needs one is
-    verified only by a run that covers it."""
+    """`features` its workloads exercised: a trace is verified only by a run that covers
+    what it needs. Empty: a run recorded before runs said, which ran attention layouts
+    only (`effective_covers`)."""
+
+    @property
+    def effective_covers(self) -> tuple[str, ...]:
+        return self.covers or (ATTENTION,)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Verification:
@@ -159,12 +178,12 @@ class RulesStatus:
         if self.not_covered:
             return RulesTrust.UNCOVERED
         if self.digest is None:
-            if self.needs:  # no release's CI run recorded what it covered
+            if self.needs and self.needs != (ATTENTION,):  # those runs covered attention
                 return RulesTrust.UNVERIFIED
             return RulesTrust.RELEASE if self.release_verified else RulesTrust.UNVERIFIED
         if any(r.disagreements for r in self.runs):
             return RulesTrust.DISPUTED
-        if any(r.episodes > 0 and set(self.needs) <= set(r.covers) for r in self.runs):
+        if any(r.episodes > 0 and set(self.needs) <= set(r.effective_covers) for r in self.runs):
             return RulesTrust.VERIFIED
         return RulesTrust.UNVERIFIED
 
@@ -186,7 +205,7 @@ class RulesStatus:
         }
         if self.not_covered:  # only then: every other report reads as before
             out["uncovered"] = list(self.not_covered)
-        if self.needs:
+        if self.needs and self.needs != (ATTENTION,):  # every other report reads as before
             out["needs"] = list(self.needs)
         return out
 
@@ -273,9 +292,14 @@ def trust_line(st: RulesStatus | None) -> str | None:
             "there in ways the store/lookup rules do not describe yet; the trace is "
             "recorded and kept, nothing in it is judged"
         )
-    code = f"rules digest {st.digest}" if st.digest else "a release keytrace's CI has not run"
-    if st.needs and st.trust is RulesTrust.UNVERIFIED:
-        code += f", for {' and '.join(st.needs)} groups"
+    if st.digest:
+        code = f"rules digest {st.digest}"
+    elif st.release_verified:
+        code = "its release, whose CI runs did not say what they covered"
+    else:
+        code = "a release keytrace's CI has not run"
+    if st.needs and st.needs != (ATTENTION,) and st.trust is RulesTrust.UNVERIFIED:
+        code += ", for " + FEATURE_TEXT.get(st.needs[-1], st.needs[-1])
     if st.trust is RulesTrust.DISPUTED:
         return (
             f"RULES DISPUTED: the oracle disagreed with keytrace {st.disagreements} time(s) on "
@@ -288,7 +312,8 @@ def trust_line(st: RulesStatus | None) -> str | None:
 
 
 __all__ = [
-    "RECURRENT_KINDS",
+    "ATTENTION",
+    "FEATURE_TEXT",
     "VERIFIED_FILE",
     "RulesStatus",
     "RulesTrust",

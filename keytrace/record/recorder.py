@@ -463,10 +463,7 @@ class Recorder:
             # and with them too where one helper asks every group in turn (a recurrent
             # model's partial-tail lookup asks each group's key at one boundary)
             if not self.exact_scans or (
-                sc is not None
-                and sc.req_id == req_id
-                and sc.secondary == secondary
-                and key[-4:] != sc.gid_bytes
+                sc is not None and sc.req_id == req_id and key[-4:] != sc.gid_bytes
             ):
                 self.scan += 1
             sc = self._scan = Scan(

@@ -30,7 +30,7 @@ def unsupported(plan: ReplayPlan) -> str | None:
     the core's boundary hand-offs, which it does not drive: a test that treated the group
     as full attention would pass on the bug."""
     kinds = {g.get("kind") for g in plan.geometry.get("groups", [])}
-    if "mamba" in kinds:
+    if "mamba" in kinds and not is_tiered_stall(plan):  # the stall test uses no group spec
         return (
             "the geometry has recurrent state groups, whose states come from vLLM's core "
             "(boundary hand-offs), which a vLLM-only store-path test does not drive; the "

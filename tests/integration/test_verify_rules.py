@@ -93,7 +93,7 @@ def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
     assert st.trust is RulesTrust.VERIFIED and st.episodes == out["episodes"]
     assert (own_cache / "verified" / f"{st.digest}.json").exists()
     # the one workload was no recurrent one: doctor says what it did not cover
-    assert out["covers"] == []
+    assert out["covers"] == ["attention"]
     check = rulecode.judge_capability().checks[0]
     assert check.ok and check.what.endswith(
         "not on recurrent state groups (keytrace doctor --verify runs them)"

@@ -61,3 +61,28 @@ def test_an_object_tiers_place_names_no_password() -> None:
     assert place is not None and "minio:9000/kv" in place and "hunter2" not in place
     other = _tier_place("plugin", SimpleNamespace(), {"api_key": "k", "root": "/x"})
     assert other is not None and '"k"' not in other and "/x" in other
+
+
+def test_what_a_first_redaction_missed() -> None:
+    """A nested credentials block, an Authorization header, camelCase names, a signed
+    URL's query, an IPv6 host: what a review found leaking through the first version."""
+    out = redacted(
+        {
+            "credentials": {"user": "u", "pass": "p"},
+            "headers": {"Authorization": "Bearer abc"},
+            "secretAccessKey": "s",
+            "sessionToken": "t",
+            "endpoint": "https://acct.blob/c?sv=2024&sig=abcdef",
+            "ipv6": "http://admin:pw@[::1]:9000/kv",
+        }
+    )
+    text = json.dumps(out)
+    for secret in ('"p"', "Bearer", '"s"', '"t"', "abcdef", ":pw@"):
+        assert secret not in text, secret
+    assert out["credentials"] == REDACTED
+    assert out["ipv6"] == f"http://admin:{REDACTED}@[::1]:9000/kv"
+    assert out["endpoint"].startswith("https://acct.blob/c?sv=")
+    for name in ("secretAccessKey", "sessionToken", "Authorization", "sig"):
+        assert is_secret_name(name), name
+    for name in ("passthrough", "author", "signed_urls_enabled"):
+        assert not is_secret_name(name), name

@@ -34,7 +34,7 @@ def test_a_digest_is_verified_only_by_an_oracle_run_that_checked_shortfalls() ->
 
 def test_a_trace_without_a_digest_is_trusted_by_its_release() -> None:
     assert trust.trace_rules({"vllm_version": "0.33.0", "vllm_verified": True}) == RulesStatus(
-        None, release_verified=True
+        None, release_verified=True, needs=("attention",)
     )
     old_unverified = trust.trace_rules({"vllm_version": "0.35.0", "vllm_verified": False})
     assert old_unverified is not None and old_unverified.trust is RulesTrust.UNVERIFIED
@@ -126,10 +126,8 @@ def test_diff_claims_no_agree_on_code_the_oracle_disputed(
 def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     from keytrace.analysis.geometry import RECURRENT, SMALL, synthetic_header
 
-    assert (
-        trust.uncovered(synthetic_header(SMALL)) == ()
-        and trust.features(synthetic_header(SMALL)) == ()
-    )
+    assert trust.uncovered(synthetic_header(SMALL)) == ()
+    assert trust.features(synthetic_header(SMALL)) == ("attention",)
     header = synthetic_header(RECURRENT)
     # chunk-aligned states, retention 0, no drafter: judged, and needs a recurrent run
     assert trust.uncovered(header) == () and trust.features(header) == ("recurrent",)
@@ -140,6 +138,11 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
         ({"retention_interval": 512}, "retention interval 512"),
         ({"retention_interval": None}, "retention interval dense (None)"),
         ({"spec_method": "mtp"}, "an EAGLE/MTP drafter without lookahead hashes"),
+        (
+            {"recurrent": {"groups": {"0": {"num_prefill_checkpoint_blocks": 1}}}},
+            "prefill checkpoints exported inside a chunk",
+        ),
+        ({"recurrent": {"mamba_cache_mode": "all"}}, "mamba cache mode all"),
     ):
         gaps = trust.uncovered({**header, **change})
         assert len(gaps) == 1 and gaps[0].startswith("recurrent state groups 0, 1, 2 with ")
@@ -175,7 +178,7 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     assert st is not None and st.trust is RulesTrust.UNVERIFIED and not trust.verdict_withheld(st)
     line = trust.trust_line(st)
     assert line is not None and line.endswith("verify` where it was recorded checks them")
-    assert "for recurrent groups" in line and st.as_json()["needs"] == ["recurrent"]
+    assert "for recurrent state groups" in line and st.as_json()["needs"] == ["recurrent"]
     # a run that covered recurrent groups verifies it; a disagreement anywhere disputes it
     trust.record_run("d", Verification("0.33.0", 50, 0, "t", covers=("recurrent",)))
     st = trust.trace_rules({**header, "rules_digest": "d"})
@@ -191,6 +194,14 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     )
     st = trust.trace_rules({**ahead, "rules_digest": "d"})
     assert st is not None and st.trust is RulesTrust.VERIFIED
+    # an attention trace needs a run of attention layouts: a recurrent-only run is none,
+    # a run recorded before runs said what they covered is one
+    trust.record_run("r", Verification("0.34.0", 50, 0, "t", covers=("recurrent",)))
+    small = {**synthetic_header(SMALL), "rules_digest": "r"}
+    assert trust.trace_rules(small).trust is RulesTrust.UNVERIFIED  # type: ignore[union-attr]
+    trust.record_run("r", Verification("0.34.0", 50, 0, "t"))
+    assert trust.trace_rules(small).trust is RulesTrust.VERIFIED  # type: ignore[union-attr]
+    assert "needs" not in trust.trace_rules(small).as_json()  # type: ignore[union-attr]
     # the coverage survives the cache's JSON
     assert any(r.covers == ("recurrent",) for r in trust.local_runs("d"))
     # a hand-built header has nothing to say, unless it holds what no rule describes

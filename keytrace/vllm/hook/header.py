@@ -266,17 +266,31 @@ def secondary_tiers(manager: Any, spec: Any) -> list[dict[str, Any]]:
 
 
 SECRET_WORDS = frozenset(
-    {"secret", "password", "passwd", "token", "credential", "credentials", "apikey", "auth"}
+    {
+        "secret",
+        "password",
+        "passwd",
+        "pass",
+        "token",
+        "credential",
+        "credentials",
+        "apikey",
+        "auth",
+        "authorization",
+        "signature",
+        "sig",
+    }
 )
-"""A setting named with one of these words (split at ``_``, ``-`` and ``.``) holds a
-credential (vLLM's object tier takes ``access_key``, ``secret_key`` and
+"""A setting named with one of these words (split at ``_``, ``-``, ``.`` and camelCase)
+holds a credential (vLLM's object tier takes ``access_key``, ``secret_key`` and
 ``session_token``); so do `SECRET_PAIRS`. ``max_tokens`` is no credential: whole words."""
 SECRET_PAIRS = frozenset({("access", "key"), ("api", "key"), ("private", "key")})
 
 
 def is_secret_name(name: str) -> bool:
     """A setting of this name holds a credential."""
-    words = [w for w in re.split(r"[_\-.]", name.lower()) if w]
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name)  # secretAccessKey -> secret_Access_Key
+    words = [w for w in re.split(r"[_\-.\s]", spaced.lower()) if w]
     return bool(SECRET_WORDS.intersection(words)) or any(
         pair in SECRET_PAIRS for pair in itertools.pairwise(words)
     )
@@ -287,32 +301,40 @@ REDACTED = "<redacted>"
 
 def redacted(value: Any, name: str = "") -> Any:
     """``value`` (a tier's settings, as JSON) with every credential replaced by `REDACTED`
-    and the password of any URL dropped: traces are attached to upstream reports, and a
-    header is the same bytes for every process of one configuration, so what replaces a
-    secret is constant. An empty credential stays empty (it says: the SDK's default chain)."""
+    (a setting with a credential's name, whatever it holds: a nested block of
+    ``credentials`` goes whole) and every URL's password and query values dropped: traces
+    are attached to upstream reports, and a header is the same bytes for every process of
+    one configuration, so what replaces a secret is constant. An empty credential stays
+    empty (it says: the SDK's default chain)."""
+    if is_secret_name(name):
+        return REDACTED if value not in ("", None, {}, []) else value
     if isinstance(value, dict):
         return {k: redacted(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):
         return [redacted(v, name) for v in value]
-    if is_secret_name(name):
-        return REDACTED if value not in ("", None) else value
-    if isinstance(value, str) and "@" in value and "://" in value:
-        return _without_password(value)
+    if isinstance(value, str) and "://" in value:
+        return _url_without_secrets(value)
     return value
 
 
-def _without_password(url: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
+def _url_without_secrets(url: str) -> str:
+    """``url`` with its password and its query values replaced (a signed URL carries its
+    signature there); anything that does not parse as a URL is kept as is."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
     try:
         parts = urlsplit(url)
+        password = parts.password
     except ValueError:
         return url
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:{REDACTED}@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if password is not None:
+        at = parts.netloc.rindex("@")
+        user = parts.netloc[:at].split(":", 1)[0]
+        parts = parts._replace(netloc=f"{user}:{REDACTED}@{parts.netloc[at + 1 :]}")
+    if parts.query:
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        parts = parts._replace(query=urlencode([(k, REDACTED) for k, _ in query], safe="<>"))
+    return urlunsplit(parts)
 
 
 def engine_identity(vllm_config: Any) -> tuple[str | None, int | None]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from keytrace.analysis.lengthrule import LengthRule, length_rule
 from keytrace.analysis.sweep import FixComparison, SweepRow, compare_fix
+from keytrace.judge.trust import verdict_withheld
 from keytrace.report.standalone import unsupported
 
 ProgressFn = Callable[[str, int, int], None]
@@ -55,7 +56,7 @@ def write_report(
     from keytrace.analysis.diff import diff
     from keytrace.analysis.geometry import geometry_from_header
     from keytrace.analysis.plan import plan_for
-    from keytrace.errors import UsageError
+    from keytrace.errors import RulesUncoveredError, UsageError
     from keytrace.format.reader import open_trace
     from keytrace.report.markdown import ReportPage, render_report
     from keytrace.report.table import write_rows
@@ -67,6 +68,13 @@ def write_report(
     require_vllm()
     trace = open_trace(list(paths))
     report = diff(trace, request=request, maps=DEFAULT_LIMIT)
+    if verdict_withheld(report.rules):
+        assert report.rules is not None
+        raise RulesUncoveredError(
+            "no verdict: keytrace has no rules for "
+            + "; ".join(report.rules.not_covered)
+            + ": nothing to report (see docs/diff.md, 'Recurrent state groups')"
+        )
     v = report.first_mismatch
     if v is None or v.E is None:
         raise UsageError("no mismatch in this trace: nothing to report (keytrace diff says why)")

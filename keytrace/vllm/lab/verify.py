@@ -232,7 +232,7 @@ def _run_one(spec: WorkloadSpec, out: VerifyOutcome) -> None:
     cases = study.oracle or []
     out.episodes += len(cases)
     if cases:
-        for feature in features(study.report.header):
+        for feature in features(study.report.header):  # attention, recurrent, ...
             if feature not in out.covers:
                 out.covers.append(feature)
     found = [f"{_name(spec)}: {c.describe()}" for c in study.disagreements]

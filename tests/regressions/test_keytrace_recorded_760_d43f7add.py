@@ -15,8 +15,9 @@ tokens, and stores it only at a multiple of the 128-token chunk
 (_build_aligned_boundary_store_jobs skips any other boundary). Full attention stored every
 chunk up to 640; the resend's lookup rounds its hit down to the chunk (_mamba_align_size)
 and needs group 0's state at 640, which no request kept: 0 external tokens. keytrace:
-mismatch, binding group 0, cause no_checkpoint. It holds for every prompt with
-floor((P - 1) / 64) odd (docs/findings.md: 385 consecutive lengths on 0.33.0).
+mismatch, binding group 0, cause no_checkpoint. Every prompt with floor((P - 1) / 64)
+odd misses this way and every other one hits (docs/findings.md: swept over 385
+consecutive lengths on 0.33.0, 192 of them miss).
 """
 
 from __future__ import annotations
