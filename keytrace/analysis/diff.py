@@ -24,7 +24,7 @@ import polars as pl
 from keytrace.analysis import frames, lost, partition, scans, unknown
 from keytrace.analysis.boundaries import anchor, chain, shared_boundaries, shared_writes
 from keytrace.analysis.chunkmap import chunk_maps
-from keytrace.analysis.history import causes, crowding, durable
+from keytrace.analysis.history import causes, crowding, durable, gid_in
 from keytrace.analysis.results import (
     NO_VERDICT,
     DiffReport,
@@ -1088,7 +1088,7 @@ def _with_causes(
         pl.col("unoffered"),
         keyable,
         pl.col("cause"),
-        pl.col("gid").is_in(recurrent) if recurrent else False,
+        gid_in(recurrent),
     )
     needed = (
         needed.join(judged, on=[*KEY, "key", "gid"], how="left")

@@ -7,10 +7,11 @@ without importing vLLM. ``keytrace.vllm.lab.harness`` turns a `Geometry` into re
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from keytrace.judge.rules import group_label, window_chunks
+from keytrace.judge.rules import RECURRENT_KINDS, group_label, window_chunks
 
 GROUP_KINDS = ("full_attention", "mla", "sliding_window", "mamba")
 """``mamba``: a recurrent state group (Mamba, gated DeltaNet, linear attention) in vLLM's
@@ -42,19 +43,29 @@ class GroupGeom:
             raise ValueError(f"unknown group kind {self.kind!r}; expected one of {GROUP_KINDS}")
         if (self.kind == "sliding_window") != (self.sliding_window is not None):
             raise ValueError("sliding_window is required for, and only for, sliding_window groups")
-        if self.kind == "mamba" and (self.eagle or self.extra_retained_tokens):
+        if self.recurrent and (self.eagle or self.extra_retained_tokens):
             raise ValueError("a recurrent group is no EAGLE/MTP draft group (drafters have none)")
+
+    @property
+    def recurrent(self) -> bool:
+        """A recurrent state group (`keytrace.judge.rules.RECURRENT_KINDS`)."""
+        return self.kind in RECURRENT_KINDS
 
     @property
     def has_window(self) -> bool:
         """Looked up with a window (after the full-attention groups): sliding-window and
         recurrent groups (vLLM gives a recurrent group a window of one chunk)."""
-        return self.sliding_window is not None or self.kind == "mamba"
+        return self.sliding_window is not None or self.recurrent
 
     @property
     def label(self) -> str:
         base = group_label(self.kind, self.eagle)
         return f"{self.name} ({base})" if self.name else base
+
+
+def block_gcd(groups: Sequence[GroupGeom]) -> int:
+    """vLLM's default hash unit: the GCD of the groups' block sizes."""
+    return math.gcd(*(g.block_size for g in groups))
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,7 @@ class Geometry:
     def tokens_per_hash(self) -> int:
         """vLLM's hash granularity for several groups: ``prefix_match_unit`` when set,
         else the GCD of the block sizes."""
-        return self.prefix_match_unit or math.gcd(*(g.block_size for g in self.groups))
+        return self.prefix_match_unit or block_gcd(self.groups)
 
     def tokens_per_chunk(self, group_id: int) -> int:
         return self.groups[group_id].block_size * self.blocks_per_chunk
@@ -298,13 +309,13 @@ def synthetic_header(
                 "hashes_per_chunk": tpc // tph,
                 "sliding_window": g.sliding_window,
                 "window_chunks": 1
-                if g.kind == "mamba"
+                if g.recurrent
                 else window_chunks(g.sliding_window, g.extra_retained_tokens, tpc),
                 "extra_retained_tokens": g.extra_retained_tokens,
                 "is_eagle": g.eagle,
-                "requires_cow_source": g.kind == "mamba",
+                "requires_cow_source": g.recurrent,
                 "manager_cls": "MambaManager"
-                if g.kind == "mamba"
+                if g.recurrent
                 else "SlidingWindowManager"
                 if g.sliding_window
                 else "FullAttentionManager",
@@ -368,7 +379,7 @@ def _prefix_match_unit(header: dict[str, Any], groups: list[GroupGeom]) -> int |
     """The ``--prefix-match-unit`` a header implies: its hash unit where that is finer
     than the block sizes' GCD (None: the default)."""
     tph = header.get("tokens_per_hash")
-    natural = math.gcd(*(g.block_size for g in groups)) if groups else None
+    natural = block_gcd(groups) if groups else None
     return int(tph) if tph and natural and int(tph) < natural else None
 
 

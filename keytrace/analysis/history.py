@@ -257,6 +257,12 @@ def offered_elsewhere(base: pl.DataFrame, others: FirstOffers) -> pl.DataFrame:
     return pl.concat([known, _offered_elsewhere_in(rest, rows)]).unique("pid")
 
 
+def gid_in(gids: Sequence[int]) -> pl.Expr | bool:
+    """The ``gid`` column is one of ``gids`` (False, a plain value, when there are none:
+    a definition then evaluates as for plain values where it can)."""
+    return pl.col("gid").is_in(list(gids)) if gids else False
+
+
 def causes(
     probes: pl.DataFrame,
     stores: pl.LazyFrame,
@@ -397,7 +403,7 @@ def causes(
         own_first_prepared=c("first_prep"),
         token_end=c("token_end"),
         keyable_end=c("keyable_end"),
-        recurrent=c("gid").is_in(list(recurrent)) if recurrent else False,
+        recurrent=gid_in(recurrent),
         **tiered,
     )
     return facts.with_columns(cause(facts_of).alias("cause")).select(*probes.columns, "cause")

@@ -30,7 +30,7 @@ from keytrace.errors import (
     UsageError,
 )
 from keytrace.format.reader import open_trace
-from keytrace.judge.trust import agree_refused
+from keytrace.judge.trust import agree_refused, no_verdict_error
 from keytrace.report.jsonout import write_json
 from keytrace.report.text import render_diff, render_fleet
 
@@ -180,11 +180,7 @@ def command(
             click.echo(f"chunk map: {html_path}")
     if report.verdict == NO_VERDICT and not report.identity:
         assert report.rules is not None
-        raise RulesUncoveredError(
-            "no verdict: keytrace has no rules for "
-            + "; ".join(report.rules.not_covered)
-            + " (see docs/diff.md, 'Recurrent state groups')"
-        )
+        raise RulesUncoveredError(no_verdict_error(report.rules))
     if report.verdict == NO_VERDICT:  # engines that hash differently: judged before keys
         return EXIT_MISMATCH
     if report.verdict != "mismatch" and agree_refused(report.rules):

@@ -174,11 +174,17 @@ class RulesStatus:
     """`features` of the trace: only runs that cover them verify it."""
 
     @property
+    def special_needs(self) -> tuple[str, ...]:
+        """`needs` beyond `ATTENTION`, which every run before coverage was recorded
+        covered (and which every report omits, so it reads as before)."""
+        return tuple(n for n in self.needs if n != ATTENTION)
+
+    @property
     def trust(self) -> RulesTrust:
         if self.not_covered:
             return RulesTrust.UNCOVERED
         if self.digest is None:
-            if self.needs and self.needs != (ATTENTION,):  # those runs covered attention
+            if self.special_needs:  # a release's CI runs covered attention only
                 return RulesTrust.UNVERIFIED
             return RulesTrust.RELEASE if self.release_verified else RulesTrust.UNVERIFIED
         if any(r.disagreements for r in self.runs):
@@ -205,7 +211,7 @@ class RulesStatus:
         }
         if self.not_covered:  # only then: every other report reads as before
             out["uncovered"] = list(self.not_covered)
-        if self.needs and self.needs != (ATTENTION,):  # every other report reads as before
+        if self.special_needs:
             out["needs"] = list(self.needs)
         return out
 
@@ -268,6 +274,14 @@ def trace_rules(header: Mapping[str, Any]) -> RulesStatus | None:
     return RulesStatus(None, release_verified=verified, not_covered=gaps, needs=needs)
 
 
+def no_verdict_error(st: RulesStatus, then: str = "") -> str:
+    """The one line a command ends with when it claims no verdict (`verdict_withheld`)."""
+    return (
+        f"no verdict: keytrace has no rules for {'; '.join(st.not_covered)}{then} "
+        "(see docs/diff.md, 'Recurrent state groups')"
+    )
+
+
 def verdict_withheld(st: RulesStatus | None) -> bool:
     """No verdict at all (AGREE or MISMATCH) on a trace that holds what no rule
     describes: the rules would judge it as another model."""
@@ -298,7 +312,7 @@ def trust_line(st: RulesStatus | None) -> str | None:
         code = "its release, whose CI runs did not say what they covered"
     else:
         code = "a release keytrace's CI has not run"
-    if st.needs and st.needs != (ATTENTION,) and st.trust is RulesTrust.UNVERIFIED:
+    if st.special_needs and st.trust is RulesTrust.UNVERIFIED:
         code += ", for " + FEATURE_TEXT.get(st.needs[-1], st.needs[-1])
     if st.trust is RulesTrust.DISPUTED:
         return (
@@ -322,6 +336,7 @@ __all__ = [
     "cache_dir",
     "features",
     "local_runs",
+    "no_verdict_error",
     "record_run",
     "shipped",
     "status_of",

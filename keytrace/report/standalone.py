@@ -21,6 +21,7 @@ from typing import Any
 from keytrace.analysis.geometry import Geometry
 from keytrace.analysis.plan import ReplayPlan
 from keytrace.judge.definitions import STALL_EPISODES
+from keytrace.judge.rules import is_recurrent
 from keytrace.report.templates import render
 
 
@@ -29,8 +30,8 @@ def unsupported(plan: ReplayPlan) -> str | None:
     vLLM's store path by hand with attention specs; a recurrent group's states come from
     the core's boundary hand-offs, which it does not drive: a test that treated the group
     as full attention would pass on the bug."""
-    kinds = {g.get("kind") for g in plan.geometry.get("groups", [])}
-    if "mamba" in kinds and not is_tiered_stall(plan):  # the stall test uses no group spec
+    recurrent = any(is_recurrent(g) for g in plan.geometry.get("groups", []))
+    if recurrent and not is_tiered_stall(plan):  # the stall test uses no group spec
         return (
             "the geometry has recurrent state groups, whose states come from vLLM's core "
             "(boundary hand-offs), which a vLLM-only store-path test does not drive; the "

@@ -193,7 +193,7 @@ def _mamba_spec(g: GroupGeom, drafter: Drafter | None) -> KVCacheSpec:
 
 
 def _spec(g: GroupGeom, drafter: Drafter | None = None) -> KVCacheSpec:
-    if g.kind == "mamba":
+    if g.recurrent:
         return _mamba_spec(g, drafter)
     common: dict[str, Any] = dict(
         block_size=g.block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
@@ -270,7 +270,7 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
             if drafter is None
             else speculative_config(drafter, geometry.max_model_len),
         )
-    if any(g.kind == "mamba" for g in geometry.groups):
+    if any(g.recurrent for g in geometry.groups):
         # what vLLM's hybrid-model config hook sets under prefix caching; the lab's tiny
         # model is not hybrid, and nothing resets these for a model that is not
         config.cache_config.mamba_cache_mode = "align"

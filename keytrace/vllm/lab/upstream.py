@@ -12,7 +12,7 @@ from typing import Any
 
 from keytrace.analysis.lengthrule import LengthRule, length_rule
 from keytrace.analysis.sweep import FixComparison, SweepRow, compare_fix
-from keytrace.judge.trust import verdict_withheld
+from keytrace.judge.trust import no_verdict_error, verdict_withheld
 from keytrace.report.standalone import unsupported
 
 ProgressFn = Callable[[str, int, int], None]
@@ -70,11 +70,7 @@ def write_report(
     report = diff(trace, request=request, maps=DEFAULT_LIMIT)
     if verdict_withheld(report.rules):
         assert report.rules is not None
-        raise RulesUncoveredError(
-            "no verdict: keytrace has no rules for "
-            + "; ".join(report.rules.not_covered)
-            + ": nothing to report (see docs/diff.md, 'Recurrent state groups')"
-        )
+        raise RulesUncoveredError(no_verdict_error(report.rules, ": nothing to report"))
     v = report.first_mismatch
     if v is None or v.E is None:
         raise UsageError("no mismatch in this trace: nothing to report (keytrace diff says why)")
