@@ -10,8 +10,9 @@ warning naming them, and the trace is marked ``incomplete``; only when *nothing*
 left does reading fail. Completeness is checked, never assumed: every part names the flush
 that wrote it and everything that flush wrote (`keytrace.format.schema.META_FLUSH`), so a
 flush torn by a kill (its store part on disk, its lookup part not) or a flush missing
-between two others is named (`missing_parts`) and marks the trace ``incomplete`` too. Leftover ``.*.tmp`` files from a killed writer are ignored with a
-note. Everything else that is wrong is a `TraceError` with a one-line message naming the file.
+between two others is named (`missing_parts`) and marks the trace ``incomplete`` too; a
+writer's last flush cut short by a kill was never flushed and is set aside with a note
+(`cut_short`). Leftover ``.*.tmp`` files from a killed writer are ignored with a note. Everything else that is wrong is a `TraceError` with a one-line message naming the file.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import pyarrow.parquet as pq
 from keytrace.errors import SchemaVersionError, TraceError
 from keytrace.format.remote import is_remote, mirror, public
 from keytrace.format.schema import (
+    FLUSH_ORDER,
     KINDS,
     LOOKUP_RESULTS,
     META_FLUSH,
@@ -363,6 +365,15 @@ def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None
         and not os.path.basename(os.path.normpath(p)).startswith("kind=")
         for p in paths
     )
+    cut = cut_short(parts, whole=whole)
+    if cut:
+        parts = [p for p in parts if _flush_key(p) not in cut]
+        notes.extend(cut.values())
+        if not parts:
+            raise TraceError(
+                f"{paths[0]}: the trace holds only a flush cut short by a kill: "
+                + next(iter(cut.values()))
+            )
     missing = missing_parts(parts, whole=whole)
     warnings.extend(f"incomplete trace: {m}" for m in missing[:MAX_MISSING_SHOWN])
     if len(missing) > MAX_MISSING_SHOWN:
@@ -445,6 +456,63 @@ def missing_parts(parts: Sequence[Part], *, whole: bool) -> list[str]:
                     f"(generation {shown})"
                 )
     return list(dict.fromkeys(out))
+
+
+def _flush_key(p: Part) -> tuple[str, int] | None:
+    """(writer instance, flush generation) of a part with a manifest; None without one."""
+    if p.flush is None:
+        return None
+    return (str(p.source.get("instance", "?")), int(p.flush.get("gen", 0)))
+
+
+def cut_short(parts: Sequence[Part], *, whole: bool) -> dict[tuple[str, int], str]:
+    """The flushes a kill cut short at the end of their writer's trace, each with the note
+    that says so: {(instance, generation): note}.
+
+    A writer flushes on SIGTERM beside vLLM's teardown, and vLLM's default shutdown sends
+    SIGKILL right after SIGTERM: on a busy server that kill often lands between two parts of
+    the writer's *last* flush. A flush is written in `FLUSH_ORDER`, so a kill leaves a
+    prefix of that order; when the writer's last flush holds exactly such a prefix of the
+    kinds its manifest lists, it never completed (it was not flushed), and the trace ends at
+    the flush before it, as it would had the kill come a moment earlier. Its parts are set
+    aside, not judged. Anything else missing (a part of an earlier flush, a part out of that
+    order, a writer stopped at its disk cap) is not a kill's cut and stays `missing_parts`.
+    """
+    present_kinds = {p.kind for p in parts}
+    kinds_seen: dict[tuple[str, int], set[str]] = {}
+    listed: dict[tuple[str, int], list[str]] = {}
+    rows: dict[tuple[str, int], int] = {}
+    capped: set[str] = set()
+    for p in parts:
+        key = _flush_key(p)
+        if key is None or p.lacks:
+            continue
+        assert p.flush is not None
+        kinds_seen.setdefault(key, set()).add(p.kind)
+        listed[key] = sorted(
+            (k for k in p.flush.get("kinds", {}) if k in FLUSH_ORDER),
+            key=FLUSH_ORDER.index,
+        )
+        rows[key] = rows.get(key, 0) + p.rows
+        if isinstance(p.flush.get("capped"), dict):
+            capped.add(key[0])
+    last: dict[str, int] = {}
+    for instance, gen in listed:
+        last[instance] = max(gen, last.get(instance, gen))
+    out: dict[tuple[str, int], str] = {}
+    for instance, gen in sorted(last.items()):
+        key = (instance, gen)
+        wanted = [k for k in listed[key] if whole or k in present_kinds]
+        have = [k for k in wanted if k in kinds_seen[key]]
+        if instance in capped or len(have) == len(wanted) or wanted[: len(have)] != have:
+            continue
+        lost = ", ".join(wanted[len(have) :])
+        out[key] = (
+            f"writer {instance}: its last flush ({gen}) was cut short by a kill before its "
+            f"{lost} part(s) were written; the trace ends at the flush before it "
+            f"({rows[key]:,} rows of the unfinished flush set aside)"
+        )
+    return out
 
 
 class _Unreadable(Exception):

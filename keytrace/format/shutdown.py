@@ -43,7 +43,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     """Ask every writer's own thread to flush now, then hand the signal to whoever handled
     it before (vLLM), at once. No I/O, no lock and no join happens here: vLLM's teardown
     runs as it would without keytrace, and the flush runs beside it on the writers' threads
-    (a kill during it leaves a torn flush, which the reader names). What is still buffered
+    (a kill during it cuts that last flush short: the reader sets it aside and says so). What is still buffered
     at a calm exit is flushed by the ``atexit`` hook."""
     for w in list(_LIVE):
         with contextlib.suppress(Exception):

@@ -281,6 +281,8 @@ def test_a_prompt_its_cpu_tier_cannot_hold_is_deferred_then_judged_and_the_log_a
     # and the log says so once; the answer is capacity: 78 chunks against a 64-chunk tier.
     assert starving.server_exit == 0, starving.log_tail
     assert starving.cached_tokens[0] == 0
+    # a verdict (vLLM's SIGKILL may cut keytrace's last flush short: that is no gap)
+    assert starving.diff_exit in (0, 1) and "episodes" in starving.diff, starving.diff
     req = starving.diff["episodes"][-1]["req_id"]
     mine = [e for e in starving.diff["episodes"] if e["req_id"] == req]
     if starving.cached_tokens[1] is None:  # still deferred when the client gave up (60 s)

@@ -1,6 +1,7 @@
 """Completeness is checked, never assumed: a torn flush, a lost flush, stores without their
 lookups and a compacted torn trace are reported incomplete and get no verdict (exit 2)
-unless --allow-incomplete; a kill between two parts of one flush, with a real SIGKILL."""
+unless --allow-incomplete. A kill between two parts of a writer's *last* flush (vLLM's default
+shutdown) is not a gap: that flush never completed and the trace ends before it."""
 
 from __future__ import annotations
 
@@ -192,9 +193,13 @@ print("not killed")
 """
 
 
-def test_a_real_sigkill_between_the_parts_of_a_flush(
+def test_a_real_sigkill_in_the_last_flush_ends_the_trace_at_the_flush_before(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """vLLM's default shutdown: SIGTERM (keytrace's writer starts a flush) and SIGKILL right
+    after, between two parts of that last flush. The flush never completed: the trace ends at
+    flush 1, as if the kill had come a moment earlier, the note says so, and the verdict is
+    the one on flush 1's evidence (r1 primed its chain: AGREE), not a refusal."""
     d = tmp_path / "t"
     r = subprocess.run(
         [sys.executable, "-c", KILLED_MID_FLUSH, str(d)],
@@ -205,11 +210,49 @@ def test_a_real_sigkill_between_the_parts_of_a_flush(
         timeout=120,
     )
     assert r.returncode == -signal.SIGKILL and "not killed" not in r.stdout, r.stderr
+    assert any(_flush_of(p) == 2 for p in _parts(d, "store"))  # on disk, set aside
     trace = open_trace(str(d))
-    assert {p.kind for p in trace.parts if p.flush and p.flush["gen"] == 2} == {"store"}
-    assert any("flush 2: its lookup part" in m for m in trace.missing)
+    assert not trace.incomplete and {_flush_of(Path(p.path)) for p in trace.parts} == {1}
+    instance = trace.parts[0].source["instance"]
+    [note] = [n for n in trace.notes if "cut short" in n]
+    assert note == (
+        f"writer {instance}: its last flush (2) was cut short by a kill before its lookup "
+        "part(s) were written; the trace ends at the flush before it (8 rows of the "
+        "unfinished flush set aside)"
+    )
+    code, out, err = _cli(capsys, str(d), "--json")
+    assert code == 0 and json.loads(out)["counts"] == {"cold": 1}
+    assert f"keytrace: note: writer {instance}: its last flush (2) was cut short" in err
+
+
+def test_a_last_flush_missing_a_part_a_kill_cannot_explain_is_incomplete(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kill leaves a prefix of `FLUSH_ORDER`: a last flush with its lookup part on disk
+    and its store part gone was not cut by a kill (a part was removed), so no verdict."""
+    d = tmp_path / "t"
+    _two_requests(d)
+    [store] = [p for p in _parts(d, "store") if _flush_of(p) == 3]
+    store.unlink()
+    trace = open_trace(str(d))
+    assert trace.incomplete and any("flush 3: its store part" in m for m in trace.missing)
+    assert not [n for n in trace.notes if "cut short" in n]
     code, out, _err = _cli(capsys, str(d))
-    assert code == 2 and "AGREE" not in out
+    assert (code, out) == (2, "")
+
+
+def test_a_last_flush_cut_after_its_stores_is_set_aside(tmp_path: Path) -> None:
+    """The same flush 3 with its lookup part gone instead (the kill came after the stores):
+    a cut, so the trace is flush 1 and 2, complete."""
+    d = tmp_path / "t"
+    _two_requests(d)
+    for kind in ("lookup", "episode", "step"):
+        for p in _parts(d, kind):
+            if _flush_of(p) == 3:
+                p.unlink()
+    trace = open_trace(str(d))
+    assert not trace.incomplete, trace.missing
+    assert {_flush_of(Path(p.path)) for p in trace.parts} == {1, 2}
 
 
 def test_a_column_of_the_wrong_type_is_refused(
