@@ -12,7 +12,8 @@ import os
 from typing import IO, Any
 
 from keytrace.analysis.lost import LostTokens
-from keytrace.analysis.results import DiffReport, EpisodeMap
+from keytrace.analysis.results import NO_VERDICT, DiffReport, EpisodeMap
+from keytrace.judge.trust import agree_refused, trust_line
 from keytrace.report.templates import render
 
 
@@ -24,19 +25,53 @@ def write_page(path: str, report: DiffReport) -> None:
     os.replace(tmp, path)
 
 
+def headline(report: DiffReport) -> str:
+    """What the page claims, as the text report does: NO VERDICT where the rules do not
+    describe the trace or the oracle disputed them (never an AGREE then), else the verdict."""
+    partial = " (on INCOMPLETE evidence)" if report.evidence_incomplete else ""
+    if report.verdict == NO_VERDICT and not report.identity:
+        return "NO VERDICT"
+    if report.verdict == "mismatch" or report.identity:
+        first = report.first_mismatch
+        stalled = first is not None and first.verdict == "stalled" and not report.identity
+        return ("STALLED" if stalled else "MISMATCH") + partial
+    if agree_refused(report.rules):
+        return "NO VERDICT (rules disputed)" + partial
+    return report.verdict.upper() + partial
+
+
 def page_data(report: DiffReport) -> dict[str, Any]:
-    """What the page shows, as the JSON it embeds: the verdict, counts, header, lost-token
-    table and the report's chunk maps (``diff(..., maps=N)``), drawn in that order."""
+    """What the page shows, as the JSON it embeds: the claim and the rules line the text
+    report starts with, counts, header, lost-token table and the report's chunk maps
+    (``diff(..., maps=N)``), drawn in that order. A trace the rules do not describe is
+    drawn as recorded (what was stored and looked up), with no verdict, cause or token
+    table: those come from the rules."""
+    judged = not (report.verdict == NO_VERDICT and not report.identity)
+    recorded = sum(report.counts.values())
     return {
         "verdict": report.verdict,
-        "counts": report.counts,
+        "headline": headline(report),
+        "rules": trust_line(report.rules),
+        "judged": judged,
+        "counts": report.counts if judged else {"recorded, not judged": recorded},
         "header": {
             k: report.header.get(k) for k in ("vllm_version", "model", "geometry", "injected")
         },
-        "lost": _lost(report.lost),
-        "episodes": [_episode(m) for m in report.maps],
+        "lost": _lost(report.lost) if judged else None,
+        "episodes": [_episode(m) if judged else _unjudged(_episode(m)) for m in report.maps],
         "total_shortfalls": report.counts.get("mismatch", 0) + report.counts.get("explained", 0),
     }
+
+
+def _unjudged(ep: dict[str, Any]) -> dict[str, Any]:
+    """An episode's map with what the rules would have said removed (verdict, reason, the
+    needed chunks and every cause), what was recorded kept."""
+    terminal = ep["terminal"] and {**ep["terminal"], "cause": None}
+    lanes = [
+        {**lane, "chunks": [[c[0], c[1], c[2], False, None, c[5], c[6]] for c in lane["chunks"]]}
+        for lane in ep["lanes"]
+    ]
+    return {**ep, "verdict": "unjudged", "reason": None, "terminal": terminal, "lanes": lanes}
 
 
 def render_html(report: DiffReport, file: IO[str]) -> None:
@@ -45,7 +80,7 @@ def render_html(report: DiffReport, file: IO[str]) -> None:
     data = page_data(report)
     page = render(
         "chunkmap.html.j2",
-        title=f"keytrace diff: {report.verdict}",
+        title=f"keytrace diff: {data['headline']}",
         data_json=_script_json(data),
     )
     file.write(page)

@@ -155,3 +155,84 @@ def test_maps_come_with_the_report_and_stay_out_of_its_json(tmp_path: Path) -> N
         texts.append(out.getvalue())
     assert texts[0] == texts[1] and '"maps"' not in texts[0]
     assert dataclasses.replace(drawn, maps=[]) == plain
+
+
+def _page_data(report) -> dict:
+    out = io.StringIO()
+    render_html(report, out)
+    found = re.search(
+        r'<script type="application/json" id="data">(.*?)</script>', out.getvalue(), re.S
+    )
+    assert found
+    return json.loads(found[1])
+
+
+def _with_header(d: Path, **extra: object) -> Path:
+    """`two_shortfalls` recorded with a recorder's header (plus ``extra``)."""
+    from keytrace.analysis.geometry import synthetic_header
+
+    geo = TINY.with_(groups=TINY.groups[:2])
+    header = {**synthetic_header(geo), "vllm_verified": False, **extra}
+    b = new_builder(d, geometry=geo, header=header)
+    b.prime("r1", "c", 100, swa_chunks={1: [5]})
+    b.episode("r2", 100, external=0, chain="c", scans=[(0, FA_ALL), (1, [(5, "HIT"), (4, "MISS")])])
+    b.close()
+    return d
+
+
+def test_a_page_claims_no_verdict_where_the_rules_do_not_describe_the_trace(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The text report says NO VERDICT and judges nothing on a trace the rules do not
+    describe; the page says the same: no MISMATCH heading or badge, no cause, no token
+    table, the rules line shown, what was recorded still drawn."""
+    monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    from keytrace.analysis.geometry import synthetic_header
+
+    groups = synthetic_header(TINY.with_(groups=TINY.groups[:2]))["groups"]
+    state = {**groups[-1], "group_id": 7, "kind": "mamba", "requires_cow_source": True}
+    d = _with_header(
+        tmp_path / "t",
+        rules_digest="00000000000000cc",
+        retention_interval=512,  # a recurrent group with a retention interval: no rules
+        groups=[*groups, state],
+    )
+    data = _page_data(diff(open_trace(str(d)), maps=200))
+    assert data["headline"] == "NO VERDICT" and data["judged"] is False
+    assert data["rules"].startswith("NO VERDICT: keytrace has no rules for what this trace holds")
+    assert data["lost"] is None and data["counts"] == {"recorded, not judged": 2}
+    [ep] = data["episodes"]
+    assert (ep["req_id"], ep["verdict"], ep["reason"], ep["terminal"]["cause"]) == (
+        "r2",
+        "unjudged",
+        None,
+        None,
+    )
+    chunks = [c for lane in ep["lanes"] for c in lane["chunks"]]
+    assert chunks and not any(c[3] or c[4] for c in chunks)  # no need, no cause
+    assert [c[:3] for c in chunks if c[2] == "MISS"] == [[4, None, "MISS"]]  # recorded
+
+
+def test_a_page_claims_no_agree_on_code_the_oracle_disputed(tmp_path: Path, monkeypatch) -> None:
+    from keytrace.judge import trust
+
+    monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    trust.record_run("00000000000000dd", trust.Verification("0.34.0", 40, 2, "t"))
+    geo = TINY.with_(groups=TINY.groups[:2])
+    from keytrace.analysis.geometry import synthetic_header
+
+    header = {**synthetic_header(geo), "vllm_verified": False, "rules_digest": "00000000000000dd"}
+    b = new_builder(tmp_path / "t", geometry=geo, header=header)
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5]})
+    b.episode("r2", 100, external=96, chain="c", scans=[(0, FA_ALL), (1, [(5, "HIT"), (4, "HIT")])])
+    b.close()
+    data = _page_data(diff(open_trace(str(tmp_path / "t")), maps=200))
+    assert data["verdict"] == "agree" and data["headline"] == "NO VERDICT (rules disputed)"
+    assert data["rules"].startswith("RULES DISPUTED: the oracle disagreed with keytrace 2 time")
+
+
+def test_a_judged_page_heads_with_its_verdict(tmp_path: Path) -> None:
+    report, _ = _maps(tmp_path)
+    data = _page_data(report)
+    assert (data["headline"], data["judged"], data["rules"]) == ("MISMATCH", True, None)
+    assert {e["verdict"] for e in data["episodes"]} == {"mismatch", "explained"}
