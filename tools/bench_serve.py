@@ -19,14 +19,29 @@ Per mode: round throughput (requests/s over the round's wall time) and TTFT (fir
 token). Ratios to ``off``: of the medians, and paired by round (each round's value over that
 round's ``off``, so the machine's drift between rounds cancels: median and range). Goal
 (issue 29): <= 1.02 on both with recording on. Then each trace's rows, bytes and verdict.
+
+And what a wall clock on a shared machine cannot decide: the **engine core's own CPU time
+per request**: user + system time of every thread of the process that runs vLLM's scheduler,
+keytrace's hooks and its writer (``/proc/<pid>/task/*/schedstat``), less the CPU time it
+spends in vLLM's message queue waiting for the worker (on a CPU server the model runs in a
+worker process, and the engine core spins on ``sched_yield`` while it computes: 73% of its
+samples in a py-spy profile; ``tools/bench_wait_meter`` counts it), read before a round and
+``--pause`` seconds after it (the writer's idle flush has run by then). Its ratio to ``off``
+is paired by round, and its mean comes with a 95% confidence interval (bootstrap over
+rounds, a fixed seed): recording's cost is decided when the interval is narrower than the
+goal (issue 41: 2%).
+``--modes off,record`` measures only those.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -46,16 +61,26 @@ SUFFIX_TOKENS = 128
 OUTPUT_TOKENS = 8
 
 
+WAIT_METER = Path(__file__).resolve().parent / "bench_wait_meter"
+
+
 def mode_env(mode: str, work: Path) -> tuple[Path | None, dict[str, str]]:
-    """(KEYTRACE_DIR or None, other environment) of a mode."""
+    """(KEYTRACE_DIR or None, other environment) of a mode. Every mode's server counts the
+    CPU time its processes spend waiting in vLLM's message queue (tools/bench_wait_meter),
+    one file per process in ``work/wait``."""
     trace = work / "trace"
+    (work / "wait").mkdir(exist_ok=True)
+    env = {
+        "PYTHONPATH": f"{WAIT_METER}{os.pathsep}{serve_e2e.ROOT}",
+        "KEYTRACE_BENCH_WAIT_METER": str(work / "wait"),
+    }
     if mode == "off":
-        return None, {}
+        return None, env
     if mode == "record":
-        return trace, {}  # the live alarm on, as by default
+        return trace, env  # the live alarm on, as by default
     if mode == "alarm":
-        return None, {"KEYTRACE_ALARM": "1"}
-    return trace, {"KEYTRACE_SAMPLE": "0.01"}
+        return None, {**env, "KEYTRACE_ALARM": "1"}
+    return trace, {**env, "KEYTRACE_SAMPLE": "0.01"}
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -101,21 +126,82 @@ class ModeResult:
     """Requests per second, one per measured round."""
     ttft: list[float] = field(default_factory=list)
     """Median TTFT of each measured round, seconds."""
+    cpu_ms: list[float] = field(default_factory=list)
+    """Engine-core CPU milliseconds per request, one per measured round."""
+    main_ms: list[float] = field(default_factory=list)
+    """Of which its main thread's."""
     trace_rows: int | None = None
     trace_bytes: int | None = None
     verdict: str | None = None
 
 
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """CPU seconds thread ``tid`` of process ``pid`` has run so far."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds the live threads of process ``pid`` have run so far, at nanosecond
+    resolution (``/proc/<pid>/task/*/schedstat``; ``stat``'s 10 ms ticks are too coarse
+    for a round). A thread that ended during a round takes its time with it: the threads
+    measured here (vLLM's engine core, keytrace's writer) live as long as the server."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def waiting_seconds(server: serve_e2e.Server, pid: int) -> float:
+    """CPU seconds process ``pid`` of ``server`` spent in vLLM's message-queue wait so far
+    (tools/bench_wait_meter; 0 when its file is not there)."""
+    cell = server.log_path.parent / "wait" / str(pid)
+    try:
+        (ns,) = struct.unpack("q", cell.read_bytes()[:8])
+        return float(ns) / 1e9
+    except (OSError, struct.error):
+        return 0.0
+
+
+def work_seconds(server: serve_e2e.Server, pid: int) -> tuple[float, float]:
+    """The engine core's own CPU seconds so far, less its waiting: (every thread, its main
+    thread alone: vLLM's busy loop, the scheduler and keytrace's hooks; the message-queue
+    reads are on it too)."""
+    wait = waiting_seconds(server, pid)
+    return cpu_seconds(pid) - wait, thread_cpu_seconds(pid, pid) - wait
+
+
 def one_round(
-    server: serve_e2e.Server, batch: list[list[int]], clients: int
-) -> tuple[float, float]:
-    """(requests/s, median TTFT) of one round on ``server``."""
+    server: serve_e2e.Server, batch: list[list[int]], clients: int, pause: float = 0.0
+) -> tuple[float, float, float, float]:
+    """(requests/s, median TTFT, engine-core CPU ms per request, of which its main thread)
+    of one round on ``server``; the CPU time is read ``pause`` seconds after the round's last
+    answer."""
+    pid = server.engine_pid()
+    cpu0, main0 = work_seconds(server, pid) if pid else (0.0, 0.0)
     server.reset_prefix_cache()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         firsts = list(pool.map(lambda ids: ttft(server.url(""), ids), batch))
     wall = time.perf_counter() - t0
-    return len(batch) / wall, statistics.median(firsts)
+    time.sleep(pause)
+    cpu, main = work_seconds(server, pid) if pid else (float("nan"), float("nan"))
+    n = len(batch)
+    return n / wall, statistics.median(firsts), 1000 * (cpu - cpu0) / n, 1000 * (main - main0) / n
+
+
+def mean_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of ``ratios`` and its bootstrap percentile interval
+    (10,000 resamples, a fixed seed: the same data give the same interval)."""
+    rng = random.Random(0)
+    n = len(ratios)
+    means = sorted(sum(rng.choices(ratios, k=n)) / n for _ in range(10_000))
+    tail = (1 - level) / 2
+    return sum(ratios) / n, means[int(tail * len(means))], means[int((1 - tail) * len(means)) - 1]
 
 
 def paired(values: list[float], base: list[float]) -> list[float]:
@@ -150,16 +236,24 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4, help="concurrent clients")
     ap.add_argument("--requests", type=int, default=48, help="requests per round")
     ap.add_argument("--pause", type=float, default=2.0, help="seconds between two servers' rounds")
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated modes to run, off first (default: {','.join(MODES)})",
+    )
     ap.add_argument("--venv", type=Path, default=serve_e2e.DEFAULT_VENV)
     ap.add_argument("--json", action="store_true", help="one JSON document")
     args = ap.parse_args()
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or modes[0] != "off" or not set(modes) <= set(MODES):
+        ap.error(f"--modes: off first, then any of {', '.join(MODES[1:])}")
 
     py = serve_e2e.ensure_venv(args.venv)
     root = Path(tempfile.mkdtemp(prefix="kt-bench-serve-"))
     servers: dict[str, serve_e2e.Server] = {}
-    results = {m: ModeResult(m) for m in MODES}
+    results = {m: ModeResult(m) for m in modes}
     try:
-        for mode in MODES:  # one at a time: start-up is CPU-bound
+        for mode in modes:  # one at a time: start-up is CPU-bound
             work = root / mode.replace(" ", "-").replace("%", "pct")
             work.mkdir()
             trace, env = mode_env(mode, work)
@@ -168,19 +262,21 @@ def main() -> int:
             one_round(servers[mode], prompts(-1, args.requests), args.clients)  # warm-up
             print(f"started {mode}", file=sys.stderr)
         for r in range(args.rounds):
-            order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             batch = prompts(r, args.requests)
+            time.sleep(args.pause)
             for mode in order:
-                time.sleep(args.pause)
-                tput, first = one_round(servers[mode], batch, args.clients)
+                tput, first, cpu, main = one_round(servers[mode], batch, args.clients, args.pause)
                 results[mode].throughput.append(tput)
                 results[mode].ttft.append(first)
+                results[mode].cpu_ms.append(cpu)
+                results[mode].main_ms.append(main)
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
     finally:
         for s in servers.values():
             s.stop()
             s.remove_shm()
-    for mode in MODES:
+    for mode in modes:
         trace, _ = mode_env(mode, root / mode.replace(" ", "-").replace("%", "pct"))
         if trace is not None and trace.exists():
             res = results[mode]
@@ -215,6 +311,23 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace) -> None:
             f"{statistics.median(pf):8.3f} ({pf[0]:.3f}-{pf[-1]:.3f})"
         )
     print("ratios are cost: off's throughput over the mode's, the mode's TTFT over off's")
+    print(
+        "the engine-core process's own CPU time per request (all its threads, less their "
+        "wait for the worker in vLLM's message queue):"
+    )
+    print(
+        f"{'mode':10s} {'CPU ms/request':>15s} {'paired ratio: mean, 95% interval':>34s}   "
+        f"{'main thread':>11s} {'paired ratio: mean, 95% interval':>34s}"
+    )
+    for m, res in results.items():
+        cells = []
+        for mine, base in ((res.cpu_ms, off.cpu_ms), (res.main_ms, off.main_ms)):
+            mean, lo, hi = mean_interval([a / b for a, b in zip(mine, base, strict=True)])
+            cells.append(
+                f"{statistics.median(mine):11.2f} {mean:14.3f} [{lo:.3f}, {hi:.3f}] "
+                f"(+-{(hi - lo) / 2 * 100:4.1f}%)"
+            )
+        print(f"{m:10s} {cells[0]:>49s}   {cells[1]:>46s}")
     for m, res in results.items():
         if res.verdict is not None:
             print(

@@ -1,0 +1,81 @@
+"""The served CPU-time measure of tools/bench_serve.py: the engine core's own CPU time is
+its threads' time less what the wait meter (tools/bench_wait_meter) counted in vLLM's
+message-queue reads, and the paired ratios come with a reproducible interval."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_serve  # noqa: E402
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_the_interval_is_reproducible_and_holds_the_mean() -> None:
+    ratios = [1.01, 0.99, 1.03, 1.02, 1.00, 1.04, 0.98, 1.02]
+    mean, lo, hi = bench_serve.mean_interval(ratios)
+    assert bench_serve.mean_interval(ratios) == (mean, lo, hi)
+    assert lo < mean < hi and mean == pytest.approx(sum(ratios) / len(ratios))
+    assert min(ratios) < lo and hi < max(ratios)  # the mean's interval, not the data's range
+    assert bench_serve.mean_interval([1.1] * 5) == pytest.approx((1.1, 1.1, 1.1))
+
+
+def test_thread_cpu_time_counts_this_threads_work() -> None:
+    pid = os.getpid()
+    before, main_before = bench_serve.cpu_seconds(pid), bench_serve.thread_cpu_seconds(pid, pid)
+    _spin(0.05)
+    assert bench_serve.thread_cpu_seconds(pid, pid) - main_before >= 0.045
+    assert bench_serve.cpu_seconds(pid) - before >= 0.045
+
+
+def _meter_module(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Any:
+    monkeypatch.setenv("KEYTRACE_BENCH_WAIT_METER", str(folder / "wait"))
+    spec = importlib.util.spec_from_file_location(
+        "kt_wait_meter", ROOT / "tools" / "bench_wait_meter" / "sitecustomize.py"
+    )
+    assert spec and spec.loader
+    meter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(meter)
+    for finder in [f for f in sys.meta_path if type(f).__name__ == "_WrapOnImport"]:
+        sys.meta_path.remove(finder)  # this test wraps a stand-in module itself
+    return meter
+
+
+def test_the_wait_meter_counts_the_cpu_time_of_message_queue_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's reader spins in ``MessageQueue.dequeue``: the meter's cell holds the CPU time
+    spent there, and the engine core's own work is the rest."""
+    meter = _meter_module(monkeypatch, tmp_path)
+
+    class MessageQueue:
+        def dequeue(self) -> str:
+            _spin(0.05)
+            return "answer"
+
+    (tmp_path / "wait").mkdir()  # bench_serve's layout: <server folder>/wait/<pid>
+    meter._meter(types.SimpleNamespace(MessageQueue=MessageQueue), str(tmp_path / "wait"))
+    server = types.SimpleNamespace(log_path=tmp_path / "server.log")
+    pid = os.getpid()
+    work0 = bench_serve.work_seconds(server, pid)  # type: ignore[arg-type]
+    assert MessageQueue().dequeue() == "answer"
+    _spin(0.02)  # the process's own work
+    waited = bench_serve.waiting_seconds(server, pid)  # type: ignore[arg-type]
+    assert 0.045 <= waited < 0.2
+    _all, main = bench_serve.work_seconds(server, pid)  # type: ignore[arg-type]
+    assert 0.015 <= main - work0[1] < 0.045  # the spin is not counted as work
