@@ -48,9 +48,18 @@ class ReplayPlan:
     (``max_load_tokens``, ``max_offload_tokens``, ``skip_reading_kv``, as its first recorded
     episode row says; `keytrace.vllm.lab.replay.replay` resends them); empty: none asked
     anything (and every plan written before limits were recorded)."""
+    num_hash_lookahead_tokens: int = 0
+    """L of the recording (its header's ``num_hash_lookahead_tokens``: each block hash
+    covers the next L tokens, vLLM 0.34.0 with an EAGLE/MTP drafter). vLLM resolves it
+    from the drafter when the lab replays; the vLLM-only test sets it itself."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The plan as JSON-ready values; L only when it is not 0, so plans without
+        lookahead read and write as they did before it was recorded."""
+        out = asdict(self)
+        if not self.num_hash_lookahead_tokens:
+            del out["num_hash_lookahead_tokens"]
+        return out
 
 
 def _choose(report_all: Sequence[EpisodeVerdict], request: str | None) -> EpisodeVerdict:
@@ -121,6 +130,7 @@ def plan_for(trace: Trace, v: EpisodeVerdict) -> ReplayPlan:
         recorded_steps=_recorded_steps(trace, v, [rid for rid, _ in primes]),
         vllm_version=str(trace.header.get("vllm_version", "?")),
         request_limits=asked if any(any(a.values()) for a in asked) else [],
+        num_hash_lookahead_tokens=int(trace.header.get("num_hash_lookahead_tokens") or 0),
     )
 
 

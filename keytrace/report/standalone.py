@@ -88,6 +88,7 @@ def render_vllm_regression(plan: ReplayPlan, *, evidence: str = "") -> str:
         blocks_per_chunk=int(geo.get("blocks_per_chunk", 1)),
         tokens_per_hash=Geometry.from_dict(geo).tokens_per_hash,
         retention_interval=geo.get("retention_interval"),
+        lookahead=plan.num_hash_lookahead_tokens,
         test_name=f"test_offload_store_lookup_agree_{plan.episode_length}",
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import inspect
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -229,6 +230,81 @@ def test_fuzz_with_a_drafter_finds_and_shrinks_the_0_34_resend_hole(tmp_path: Pa
     A = geometry["groups"][0]["block_size"] * geometry["blocks_per_chunk"]
     assert case["episode"] % A == 1  # P mod A in [1, L - 1], L = 2
     assert verdict["external_tokens"] == 0 and verdict["cause"] == "never_offered"
+    _report_is_red_in_vllms_own_tree(tmp_path / "f" / "minimal-trace", tmp_path / "report", A)
+
+
+REPORT = """
+import sys
+from keytrace.cli import main
+sys.exit(main(["report", {trace!r}, "-o", {out!r}, "--no-minimize", "--sweep-points", "8",
+               "--no-progress"]))
+"""
+
+
+def _report_is_red_in_vllms_own_tree(trace: Path, out: Path, A: int) -> None:
+    """`keytrace report` of the shrunk case writes a test that imports only vLLM: dropped
+    into 0.34.0's own offloading tests it fails the way the bug does (0 external tokens
+    where the store kept E), and the same test without the recorded lookahead (L = 0) passes:
+    the red is the lookahead's, not the test's."""
+    import re
+    import subprocess
+
+    from tests.integration.vllm_builds import release_sources
+
+    r = run_python(REPORT.format(trace=str(trace), out=str(out)), **_where())
+    assert r.returncode == 1, r.stderr[-4000:]
+    [test] = out.glob("test_offload_regression_*.py")
+    text = test.read_text()
+    assert "LOOKAHEAD_TOKENS = 2" in text and "num_hash_lookahead_tokens=LOOKAHEAD_TOKENS" in text
+    expected = int(re.search(r"^EXPECTED_EXTERNAL_TOKENS = (\d+)$", text, re.M)[1])  # type: ignore[index]
+    tree = release_sources(RELEASE)
+    here = tree / "tests" / "v1" / "kv_connector" / "unit" / "offloading_connector"
+    as_recorded, without = (
+        here / f"test_kt_{out.parent.name}_l2.py",
+        here / f"test_kt_{out.parent.name}_l0.py",
+    )
+    as_recorded.write_text(text)
+    # the same store and lookup without lookahead: every block hashed, E = the whole prime
+    prime = int(re.search(r"^PRIME_TOKENS = (\d+)$", text, re.M)[1])  # type: ignore[index]
+    whole = prime // A * A
+    without.write_text(
+        text.replace("LOOKAHEAD_TOKENS = 2", "LOOKAHEAD_TOKENS = 0").replace(
+            f"EXPECTED_EXTERNAL_TOKENS = {expected}", f"EXPECTED_EXTERNAL_TOKENS = {whole}"
+        )
+    )
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+        env.update(PYTHONPATH=str(tree), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+        ran = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:keytrace",
+                "--confcutdir=tests/v1/kv_connector",
+                "--tb=line",
+                "-rA",
+                str(as_recorded.relative_to(tree)),
+                str(without.relative_to(tree)),
+            ],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        as_recorded.unlink(missing_ok=True)
+        without.unlink(missing_ok=True)
+    assert f"assert 0 == {expected}" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-2000:]
+    assert (
+        f"FAILED tests/v1/kv_connector/unit/offloading_connector/{as_recorded.name}" in ran.stdout
+    )
+    assert f"PASSED tests/v1/kv_connector/unit/offloading_connector/{without.name}" in ran.stdout
 
 
 def test_doctor_says_the_lab_works_on_0_34() -> None:
