@@ -11,7 +11,7 @@ left does reading fail. Completeness is checked, never assumed: every part names
 that wrote it and everything that flush wrote (`keytrace.format.schema.META_FLUSH`), so a
 flush torn by a kill (its store part on disk, its lookup part not) or a flush missing
 between two others is named (`missing_parts`) and marks the trace ``incomplete`` too; a
-writer's last flush cut short by a kill was never flushed and is set aside with a note
+writer's last flush cut short by a kill was never flushed and is set aside with a warning
 (`cut_short`). Leftover ``.*.tmp`` files from a killed writer are ignored with a note. Everything else that is wrong is a `TraceError` with a one-line message naming the file.
 """
 
@@ -366,14 +366,9 @@ def open_trace(paths: Sequence[str] | str, *, kinds: Iterable[str] | None = None
         for p in paths
     )
     cut = cut_short(parts, whole=whole)
-    if cut:
+    if cut:  # a warning: it travels with the report (diff --json), not only to stderr
         parts = [p for p in parts if _flush_key(p) not in cut]
-        notes.extend(cut.values())
-        if not parts:
-            raise TraceError(
-                f"{paths[0]}: the trace holds only a flush cut short by a kill: "
-                + next(iter(cut.values()))
-            )
+        warnings.extend(cut.values())
     missing = missing_parts(parts, whole=whole)
     warnings.extend(f"incomplete trace: {m}" for m in missing[:MAX_MISSING_SHOWN])
     if len(missing) > MAX_MISSING_SHOWN:
@@ -466,17 +461,22 @@ def _flush_key(p: Part) -> tuple[str, int] | None:
 
 
 def cut_short(parts: Sequence[Part], *, whole: bool) -> dict[tuple[str, int], str]:
-    """The flushes a kill cut short at the end of their writer's trace, each with the note
-    that says so: {(instance, generation): note}.
+    """The last flush of the trace's writer that a kill cut short, with the warning that
+    says so: {(instance, generation): text}; empty when there is none.
 
     A writer flushes on SIGTERM beside vLLM's teardown, and vLLM's default shutdown sends
     SIGKILL right after SIGTERM: on a busy server that kill often lands between two parts of
     the writer's *last* flush. A flush is written in `FLUSH_ORDER`, so a kill leaves a
-    prefix of that order; when the writer's last flush holds exactly such a prefix of the
-    kinds its manifest lists, it never completed (it was not flushed), and the trace ends at
-    the flush before it, as it would had the kill come a moment earlier. Its parts are set
-    aside, not judged. Anything else missing (a part of an earlier flush, a part out of that
-    order, a writer stopped at its disk cap) is not a kill's cut and stays `missing_parts`.
+    prefix of that order; when the last flush holds exactly such a prefix of the kinds its
+    manifest lists, it never completed (it was not flushed), and the trace ends at the
+    flush before it, as it would had the kill come a moment earlier. Its parts are set
+    aside, not judged.
+
+    Only where that is a consistent end of the evidence: one writer in the trace (another
+    writer's rows may be later than the cut, and judging them against a cut one could lose
+    an explanation), its flush before the cut one present (else a lost flush would hide
+    behind the cut), and not stopped at its disk cap. Anything else missing stays
+    `missing_parts`: the trace is incomplete.
     """
     present_kinds = {p.kind for p in parts}
     kinds_seen: dict[tuple[str, int], set[str]] = {}
@@ -496,23 +496,22 @@ def cut_short(parts: Sequence[Part], *, whole: bool) -> dict[tuple[str, int], st
         rows[key] = rows.get(key, 0) + p.rows
         if isinstance(p.flush.get("capped"), dict):
             capped.add(key[0])
-    last: dict[str, int] = {}
-    for instance, gen in listed:
-        last[instance] = max(gen, last.get(instance, gen))
-    out: dict[tuple[str, int], str] = {}
-    for instance, gen in sorted(last.items()):
-        key = (instance, gen)
-        wanted = [k for k in listed[key] if whole or k in present_kinds]
-        have = [k for k in wanted if k in kinds_seen[key]]
-        if instance in capped or len(have) == len(wanted) or wanted[: len(have)] != have:
-            continue
-        lost = ", ".join(wanted[len(have) :])
-        out[key] = (
-            f"writer {instance}: its last flush ({gen}) was cut short by a kill before its "
-            f"{lost} part(s) were written; the trace ends at the flush before it "
-            f"({rows[key]:,} rows of the unfinished flush set aside)"
-        )
-    return out
+    writers = {instance for instance, _gen in listed}
+    if len(writers) != 1 or writers <= capped:
+        return {}
+    (instance,) = writers
+    gen = max(g for _i, g in listed)
+    key = (instance, gen)
+    wanted = [k for k in listed[key] if whole or k in present_kinds]
+    have = [k for k in wanted if k in kinds_seen[key]]
+    if (instance, gen - 1) not in listed or len(have) == len(wanted) or wanted[: len(have)] != have:
+        return {}
+    return {
+        key: f"writer {instance}: its last flush ({gen}) has only its {', '.join(have)} "
+        f"part(s), not its {', '.join(wanted[len(have) :])} (a kill during the flush, or parts "
+        f"not yet written or uploaded): the trace ends at flush {gen - 1}, and the "
+        f"{rows[key]:,} rows of the unfinished flush are set aside"
+    }
 
 
 class _Unreadable(Exception):

@@ -315,7 +315,9 @@ class Uploader:
                 continue
             if d != self.spool and (not pid.isdigit() or _alive(int(pid))):
                 continue
-            for part in sorted(d.glob("kind=*/*.parquet")):
+            # in write order (a writer numbers its parts across kinds): a reader meanwhile
+            # sees a prefix of each flush, never lookups without their stores
+            for part in sorted(d.glob("kind=*/*.parquet"), key=lambda q: (q.name, q.parent.name)):
                 if not part.is_symlink() and os.lstat(part).st_uid == me:
                     self.stats.adopted_parts += 1
                     self.submit(part)

@@ -214,15 +214,17 @@ def test_a_real_sigkill_in_the_last_flush_ends_the_trace_at_the_flush_before(
     trace = open_trace(str(d))
     assert not trace.incomplete and {_flush_of(Path(p.path)) for p in trace.parts} == {1}
     instance = trace.parts[0].source["instance"]
-    [note] = [n for n in trace.notes if "cut short" in n]
-    assert note == (
-        f"writer {instance}: its last flush (2) was cut short by a kill before its lookup "
-        "part(s) were written; the trace ends at the flush before it (8 rows of the "
-        "unfinished flush set aside)"
+    said = (
+        f"writer {instance}: its last flush (2) has only its store part(s), not its lookup "
+        "(a kill during the flush, or parts not yet written or uploaded): the trace ends at "
+        "flush 1, and the 8 rows of the unfinished flush are set aside"
     )
+    assert trace.warnings == [said]
     code, out, err = _cli(capsys, str(d), "--json")
-    assert code == 0 and json.loads(out)["counts"] == {"cold": 1}
-    assert f"keytrace: note: writer {instance}: its last flush (2) was cut short" in err
+    report = json.loads(out)
+    assert code == 0 and report["counts"] == {"cold": 1} and report["warnings"] == [said]
+    assert report["evidence_incomplete"] is False
+    assert f"keytrace: warning: {said}" in err
 
 
 def test_a_last_flush_missing_a_part_a_kill_cannot_explain_is_incomplete(
@@ -246,13 +248,58 @@ def test_a_last_flush_cut_after_its_stores_is_set_aside(tmp_path: Path) -> None:
     a cut, so the trace is flush 1 and 2, complete."""
     d = tmp_path / "t"
     _two_requests(d)
-    for kind in ("lookup", "episode", "step"):
-        for p in _parts(d, kind):
-            if _flush_of(p) == 3:
-                p.unlink()
+    [lookup] = [p for p in _parts(d, "lookup") if _flush_of(p) == 3]
+    lookup.unlink()
     trace = open_trace(str(d))
     assert not trace.incomplete, trace.missing
     assert {_flush_of(Path(p.path)) for p in trace.parts} == {1, 2}
+    assert [w for w in trace.warnings if "last flush (3) has only its store part(s)" in w]
+
+
+def test_a_lost_flush_does_not_hide_behind_a_cut_one(tmp_path: Path) -> None:
+    """Flush 2 lost whole (a full spool, a disk error) and flush 3 cut by the kill: the
+    lost flush is a gap, so nothing is set aside and the trace is incomplete."""
+    d = tmp_path / "t"
+    _two_requests(d)
+    for kind in ("store", "lookup"):
+        for p in _parts(d, kind):
+            if _flush_of(p) == 2 or (kind == "lookup" and _flush_of(p) == 3):
+                p.unlink()
+    trace = open_trace(str(d))
+    assert trace.incomplete and not [w for w in trace.warnings if "set aside" in w]
+    assert any("1 flush(es) missing entirely (generation 2)" in m for m in trace.missing)
+
+
+def test_a_writers_only_flush_is_never_set_aside(tmp_path: Path) -> None:
+    """A server killed during its first flush: no flush before it to end at, so the trace
+    stays readable and incomplete (``--allow-incomplete`` judges it), as before."""
+    d = tmp_path / "t"
+    b = new_builder(d)
+    b.prime("r1", "c", 64)
+    b.close()
+    for p in _parts(d, "lookup"):
+        p.unlink()
+    trace = open_trace(str(d))
+    assert (
+        trace.incomplete and trace.parts and any("flush 1: its lookup" in m for m in trace.missing)
+    )
+
+
+def test_with_two_writers_a_cut_is_a_gap(tmp_path: Path) -> None:
+    """Another writer's rows may be later than one writer's cut: judged together the cut
+    could lose an explanation, so with two writers a torn last flush stays incomplete."""
+    d = tmp_path / "t"
+    _two_requests(d)
+    other = new_builder(tmp_path / "other")
+    other.prime("x1", "e", 64)
+    other.close()
+    for p in (tmp_path / "other").rglob("*.parquet"):  # its own writer name: no clash
+        p.rename(d / p.parent.name / p.name)
+    [lookup] = [p for p in _parts(d, "lookup") if _flush_of(p) == 3 and "other" not in p.name]
+    lookup.unlink()
+    trace = open_trace(str(d))
+    assert len({p.source["instance"] for p in trace.parts}) == 2
+    assert trace.incomplete and any("flush 3: its lookup part" in m for m in trace.missing)
 
 
 def test_a_column_of_the_wrong_type_is_refused(
