@@ -46,7 +46,7 @@ def page_data(report: DiffReport) -> dict[str, Any]:
     (``diff(..., maps=N)``), drawn in that order. A trace the rules do not describe is
     drawn as recorded (what was stored and looked up), with no verdict, cause or token
     table: those come from the rules."""
-    judged = not (report.verdict == NO_VERDICT and not report.identity)
+    judged = report.verdict != NO_VERDICT  # as the text report: "none judged"
     recorded = sum(report.counts.values())
     return {
         "verdict": report.verdict,
@@ -64,14 +64,23 @@ def page_data(report: DiffReport) -> dict[str, Any]:
 
 
 def _unjudged(ep: dict[str, Any]) -> dict[str, Any]:
-    """An episode's map with what the rules would have said removed (verdict, reason, the
-    needed chunks and every cause), what was recorded kept."""
-    terminal = ep["terminal"] and {**ep["terminal"], "cause": None}
+    """An episode's map with what the rules would have said removed (verdict, reason, E,
+    the binding group and its terminal key, the needed chunks and every cause), what was
+    recorded kept (stored and looked-up chunks, keys, S, L, external tokens)."""
     lanes = [
-        {**lane, "chunks": [[c[0], c[1], c[2], False, None, c[5], c[6]] for c in lane["chunks"]]}
+        {**lane, "chunks": [[c[0], c[1], c[2], False, None, c[5], False] for c in lane["chunks"]]}
         for lane in ep["lanes"]
     ]
-    return {**ep, "verdict": "unjudged", "reason": None, "terminal": terminal, "lanes": lanes}
+    return {
+        **ep,
+        "verdict": "unjudged",
+        "reason": None,
+        "E": None,
+        "binding_group": None,
+        "binding_label": None,
+        "terminal": None,
+        "lanes": lanes,
+    }
 
 
 def render_html(report: DiffReport, file: IO[str]) -> None:

@@ -202,14 +202,16 @@ def test_a_page_claims_no_verdict_where_the_rules_do_not_describe_the_trace(
     assert data["rules"].startswith("NO VERDICT: keytrace has no rules for what this trace holds")
     assert data["lost"] is None and data["counts"] == {"recorded, not judged": 2}
     [ep] = data["episodes"]
-    assert (ep["req_id"], ep["verdict"], ep["reason"], ep["terminal"]["cause"]) == (
+    assert (ep["req_id"], ep["verdict"], ep["reason"], ep["terminal"], ep["E"]) == (
         "r2",
         "unjudged",
         None,
         None,
+        None,
     )
+    assert (ep["binding_group"], ep["external"], ep["P"]) == (None, 0, 100)
     chunks = [c for lane in ep["lanes"] for c in lane["chunks"]]
-    assert chunks and not any(c[3] or c[4] for c in chunks)  # no need, no cause
+    assert chunks and not any(c[3] or c[4] or c[6] for c in chunks)  # no need, cause, terminal
     assert [c[:3] for c in chunks if c[2] == "MISS"] == [[4, None, "MISS"]]  # recorded
 
 
