@@ -25,8 +25,8 @@ def command(trace_dir: str, out_dir: str | None, force: bool) -> int:
 
     out = out_dir or (trace_dir.rstrip("/") + "-compact")
     result = compact([trace_dir], out, force=force)
-    for w in result.skipped:
-        click.echo(f"keytrace: warning: skipped unreadable part {w}", err=True)
+    for w in result.warnings:  # unreadable parts, gaps, a last flush set aside
+        click.echo(f"keytrace: warning: {w}", err=True)
     for kind, path in result.files.items():
         click.echo(f"{kind:8} {result.rows[kind]:>12,} rows -> {os.path.relpath(path)}")
     return 0

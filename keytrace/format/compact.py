@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from keytrace._version import __version__
 from keytrace.errors import TraceError
@@ -23,6 +23,9 @@ class CompactResult:
     files: dict[str, str]
     rows: dict[str, int]
     skipped: list[str]
+    warnings: list[str] = field(default_factory=list)
+    """What reading the source said (unreadable parts, gaps, a last flush set aside): the
+    compacted files hold only what was read, so the command repeats it."""
 
 
 def compact(paths: list[str], out_dir: str, *, force: bool = False) -> CompactResult:
@@ -62,4 +65,6 @@ def compact(paths: list[str], out_dir: str, *, force: bool = False) -> CompactRe
         os.replace(tmp, dest)
         files[kind] = dest
         rows[kind] = n
-    return CompactResult(files=files, rows=rows, skipped=list(trace.skipped))
+    return CompactResult(
+        files=files, rows=rows, skipped=list(trace.skipped), warnings=list(trace.warnings)
+    )

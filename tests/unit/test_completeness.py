@@ -389,3 +389,15 @@ def test_max_bytes_spellings(text: str | None, value: int) -> None:
     from keytrace.format.remote import parse_bytes
 
     assert parse_bytes(text, DEFAULT_MAX_BYTES) == value
+
+
+def test_compact_says_what_it_set_aside(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The compacted files hold what was read: compacting a trace whose last flush was cut
+    repeats the reader's warning, so nobody deletes the source without being told."""
+    d = tmp_path / "t"
+    _two_requests(d)
+    [lookup] = [p for p in _parts(d, "lookup") if _flush_of(p) == 3]
+    lookup.unlink()
+    assert main(["compact", str(d), "-o", str(tmp_path / "c")]) == 0
+    err = capsys.readouterr().err
+    assert "keytrace: warning: writer " in err and "last flush (3) has only its store" in err
