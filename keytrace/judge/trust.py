@@ -294,6 +294,12 @@ def agree_refused(st: RulesStatus | None) -> bool:
     return st is not None and st.trust in (RulesTrust.DISPUTED, RulesTrust.UNCOVERED)
 
 
+def agree_claim(st: RulesStatus | None) -> str:
+    """What a report claims where nothing mismatched: AGREE, or, where `agree_refused`,
+    ``NO VERDICT (rules disputed)`` (the text report, the fleet table and the chunk map)."""
+    return "NO VERDICT (rules disputed)" if agree_refused(st) else "AGREE"
+
+
 def trust_line(st: RulesStatus | None) -> str | None:
     """The line a report starts with when its verdicts are not backed by the oracle for
     the recording's code (None: nothing to say)."""

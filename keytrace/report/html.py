@@ -13,7 +13,7 @@ from typing import IO, Any
 
 from keytrace.analysis.lost import LostTokens
 from keytrace.analysis.results import NO_VERDICT, DiffReport, EpisodeMap
-from keytrace.judge.trust import agree_refused, trust_line
+from keytrace.judge.trust import agree_claim, trust_line
 from keytrace.report.templates import render
 
 
@@ -35,9 +35,7 @@ def headline(report: DiffReport) -> str:
         first = report.first_mismatch
         stalled = first is not None and first.verdict == "stalled" and not report.identity
         return ("STALLED" if stalled else "MISMATCH") + partial
-    if agree_refused(report.rules):
-        return "NO VERDICT (rules disputed)" + partial
-    return report.verdict.upper() + partial
+    return agree_claim(report.rules) + partial
 
 
 def page_data(report: DiffReport) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import IO, Any
 from keytrace.analysis.results import NO_VERDICT
 from keytrace.analysis.summary import Summary
 from keytrace.judge import definitions as d
-from keytrace.judge.trust import agree_refused, trust_line
+from keytrace.judge.trust import agree_claim, trust_line
 
 
 def fmt_int(n: int | None) -> str:
@@ -195,7 +195,7 @@ def render_diff(report: Any, file: IO[str]) -> None:
     elif report.verdict != "mismatch":
         n = sum(report.counts.values())
         of = " of the sampled chains" if report.sample is not None else ""
-        claim = "NO VERDICT (rules disputed)" if agree_refused(report.rules) else "AGREE"
+        claim = agree_claim(report.rules)
         file.write(f"{claim}{partial}: no store/lookup mismatch in {n} episode(s){of}\n")
     if report.sample is not None:
         file.write(
@@ -241,9 +241,7 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
         file.write(first + "\n")
     if fleet.verdict != NO_VERDICT:
         bad = [e for e in fleet.engines if e.mismatches]
-        head = "MISMATCH" if fleet.verdict == "mismatch" else "AGREE"
-        if head == "AGREE" and agree_refused(rules):
-            head = "NO VERDICT (rules disputed)"
+        head = "MISMATCH" if fleet.verdict == "mismatch" else agree_claim(rules)
         n = len(fleet.engines)
         file.write(f"{head}{partial}: {len(bad)} of {n} engine(s) with mismatches\n")
     for f in getattr(fleet, "identity", []):  # engines compared before any key

@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import inspect
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -249,7 +248,7 @@ def _report_is_red_in_vllms_own_tree(trace: Path, out: Path, A: int) -> None:
     import re
     import subprocess
 
-    from tests.integration.vllm_builds import release_sources
+    from tests.integration.vllm_builds import cpu_env, release_sources
 
     r = run_python(REPORT.format(trace=str(trace), out=str(out)), **_where())
     assert r.returncode == 1, r.stderr[-4000:]
@@ -273,8 +272,6 @@ def _report_is_red_in_vllms_own_tree(trace: Path, out: Path, A: int) -> None:
         )
     )
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
-        env.update(PYTHONPATH=str(tree), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
         ran = subprocess.run(
             [
                 sys.executable,
@@ -292,7 +289,7 @@ def _report_is_red_in_vllms_own_tree(trace: Path, out: Path, A: int) -> None:
                 str(without.relative_to(tree)),
             ],
             cwd=tree,
-            env=env,
+            env=cpu_env(tree),
             capture_output=True,
             text=True,
             timeout=600,

@@ -21,6 +21,7 @@ from keytrace.analysis.diff import diff  # noqa: E402
 from keytrace.analysis.geometry import SMALL  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.vllm.hook.pytest_plugin import folder_name  # noqa: E402
+from tests.integration.vllm_builds import cpu_env  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,8 +82,7 @@ def _pytest(
     """A pytest of its own over ``source`` written to ``tmp_path/test_file`` (rooted
     there), keytrace importable; ``env`` adds to (or overrides) the environment."""
     (tmp_path / test_file).write_text(source)
-    full = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
-    full.update(PYTHONPATH=str(ROOT), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+    full = cpu_env(ROOT)
     full.update(env or {})
     return subprocess.run(
         [

@@ -58,6 +58,18 @@ def release_sources(version: str) -> Path:
         pytest.skip(f"vLLM {version}'s sdist not available: {exc}")
 
 
+def cpu_env(*paths: Path) -> dict[str, str]:
+    """This environment for a child that imports vLLM on a CPU, offline, from ``paths``
+    (``PYTHONPATH``), with no ``KEYTRACE_*`` setting of the parent's leaking in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(str(p) for p in paths),
+    )
+    return env
+
+
 def run_python(
     code: str,
     *,
@@ -68,12 +80,11 @@ def run_python(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter on release ``release``'s own code and/or with
     vLLM reporting ``version``."""
-    paths = [str(ROOT)]
+    paths = [ROOT]
     if release is not None:
-        paths.insert(0, str(release_sources(release)))
+        paths.insert(0, release_sources(release))
     prelude = VERSION_FINDER.format(version=version) if version else ""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("KEYTRACE_")}
-    full.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(paths))
+    full = cpu_env(*paths)
     full.update(env or {})
     return subprocess.run(
         [sys.executable, "-c", prelude + code],
