@@ -176,6 +176,9 @@ codes = [
           "--quiet", "--csv", {out!r} + "/" + drafter.replace(":", "_") + ".csv"])
     for drafter in ("mtp:2:3", "mtp:3:3")
 ]
+codes.append(main(["sweep", "--geometry", "hybrid", "--lengths", "1024:1027,1088:1091",
+                   "--drafter", "mtp:3:3", "--fix", "lookahead_replay_boundary", "--quiet",
+                   "--csv", {out!r} + "/fixed.csv"]))
 sys.exit(max(codes))
 """
 
@@ -206,6 +209,23 @@ def test_the_0_34_resend_hole_is_vllm_s_and_keytrace_names_it(tmp_path: Path) ->
     }
     # L = 3: P mod 64 in [1, 2]
     assert found["mtp_3_3"] == {1024: hit, 1025: hole, 1026: hole, 1027: (1024, "hit", "")}
+    # the candidate fix (the windows also keep their tails at P - L) closes every one of
+    # them, at the boundary the resend reaches, and changes no other length
+    with (tmp_path / "fixed.csv").open() as fh:
+        fixed = {
+            int(row["length"]): (int(row["external"]), row["verdict"], row["cause"])
+            for row in csv.DictReader(fh)
+        }
+    assert fixed == {
+        1024: hit,
+        1025: hit,
+        1026: hit,
+        1027: (1024, "hit", ""),
+        1088: (1024, "hit", ""),
+        1089: (1024, "hit", ""),
+        1090: (1024, "hit", ""),
+        1091: (1088, "hit", ""),
+    }
 
 
 FUZZ = """
@@ -384,18 +404,32 @@ def test_the_lab_row_sees_triton_only_while_the_check_runs() -> None:
 
 ORACLE = """
 import json, sys, tempfile
+from collections import Counter
+from keytrace.analysis.diff import diff
 from keytrace.analysis.geometry import parse_drafter
-from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
+from keytrace.format.reader import open_trace
+from keytrace.live.registry import alarms
+from keytrace.vllm.lab.oracle import check
+from keytrace.vllm.lab.workload import WorkloadSpec, run_workload
+from tests.alarm_checks import SETTINGS, field_differences
 
 spec = WorkloadSpec(geometry="small", seed=32, conversations=10, tiers=("fs",), cpu_chunks=14,
                     drafter=parse_drafter("mtp:2:3"))
 with tempfile.TemporaryDirectory() as d:
-    study = study_workload(spec, d, alarm=True, oracle=True)
+    result = run_workload(spec, d, alarm=SETTINGS)
+    trace = open_trace(d)
+    report = diff(trace, all_episodes=True)
+    oracle = check(d, result.prompts)
+    live = alarms()
+    fields = field_differences(trace, report, live)
+    judged = sum(len(a.judged or ()) for a in live)
 print(json.dumps({
-    "lookahead": study.report.header.get("num_hash_lookahead_tokens"),
-    "checked": len(study.oracle or []),
-    "disagreements": [c.describe() for c in study.disagreements],
-    "alarm": study.alarm_counts, "differ": study.report.counts,
+    "lookahead": report.header.get("num_hash_lookahead_tokens"),
+    "checked": len(oracle),
+    "disagreements": [c.describe() for c in oracle if not c.agree],
+    "alarm": dict(sum((Counter(a.counts()) for a in live), Counter())),
+    "differ": report.counts, "episodes": len(report.episodes), "judged": judged,
+    "fields": [repr(f) for f in fields],
 }))
 """
 
@@ -403,13 +437,17 @@ print(json.dumps({
 def test_the_oracle_agrees_on_0_34_under_mtp_lookahead_on_a_tiered_manager() -> None:
     """The lab's truth on 0.34.0 (tools/verify_rules.py runs the full plan): every
     shortfall of a seeded workload, looked up again alone, agrees with the differ, and the
-    live alarm counts as the differ does; multi-module MTP (L = 2), a CPU tier over a real
+    live alarm says what the differ says, episode by episode; multi-module MTP (L = 2), a CPU tier over a real
     fs tier small enough to promote."""
     r = run_python(ORACLE, **_where())
     assert r.returncode == 0, r.stderr[-4000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
     assert found["lookahead"] == 2
     assert found["checked"] >= 10 and found["disagreements"] == []
+    # the live alarm judged every episode the differ did, and agrees field by field
+    # (tests/alarm_checks.py: verdict, E, causes, binding group, terminal key, tokens short)
+    assert found["judged"] == found["episodes"] > found["checked"]
+    assert found["fields"] == []
     assert found["alarm"] == found["differ"]
 
 

@@ -235,6 +235,7 @@ TABLE: tuple[Patch, ...] = (
         {
             "mtp_left_chunk": fixes.mtp_left_chunk,
             "unkeyable_peek_fallback": fixes.unkeyable_peek_fallback,
+            "lookahead_replay_boundary": fixes.lookahead_replay_boundary,
         },
         {k: v for k, v in catalog.FIXES.items() if k in catalog.STORE_MASK_FIXES},
     ),

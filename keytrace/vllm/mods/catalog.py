@@ -38,6 +38,11 @@ FIXES: dict[str, str] = {
         "context cover, cdiv(w - 1 + extra, tpc), as the store side (and vLLM's GPU prefix "
         "cache) keep, not cdiv(w, tpc): one chunk fewer when w - 1 is a multiple of a chunk"
     ),
+    "lookahead_replay_boundary": (
+        "store side, sliding-window groups under lookahead hashes (L >= 2): also keep the "
+        "window's tail at P - L, the boundary a resend of the prompt can key, besides vLLM's "
+        "replay boundary P - 1"
+    ),
     "promotion_pins_prefix": (
         "tiered managers: while a lookup promotes a key from a secondary tier, the keys the "
         "same request found in the CPU tier this step are pinned, so the promotion cannot "
@@ -46,7 +51,7 @@ FIXES: dict[str, str] = {
 }
 """Fix name -> what it changes in vLLM's offload path (shown in warnings and ``--help``)."""
 
-STORE_MASK_FIXES = ("mtp_left_chunk", "unkeyable_peek_fallback")
+STORE_MASK_FIXES = ("mtp_left_chunk", "unkeyable_peek_fallback", "lookahead_replay_boundary")
 """The fixes that replace the store path's mask (one patch-table row each)."""
 
 PROOF_FIX = "eagle_proof_key"

@@ -110,6 +110,42 @@ def unkeyable_peek_fallback(
     return wrapped(**a)
 
 
+def lookahead_replay_boundary(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Under lookahead hashes (vLLM 0.34.0, ``num_hash_lookahead_tokens`` = L) each block
+    hash covers the next L tokens, so a resend of a P-token prompt keys ``(P - L) // tph``
+    blocks and its lookup reaches ``(P - L) // A * A`` at most. vLLM keeps the windows'
+    tails at its replay boundary ``P - 1`` only, which rounds down one chunk higher exactly
+    when ``P mod A`` is in ``[1, L - 1]`` (docs/findings.md): the resend then finds no
+    window and gets 0. This adds ``P - L`` as a reachable boundary of every sliding-window
+    group, so the tail the resend can reach is kept too (the replay boundary stays: a longer
+    prompt extending this one keys it). Full-attention groups keep every chunk anyway;
+    recurrent groups are left alone (their state exists only where a request computed one)."""
+    a = _mask_args(args, kwargs)
+    boundaries = tuple(a["reachable_boundaries"] or ())
+    group = a["group_config"]
+    lookahead = _lookahead_tokens(instance)
+    if (
+        boundaries
+        and lookahead > 1
+        and group.sliding_window_size_in_chunks is not None
+        and not group.requires_cow_source
+    ):
+        last = boundaries[0]  # vLLM's replay boundary, num_prompt_tokens - 1
+        a["reachable_boundaries"] = (*boundaries, last + 1 - lookahead)
+    return wrapped(**a)
+
+
+def _lookahead_tokens(sched: Any) -> int:
+    """L of this connector: the scheduler keeps only the switch (``use_lookahead_block_hashes``);
+    the count rides on its events tracker, the one place vLLM 0.34.0 hands it in."""
+    if not getattr(sched, "use_lookahead_block_hashes", False):
+        return 0
+    tracker = getattr(sched, "_events_tracker", None)
+    return int(getattr(tracker, "num_hash_lookahead_tokens", 0) or 0)
+
+
 # ------------------------------------------------------------------ eagle_proof_key
 def lookup_with_unkeyable_peek(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
