@@ -12,7 +12,11 @@ overflows the primary between the first and its resend, so the resend's keys com
 promotion (the ``tier`` rows: write-through, tier lookups, promotions and the evictions they
 cause). From v4 (per-request limits) the prompt is sent a fourth time asking
 ``kv_transfer_params={"max_load_tokens": 0}``: its episode row carries the cap, and the
-differ calls it ``limited`` (by request), never cold.
+differ calls it ``limited`` (by request), never cold. From v5 (deferred releases) it is
+recorded on vLLM 0.34.0's code (its sdist: ``PYTHONPATH=<vllm-0.34.0 source>``), and the
+resend's promotion fails the way a p2p tier's late transfer does: ``JobResult(success=False,
+deferred_release=event)``, the event set two steps later (the in-memory tier has no I/O
+that could still write, so the failure is handed in; vLLM's tiering manager does the rest).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 from keytrace.analysis.geometry import SMALL
 from keytrace.format.compact import compact
@@ -41,12 +47,40 @@ def record_tiered(raw: str) -> None:
             h.submit(LENGTH, chain=chain)
             h.run_until_idle()
         h.reset_gpu_prefix_cache()
+        release = fail_first_promotion(h) if SCHEMA_VERSION >= 5 else None
         h.submit(LENGTH, chain=0)
+        if release is not None:
+            for _ in range(2):
+                h.step()
+            release()
         h.run_until_idle()
         if SCHEMA_VERSION >= 4:
             h.reset_gpu_prefix_cache()
             h.submit(LENGTH, chain=0, kv_transfer_params={"max_load_tokens": 0})
             h.run_until_idle()
+
+
+def fail_first_promotion(h: Any) -> Callable[[], None]:
+    """The next promotion from the harness's one secondary tier fails with a deferred
+    release (vLLM 0.34.0's ``JobResult.deferred_release``); returns what sets its event."""
+    import inspect
+    import threading
+
+    from vllm.v1.kv_offload.tiering.base import JobResult
+
+    if "deferred_release" not in inspect.signature(JobResult).parameters:
+        raise SystemExit("v5's trace needs vLLM 0.34.0's tiering manager (deferred releases)")
+    [tier] = h.secondary_tiers
+    real, event = tier.submit_load, threading.Event()
+
+    def fail_once(job: Any) -> None:
+        tier.submit_load = real  # every later promotion is the tier's own
+        tier.completed_jobs.append(
+            JobResult(job_id=job.job_id, success=False, deferred_release=event)
+        )
+
+    tier.submit_load = fail_once
+    return event.set
 
 
 def main() -> int:

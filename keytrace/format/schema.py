@@ -21,11 +21,11 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """What this keytrace writes. Bump on any incompatible change; keep a tiny trace of each
 version under tests/data/. Readable: `READABLE_VERSIONS`."""
 
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 """v1: one lookup row per manager.lookup call and a separate ``episode`` kind. v2: one lookup
 row per scan (summary + raw lists), episodes and unqueried needed keys in the lookup kind.
 v3: v2 plus the ``tier`` kind (what a tiered offloading manager does below its public
@@ -34,7 +34,9 @@ layout; a v2 trace reads as a v3 trace with no tier rows. v4: v3 plus what a req
 the offloading connector (the episode row's ``max_load_tokens``, ``max_offload_tokens`` and
 ``kv_load_tiers``, the recognised ``kv_transfer_params`` keys, and ``skip_reading_kv``) and the store events
 ``withheld`` and ``filtered`` (a request's own ``max_offload_tokens``, the manager's
-``store_threshold``); a v3 trace reads with those columns null."""
+``store_threshold``); a v3 trace reads with those columns null. v5: v4 plus the tier
+events ``promotion_deferred`` and ``deferred_released`` (vLLM 0.34.0's deferred release of a
+failed promotion's slots); a v4 trace reads as a v5 trace with none."""
 
 META_VERSION = b"keytrace.schema_version"
 META_KIND = b"keytrace.kind"
@@ -152,6 +154,11 @@ class TierEvent(StrEnum):
     """The promoted key is readable in the primary."""
     PROMOTION_FAILED = "promotion_failed"
     """The load from ``tier`` failed: the slot is freed."""
+    PROMOTION_DEFERRED = "promotion_deferred"
+    """The load from ``tier`` failed while the tier may still write the slot (v5; vLLM
+    0.34.0's deferred release): the key left the primary, its slot stays held."""
+    DEFERRED_RELEASED = "deferred_released"
+    """The slot of a ``promotion_deferred`` key is free again (v5)."""
     CASCADE_SUBMITTED = "cascade_submitted"
     """A write-through (or request-level cascade) job to ``tier``."""
     CASCADE_COMPLETED = "cascade_completed"
@@ -349,6 +356,9 @@ SCHEMAS_BY_VERSION: dict[int, dict[str, pa.Schema]] = {
         "tier": pa.schema(COMMON_FIELDS + _TIER),
     },
 }
+# v5: v4's columns; the tier kind may hold ``promotion_deferred``/``deferred_released``
+# (a v4 reader would take a deferred failure for a promotion still in flight)
+SCHEMAS_BY_VERSION[5] = SCHEMAS_BY_VERSION[4]
 SCHEMAS: dict[str, pa.Schema] = SCHEMAS_BY_VERSION[SCHEMA_VERSION]
 """Arrow schema of each row kind this keytrace writes (without the per-part metadata)."""
 
@@ -397,6 +407,7 @@ IN_FLIGHT_TIER_WORK: dict[str, int] = {
     TierEvent.PROMOTION_PREPARED: 1,
     TierEvent.PROMOTION_COMPLETED: -1,
     TierEvent.PROMOTION_FAILED: -1,
+    TierEvent.DEFERRED_RELEASED: -1,
 }
 """Tier events that take (+1) or give back (-1) a primary slot per key while a transfer is
 under way: a write-through job reads its chunk from the primary (a key written through to

@@ -818,6 +818,7 @@ PROMOTION_AS_STORE: dict[str, StoreEvent] = {
     TierEvent.PROMOTION_PREPARED: StoreEvent.PREPARED,
     TierEvent.PROMOTION_COMPLETED: StoreEvent.COMPLETED,
     TierEvent.PROMOTION_FAILED: StoreEvent.FAILED,
+    TierEvent.PROMOTION_DEFERRED: StoreEvent.FAILED,
 }
 """A promotion into the primary tier is a store into it (its slot taken, filled, or freed):
 residency and in-flight read both alike (tier event -> store event)."""

@@ -737,8 +737,8 @@ class Recorder:
         assert sm is not None
         if event is TierEvent.PROMOTION_PREPARED:  # keys enter this primary from a tier
             sm.stored(req_id, [k for k in keys if k is not None])  # (stored, maybe, elsewhere)
-        if event in IN_FLIGHT_TIER_WORK:
-            return keys
+        if event in IN_FLIGHT_TIER_WORK or event is TierEvent.PROMOTION_DEFERRED:
+            return keys  # (a deferred failure settles a promotion every chain counts)
         if req_id is None or event is TierEvent.PROMOTION_EVICTED:  # keys of any chain
             return sm.sampled_keys(keys)
         return keys if sm.request(req_id) else []

@@ -480,3 +480,42 @@ def test_a_recurrent_model_with_its_mtp_drafter_is_judged_on_0_34() -> None:
     assert miss[:3] == [0, "mismatch", "no_checkpoint"]
     assert miss[3]["trust"] == "verified"
     assert miss[3]["needs"] == ["recurrent", "recurrent+lookahead"]
+
+
+DEFERRED = """
+import sys
+sys.path.insert(0, {tools!r})
+from regen_test_data import record_tiered
+record_tiered({out!r})
+"""
+
+
+def test_a_deferred_release_is_recorded_on_0_34(tmp_path: Path) -> None:
+    """vLLM 0.34.0's tiering manager fails a promotion whose tier may still write its slots
+    at once and frees the slots later (``defer_write_release``/``release_deferred_write``):
+    recorded live, as the committed v5 trace shows it (tools/regen_test_data.py's scenario),
+    the keys leave the primary with their promotion's request and job, and the same
+    request's slots come back after."""
+    import polars as pl
+
+    from keytrace.format.reader import open_trace
+
+    tools = str(Path(__file__).resolve().parents[2] / "tools")
+    r = run_python(DEFERRED.format(tools=tools, out=str(tmp_path / "t")), **_where())
+    assert r.returncode == 0, r.stderr[-4000:]
+    tier = (
+        open_trace(str(tmp_path / "t"))
+        .collect("tier")
+        .with_columns(pl.col("event", "req_id").cast(pl.String))
+    )
+    rows = {
+        ev: tier.filter(pl.col("event") == ev)
+        for ev in ("promotion_prepared", "promotion_deferred", "deferred_released")
+    }
+    assert [f.height for f in rows.values()] == [16, 16, 16]
+    assert set(rows["promotion_deferred"]["key"]) == set(rows["promotion_prepared"]["key"])
+    assert set(rows["deferred_released"]["key"]) == set(rows["promotion_prepared"]["key"])
+    jobs = rows["promotion_deferred"].select("req_id", "tier", "job_id").unique().rows()
+    assert len(jobs) == 1 and jobs[0][:2] == ("r3", 0) and jobs[0][2] is not None
+    assert rows["deferred_released"].select("req_id", "tier", "job_id").unique().rows() == jobs
+    assert rows["promotion_deferred"]["seq"].max() < rows["deferred_released"]["seq"].min()  # type: ignore[operator]

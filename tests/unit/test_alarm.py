@@ -351,6 +351,8 @@ TIER_WORK = (
     "promotion_prepared",
     "promotion_completed",
     "promotion_failed",
+    "promotion_deferred",
+    "deferred_released",
     "promotion_no_room",
     "lookup",
 )
@@ -418,6 +420,35 @@ def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
     frame = pl.LazyFrame(rows, schema_overrides={"event": pl.Categorical, "key": pl.Binary})
     assert st_.crowd == {9: 3}  # k0 and k1 still being written, b's promotion of k5
     assert crowding(frame).to_dicts() == [{"inst": 1, "s": 9, "held": 3}]
+
+
+def test_a_deferred_failure_holds_its_slot_until_released() -> None:
+    """vLLM 0.34.0 fails a promotion at once but frees its primary slot only when the tier
+    can no longer write it (`promotion_deferred`, then `deferred_released`): a promotion
+    that finds no room in between is crowded by it, one after the release is not."""
+    from keytrace.analysis.history import crowding
+
+    calls = [
+        ("promotion_prepared", "b", [b"k5", b"k6"], 7),
+        ("promotion_deferred", "b", [b"k5", b"k6"], None),
+        ("promotion_no_room", "c", [b"k7"], 9),  # b's two slots are still held
+        ("deferred_released", "b", [b"k5", b"k6"], None),
+        ("promotion_no_room", "c", [b"k8"], 11),  # free again
+    ]
+    st_ = _state()
+    for seq, (ev, req, keys, ep) in enumerate(calls):
+        KeyStore.in_flight(st_, _tier_call(seq, ev, req, keys, ep))
+    rows = [
+        {"inst": 1, "seq": n, "event": ev, "req_id": req, "key": k, "ep": ep}
+        for n, (ev, req, keys, ep) in enumerate(calls)
+        for k in keys
+    ]
+    frame = pl.LazyFrame(rows, schema_overrides={"event": pl.Categorical, "key": pl.Binary})
+    assert st_.crowd == {9: 2, 11: 0}
+    assert sorted(crowding(frame).to_dicts(), key=lambda r: r["s"]) == [
+        {"inst": 1, "s": 9, "held": 2},
+        {"inst": 1, "s": 11, "held": 0},
+    ]
 
 
 def _state() -> InstanceState:

@@ -105,6 +105,30 @@ def test_v4_trace_records_what_requests_asked(capsys: pytest.CaptureFixture[str]
     capsys.readouterr()
 
 
+def test_v5_trace_records_a_deferred_release(capsys: pytest.CaptureFixture[str]) -> None:
+    # v4's scenario on vLLM 0.34.0's code, with the resend's promotion failing while its
+    # tier may still write (a deferred release): the keys leave the primary at once, their
+    # slots come back two steps later, both rows naming the promotion's request and job
+    trace = open_trace(str(DATA / "v5"))
+    assert trace.version == 5
+    assert trace.header["vllm_version"] == "0.34.0"
+    tier = trace.collect("tier").with_columns(pl.col("event", "req_id").cast(pl.String))
+    prepared = tier.filter(pl.col("event") == "promotion_prepared")
+    deferred = tier.filter(pl.col("event") == "promotion_deferred")
+    released = tier.filter(pl.col("event") == "deferred_released")
+    assert deferred.height == released.height == prepared.height == 16
+    assert set(deferred["key"]) == set(released["key"]) == set(prepared["key"])
+    for rows in (deferred, released):
+        assert rows.select("req_id", "tier", "job_id").unique().rows() == [("r3", 0, 4)]
+    assert deferred["seq"].max() < released["seq"].min()  # type: ignore[operator]
+    assert tier.filter(
+        pl.col("event").is_in(["promotion_completed", "promotion_failed"])
+    ).is_empty()
+    assert _first(DATA / "v5") == EXPECTED
+    assert main(["diff", str(DATA / "v5")]) == 1
+    capsys.readouterr()
+
+
 def test_v2_and_its_v1_form_give_identical_verdicts(tmp_path: Path) -> None:
     # the same recording in both layouts: the format change must not move a verdict
     downgrade(str(DATA / "v2"), str(tmp_path))
@@ -117,7 +141,7 @@ def test_v2_and_its_v1_form_give_identical_verdicts(tmp_path: Path) -> None:
     assert old.lost == new.lost
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4", "v5"])
 def test_judged_one_episode_at_a_time_the_verdicts_are_the_same(version: str) -> None:
     # batches cut a trace by episode sequence number; the second episode's chain (the
     # first request's stores) lies before its batch (tests/integration/test_diff_batches.py

@@ -15,6 +15,7 @@ from keytrace.errors import TraceError
 from keytrace.format import compact as compact_mod
 from keytrace.format.compact import compact
 from keytrace.format.reader import open_trace
+from keytrace.format.schema import SCHEMA_VERSION
 from tests.factories import TINY, new_builder
 
 
@@ -46,7 +47,7 @@ def test_one_row_group_set_per_part_and_the_same_report(tmp_path: Path) -> None:
         )
         # never merged into one big row group: at least one per part (lookup: per group)
         assert f.metadata.num_row_groups >= len(parts)
-        assert f.schema_arrow.metadata[b"keytrace.schema_version"] == b"4"
+        assert f.schema_arrow.metadata[b"keytrace.schema_version"] == str(SCHEMA_VERSION).encode()
     files = [res.files["store"], res.files["lookup"]]
     assert diff(open_trace(files), all_episodes=True) == diff(trace, all_episodes=True)
 

@@ -320,7 +320,7 @@ def test_a_column_of_the_wrong_type_is_refused(
     code, out, err = _cli(capsys, str(d))
     assert (code, out) == (2, "")
     assert err.strip() == (
-        f"keytrace: error: {part}: lookup column seq is string, schema version 4 has int64"
+        f"keytrace: error: {part}: lookup column seq is string, schema version 5 has int64"
     )
 
 

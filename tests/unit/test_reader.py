@@ -111,18 +111,18 @@ def test_schema_version_messages_pinned(
     trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     future = tmp_path / "future.parquet"
-    _rewrite(_one_part(trace_dir, "store"), future, meta={b"keytrace.schema_version": b"5"})
+    _rewrite(_one_part(trace_dir, "store"), future, meta={b"keytrace.schema_version": b"6"})
     with pytest.raises(SchemaVersionError) as e:
         open_trace(str(future))
     assert str(e.value) == (
-        f"{future}: trace schema version 5 is newer than this keytrace reads (schema versions 1, 2, 3, 4); upgrade keytrace"
+        f"{future}: trace schema version 6 is newer than this keytrace reads (schema versions 1, 2, 3, 4, 5); upgrade keytrace"
     )
     old = tmp_path / "old.parquet"
     _rewrite(_one_part(trace_dir, "store"), old, meta={b"keytrace.schema_version": b"0"})
     with pytest.raises(SchemaVersionError) as e:
         open_trace(str(old))
     assert str(e.value) == (
-        f"{old}: trace schema version 0 is older than this keytrace reads (schema versions 1, 2, 3, 4); "
+        f"{old}: trace schema version 0 is older than this keytrace reads (schema versions 1, 2, 3, 4, 5); "
         "re-record with this keytrace"
     )
     assert "newer" in _cli_error(capsys, str(future))
@@ -224,4 +224,4 @@ def test_one_schema_version_per_trace(
 ) -> None:
     v1 = Path(__file__).resolve().parents[1] / "data" / "v1" / "store.parquet"
     err = _cli_error(capsys, str(_one_part(trace_dir, "store")), str(v1))
-    assert "schema version 1 mixed with version 4" in err or "mixed with version 1" in err
+    assert "schema version 1 mixed with version 5" in err or "mixed with version 1" in err

@@ -51,7 +51,7 @@ def test_round_trip_every_kind(tmp_path: Path) -> None:
     # WHEN it is read back
     trace = open_trace(str(tmp_path))
     # THEN every kind is there with the values written
-    assert trace.version == SCHEMA_VERSION == 4
+    assert trace.version == SCHEMA_VERSION == 5
     assert trace.kinds == ["store", "lookup", "load", "step"]
     [lk] = frames.lookups(trace).collect().iter_rows(named=True)
     assert (lk["gid"], lk["chunk"], lk["end_token"], lk["result"], lk["key"]) == (

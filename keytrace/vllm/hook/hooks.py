@@ -444,6 +444,12 @@ class TieringContext:
         default_factory=dict
     )
     """Write-through jobs in flight: job id -> (request, tier, keys, positions)."""
+    settling: tuple[Any, int, int] | None = None
+    """(request context, tier, job id) of the promotion whose result is being applied
+    (``_complete_promotion``): what a deferred release inside it belongs to."""
+    held: dict[int, tuple[str | None, int | None, int | None, bytes]] = field(default_factory=dict)
+    """Primary chunks a failed promotion still holds (a deferred release, vLLM 0.34.0):
+    chunk id -> (request, tier, promotion job, the key that left the cache)."""
 
 
 _TIERING: weakref.WeakKeyDictionary[Recorder, TieringContext] = weakref.WeakKeyDictionary()
@@ -521,6 +527,57 @@ def complete_write(
     event = TierEvent.PROMOTION_COMPLETED if success else TierEvent.PROMOTION_FAILED
     for tier, ks in by_tier.items():
         rec.tier_event(event, ctx.req_id, tier, ks, positions(ctx))
+
+
+def promotion_settling(
+    rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """``_complete_promotion(job_metadata, completed_job)``: whose promotion a deferred
+    release in it fails (``defer_write_release`` is told only the keys)."""
+    meta, done = arg(args, kw, 0, "job_metadata"), arg(args, kw, 1, "completed_job")
+    ctx = meta.transfer_job.req_context
+    tiering(rec).settling = (ctx, int(meta.tier_idx), int(done.job_id))
+
+
+def promotion_settled(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    tiering(rec).settling = None
+
+
+def defer_release(
+    rec: Recorder, sched: Any, chunk_ids: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """The primary's ``defer_write_release(keys)`` (vLLM 0.34.0): a promotion failed while
+    its tier may still write into the keys' chunks. The keys leave the cache at once (as
+    ``complete_write(False)``) but their chunks stay out of the free pool until the tier
+    says so (`deferred_released`)."""
+    keys = list(arg(args, kw, 0, "keys"))
+    here = tiering(rec)
+    ctx, tier, job_id = here.settling or (None, None, None)
+    req_id = None if ctx is None else ctx.req_id
+    for k in keys:
+        from_tier = here.promoted_from.pop(k, None)
+        tier = from_tier if tier is None else tier
+    for chunk_id, k in zip(chunk_ids or (), keys, strict=False):
+        here.held[int(chunk_id)] = (req_id, tier, job_id, k)
+    pos = positions(ctx) if ctx is not None else None
+    rec.tier_event(TierEvent.PROMOTION_DEFERRED, req_id, tier, keys, pos, job_id=job_id)
+
+
+def release_deferred(
+    rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> None:
+    """The primary's ``release_deferred_write(chunk_ids)``: the tier can no longer write
+    the chunks of a failed promotion, and they are free again."""
+    here = tiering(rec)
+    freed: dict[tuple[str | None, int | None, int | None], list[bytes]] = {}
+    for chunk_id in arg(args, kw, 0, "chunk_ids"):
+        held = here.held.pop(int(chunk_id), None)
+        if held is not None:
+            freed.setdefault(held[:3], []).append(held[3])
+    for (req_id, tier, job_id), keys in freed.items():
+        rec.tier_event(TierEvent.DEFERRED_RELEASED, req_id, tier, keys, job_id=job_id)
 
 
 def store_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:

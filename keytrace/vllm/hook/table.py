@@ -206,6 +206,37 @@ TABLE: tuple[Patch, ...] = (
         "complete_write",
         observe("primary.complete_write", after=hooks.complete_write),
     ),
+    # a failed promotion whose tier may still write its chunks (vLLM 0.34.0): the keys
+    # leave the cache now, the chunks return to the pool when the tier says so
+    Patch(
+        "record",
+        "tiering",
+        "_complete_promotion",
+        observe(
+            "tiering.complete_promotion",
+            before=hooks.promotion_settling,
+            after=hooks.promotion_settled,
+            always=True,
+        ),
+        essential=False,
+        params=("job_metadata", "completed_job"),
+    ),
+    Patch(
+        "record",
+        "primary",
+        "defer_write_release",
+        observe("primary.defer_write_release", after=hooks.defer_release),
+        essential=False,
+        params=("keys",),
+    ),
+    Patch(
+        "record",
+        "primary",
+        "release_deferred_write",
+        observe("primary.release_deferred_write", after=hooks.release_deferred),
+        essential=False,
+        params=("chunk_ids",),
+    ),
     Patch("record", "tier", "lookup", observe("tier.lookup", after=hooks.tier_lookup)),
     Patch(
         "record",
