@@ -5,8 +5,11 @@ One `Recorder` per ``OffloadingConnectorScheduler`` instance (one per EngineCore
 serving). It owns a `TraceWriter`, the context the manager calls lack on their own (the
 current step, episode and scan) and the instance's `ChainBook` (which boundaries requests
 meant later lookups to hit). What it records goes to the writer as rows and, as typed
-records (`keytrace.record.events`), to its listener (the live alarm) before any sampling
-filter; what it writes never depends on whether a listener is there.
+records (`keytrace.record.events`), to its listener (the live alarm). Under sampling
+(``KEYTRACE_SAMPLE``) both get the same subset, the sampled chains and what they are judged
+by: the alarm then judges exactly the episodes the trace holds, as the differ would, and
+the hooks do next to nothing for the other requests (the cost issue 41 measures). What it
+writes never depends on whether a listener is there.
 
 Every public method is called from inside a hook wrapper that has already run vLLM's own
 code; the wrappers catch anything raised here (`Recorder.fail`), so vLLM never sees it.
@@ -113,8 +116,8 @@ class Recorder:
         )
         w = self.writer
         self.sampler = ChainSampler(sample) if sample is not None else None
-        """Which chains are written (``KEYTRACE_SAMPLE``; None: all). The listener is fed
-        before it filters: it judges all traffic."""
+        """Which chains are written and judged (``KEYTRACE_SAMPLE``; None: all). The
+        listener is fed what the writer keeps, so it judges the sampled episodes."""
         self.groups = groups_from_header(dict(header))
         self.trim_first = trim_first_of(dict(header))
         self._withheld: set[str] = set()
@@ -136,6 +139,9 @@ class Recorder:
         """Between ``get_num_new_matched_tokens``' start and end (tier rows carry the
         episode then)."""
         self.scan = -1
+        self.unfollowed: str | None = None
+        """The request of the episode in progress when the sampler left its chain out: its
+        lookups are not recorded, judged or summarised (`lookup` returns at once)."""
         self.exact_scans = False
         self._scan: Scan | None = None
         self._pending: dict[str, Episode] = {}
@@ -196,12 +202,14 @@ class Recorder:
         (`keytrace.judge.rules.request_limits`)."""
         lim = limits or {}
         self.end_scan()
-        if self.sampler is not None:
-            self.sampler.decide(req_id, first_hash)
         self.close_episode(req_id)
         self.episode = next(_SEQ)
         self.in_episode = True
         self.scan = -1
+        if self.sampler is not None and not self.sampler.decide(req_id, first_hash):
+            self.unfollowed = req_id  # numbered as any episode, nothing else
+            return
+        self.unfollowed = None
         ep = self._pending[req_id] = Episode(
             seq=self.episode,
             ts=time.time_ns(),
@@ -235,6 +243,7 @@ class Recorder:
         request's stores then keep tails for it too."""
         self.end_scan()
         self.in_episode = False
+        self.unfollowed = None
         ep = self._pending.get(req_id)
         if ep is not None:
             ep.external = external
@@ -304,9 +313,11 @@ class Recorder:
         self.close_episode(req_id)
         self._withheld.discard(req_id)
         self.book.finished(req_id)
+        followed = True
         if self.sampler is not None:
+            followed = self.sampler.request(req_id)
             self.sampler.finished(req_id)
-        if self.listener is not None:
+        if self.listener is not None and followed:
             self._tell(self.listener.request_finished, self.inst, req_id)
 
     # ------------------------------------------------------- keys not looked up
@@ -450,6 +461,8 @@ class Recorder:
         """One ``manager.lookup`` call: the hot path, three list appends. ``position``: the
         key's end token, or the request's key -> end token lookup, which the hook passes
         (vLLM's ``get_offload_key_position``), called once the scan ends."""
+        if req_id == self.unfollowed:
+            return
         sc = self._scan
         if (
             sc is None
@@ -546,17 +559,18 @@ class Recorder:
     ) -> None:
         if not keys:
             return
-        call = StoreCall(next(_SEQ), time.time_ns(), event, req_id, keys, positions, job_id)
-        if event in STORE_OFFERS:
-            self.book.offered(req_id, keys, positions, call.seq)
-        if self.listener is not None:
-            self._tell(self.listener.store_called, self.inst, call)
+        seq = next(_SEQ)
         if self.sampler is not None:
             req_id, keys, positions, job_id = self._sampled_store(
                 event, req_id, keys, positions, job_id
             )
             if not keys:
                 return
+        call = StoreCall(seq, time.time_ns(), event, req_id, keys, positions, job_id)
+        if event in STORE_OFFERS:
+            self.book.offered(req_id, keys, positions, call.seq)
+        if self.listener is not None:
+            self._tell(self.listener.store_called, self.inst, call)
         row = (call.seq, call.ts, *self._common_tail, self.step, event, req_id, job_id)
         self.writer.append("store", len(keys), row, key=list(keys), end_token=list(positions))
 
@@ -698,21 +712,19 @@ class Recorder:
         touches no scan or episode state. Rows recorded while a lookup episode is in
         progress carry its number (``episode``): what its lookups found and caused."""
         ks = list(keys) or [None]
-        pos = (positions or {}).get
-        ends = [None if k is None else pos(k) for k in ks]
-        episode = self.episode if self.in_episode else None
-        call = TierCall(
-            next(_SEQ), time.time_ns(), event, req_id, tier, ks, ends, episode, result, job_id
-        )
-        if event in DURABLE_EVENTS:  # what a shared tier holds for other engines' lookups
-            self.book.written(tier, ks, call.seq)
-        if self.listener is not None:
-            self._tell(self.listener.tier_called, self.inst, call)
+        seq = next(_SEQ)
         if self.sampler is not None and keys:
             ks = self._sampled_tier(event, req_id, ks)
             if not ks:
                 return
-            ends = [None if k is None else pos(k) for k in ks]
+        pos = (positions or {}).get
+        ends = [None if k is None else pos(k) for k in ks]
+        episode = self.episode if self.in_episode else None
+        call = TierCall(seq, time.time_ns(), event, req_id, tier, ks, ends, episode, result, job_id)
+        if event in DURABLE_EVENTS:  # what a shared tier holds for other engines' lookups
+            self.book.written(tier, ks, call.seq)
+        if self.listener is not None:
+            self._tell(self.listener.tier_called, self.inst, call)
         row = (
             call.seq,
             call.ts,

@@ -116,14 +116,19 @@ def test_tier_rows_in_flight_are_kept_for_every_chain_the_rest_by_request_or_key
     assert ("evicted", "out", mine) in _stores(tmp_path)
 
 
-def test_the_alarm_is_fed_every_chain(tmp_path: Path) -> None:
-    fed: list[tuple[str, str | None]] = []
+def test_the_alarm_is_fed_what_the_trace_keeps(tmp_path: Path) -> None:
+    """Under sampling the listener (the live alarm) gets the rows the writer keeps: a
+    sampled request's episode and stores; of an unsampled one only its first prepared key
+    of each group, as no request's (as the trace holds it), and no episode, lookup or
+    finish to judge."""
+    fed: list[tuple[str, str | None, tuple[bytes, ...]]] = []
 
     class Listener:
         def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
             def told(inst: Any, *args: Any) -> None:
                 call = args[0] if args else None
-                fed.append((name, getattr(call, "req_id", None)))
+                keys = tuple(getattr(call, "keys", None) or ())
+                fed.append((name, getattr(call, "req_id", None), keys))
 
             return told
 
@@ -131,12 +136,23 @@ def test_the_alarm_is_fed_every_chain(tmp_path: Path) -> None:
         str(tmp_path), {}, engine_id=None, dp_rank=None, tokens_per_chunk=TPC,
         listener=Listener(), sample=0.5,
     )  # fmt: skip
+    k_out, k_in = make_key(b"k" * 8, 0), make_key(b"i" * 8, 0)
     _episode(rec, "out", OUT)
-    k = make_key(b"k" * 8, 0)
-    rec.store_prepared("out", [k], {k: 16}, [k], [], 1)
+    rec.store_prepared("out", [k_out], {k_out: 16}, [k_out], [], 1)
+    rec.request_finished("out")
+    _episode(rec, "in", IN)
+    rec.store_prepared("in", [k_in], {k_in: 16}, [k_in], [], 2)
+    rec.request_finished("in")
     rec.close()
-    assert ("store_called", "out") in fed and ("episode_ended", "out") in fed
-    assert _stores(tmp_path) == [("prepared", None, k)]
+    assert [f for f in fed if f[0] not in ("instance_started", "recorder_closed")] == [
+        ("store_called", None, (k_out,)),
+        ("episode_began", "in", ()),
+        ("episode_ended", "in", ()),
+        ("episode_closed", "in", ()),
+        ("store_called", "in", (k_in,)),
+        ("request_finished", None, ()),
+    ]
+    assert _stores(tmp_path) == [("prepared", None, k_out), ("prepared", "in", k_in)]
 
 
 def test_a_request_without_a_full_block_is_kept(tmp_path: Path) -> None:

@@ -174,8 +174,9 @@ def episode_end(
     request = arg(args, kw, 0, "request")
     rec.end_scan()
     try:
-        record_unqueried(rec, sched, request)
-        record_withheld(rec, sched, request)
+        if rec.unfollowed != request.request_id:  # (a chain the sampler left out)
+            record_unqueried(rec, sched, request)
+            record_withheld(rec, sched, request)
     finally:
         spb = getattr(request, "shared_prefix_boundary", None)
         rec.episode_end(request.request_id, result[0], result[1], int(spb) if spb else None)
