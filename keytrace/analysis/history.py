@@ -42,6 +42,7 @@ from keytrace.format.schema import TierEvent
 from keytrace.judge.definitions import (
     DURABLE_EVENTS,
     IN_FLIGHT_TIER_WORK,
+    OWN_TIER_WORK,
     PROMOTION_AS_STORE,
     KeyFacts,
     cause,
@@ -184,8 +185,15 @@ def crowding(tiers: pl.LazyFrame) -> pl.DataFrame:
                 default=0,
                 return_dtype=pl.Int64,
             ).alias("d"),
+            # what the row moves in its request's own count (`OWN_TIER_WORK`), else d
+            ev.replace_strict(
+                dict(zip(plain(OWN_TIER_WORK), OWN_TIER_WORK.values(), strict=True)),
+                default=None,
+                return_dtype=pl.Int64,
+            ).alias("d_own"),
         )
     ).sort("seq")
+    work = work.with_columns(c("d_own").fill_null(c("d")))
     # a key written through to several tiers at once pins one primary slot: a write-through
     # row moves the count of slots only when its key's jobs in flight go from 0 or to 0
     jobs = pl.when(c("cascade")).then(c("d")).otherwise(0).cum_sum().over("inst", "key")
@@ -198,7 +206,7 @@ def crowding(tiers: pl.LazyFrame) -> pl.DataFrame:
     )
     own = (
         work.filter(~c("cascade"))
-        .select("inst", "req_id", "seq", c("d").cum_sum().over("inst", "req_id").alias("own"))
+        .select("inst", "req_id", "seq", c("d_own").cum_sum().over("inst", "req_id").alias("own"))
         .filter(c("req_id").is_not_null())
     )
     full = collect(

@@ -407,6 +407,7 @@ IN_FLIGHT_TIER_WORK: dict[str, int] = {
     TierEvent.PROMOTION_PREPARED: 1,
     TierEvent.PROMOTION_COMPLETED: -1,
     TierEvent.PROMOTION_FAILED: -1,
+    TierEvent.PROMOTION_DEFERRED: 0,
     TierEvent.DEFERRED_RELEASED: -1,
 }
 """Tier events that take (+1) or give back (-1) a primary slot per key while a transfer is
@@ -415,3 +416,13 @@ several tiers at once holds one slot: counted while any of its jobs is in flight
 promotion fills one. Here, beside the scan results, because the recorder reads it too (a
 sampled trace keeps these rows for every chain: `keytrace.record.sampling`), and the
 recording path imports no analysis; `keytrace.judge.definitions` re-exports it."""
+
+OWN_TIER_WORK: dict[str, int] = {
+    TierEvent.PROMOTION_DEFERRED: -1,
+    TierEvent.DEFERRED_RELEASED: 0,
+}
+"""Where a row moves its request's own count of promotion slots otherwise than the total
+(`IN_FLIGHT_TIER_WORK`): a promotion that fails with a deferred release gives its slots
+back as its request's own at once, but they stay held, by no request, until
+``deferred_released``. So a request that promotes again and finds no room is crowded by
+its own earlier failure, as by anyone else's work (`definitions.held_by_others`)."""

@@ -35,6 +35,7 @@ from typing import Any
 
 from keytrace.format.schema import IN_FLIGHT_TIER_WORK as IN_FLIGHT_TIER_WORK  # re-exported
 from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING, LookupResult, StoreEvent, TierEvent
+from keytrace.format.schema import OWN_TIER_WORK as OWN_TIER_WORK  # re-exported
 from keytrace.judge.ops import (
     Num,
     Truth,

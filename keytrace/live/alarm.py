@@ -1,7 +1,8 @@
 """The live write-only alarm: judge each lookup episode as it ends, in the serving process.
 
 The alarm is a `keytrace.record.events.Listener`: every recorder of the process hands it
-its typed records (store and tier calls, episodes) before any sampling filter. It keeps
+its typed records (store and tier calls, episodes): those the trace keeps, so under
+sampling it judges the sampled episodes, as the differ does on that trace. It keeps
 what the differ would read from a trace (`keytrace.live.state`: key records, what tiers and
 promotions hold; the recorder's own chain book for the intended boundaries) and, when vLLM
 answers an episode, gives it the verdict `keytrace diff` would give it

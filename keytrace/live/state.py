@@ -216,13 +216,19 @@ class KeyStore:
                     st.cascading.pop(key, None)
             return
         # a promotion row without a request counts for no request's own (as the differ
-        # joins it): under "" here, which no episode's request is
+        # joins it): under "" here, which no episode's request is; a deferred failure
+        # hands its slots from its request to no request (`OWN_TIER_WORK`)
+        n = sum(1 for k in keys if k is not None)
         who = req_id if req_id is not None else ""
-        left = st.promoting.get(who, 0) + step * sum(1 for k in keys if k is not None)
-        if left:
-            st.promoting[who] = left
-        else:
-            st.promoting.pop(who, None)
+        own = d.OWN_TIER_WORK.get(event, step)
+        for holder, delta in ((who, own * n), ("", (step - own) * n)):
+            if not delta:
+                continue
+            left = st.promoting.get(holder, 0) + delta
+            if left:
+                st.promoting[holder] = left
+            else:
+                st.promoting.pop(holder, None)
 
     def tier(self, st: InstanceState, call: TierCall) -> None:
         """Apply one tier call: promotions count as stores into the primary, write-throughs

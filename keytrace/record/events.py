@@ -2,8 +2,8 @@
 one narrow interface (`Listener`) through which a live judge receives them.
 
 The recorder turns hook calls into these records; the writer gets their rows, a listener
-(the live alarm, `keytrace.live.alarm`) the records themselves, before any sampling
-filter. Nothing here imports vLLM or polars: it runs in every serving process that records.
+(the live alarm, `keytrace.live.alarm`) the records themselves: under sampling the same
+subset the writer keeps. Nothing here imports vLLM or polars: it runs in every serving process that records.
 """
 
 from __future__ import annotations
@@ -226,7 +226,9 @@ class InstanceInfo:
 
 class Listener(Protocol):
     """What a live judge receives from a recorder, in the order things happened: the
-    instance, then every store and tier call and every episode. Called inside vLLM's
+    instance, then every store and tier call and every episode the trace keeps (all of
+    them unless sampling: then the sampled chains' and what they are judged by, as written;
+    every request's finish). Called inside vLLM's
     scheduler: a listener must be quick, and its failures are the recorder's to count
     (`keytrace.record.recorder.Recorder.fail`), never vLLM's."""
 

@@ -313,11 +313,9 @@ class Recorder:
         self.close_episode(req_id)
         self._withheld.discard(req_id)
         self.book.finished(req_id)
-        followed = True
         if self.sampler is not None:
-            followed = self.sampler.request(req_id)
             self.sampler.finished(req_id)
-        if self.listener is not None and followed:
+        if self.listener is not None:  # (an unsampled request's kept tier rows name it too)
             self._tell(self.listener.request_finished, self.inst, req_id)
 
     # ------------------------------------------------------- keys not looked up
@@ -719,7 +717,8 @@ class Recorder:
                 return
         pos = (positions or {}).get
         ends = [None if k is None else pos(k) for k in ks]
-        episode = self.episode if self.in_episode else None
+        # (rows kept from an episode the sampler left out name no episode: none is recorded)
+        episode = self.episode if self.in_episode and self.unfollowed is None else None
         call = TierCall(seq, time.time_ns(), event, req_id, tier, ks, ends, episode, result, job_id)
         if event in DURABLE_EVENTS:  # what a shared tier holds for other engines' lookups
             self.book.written(tier, ks, call.seq)
@@ -749,8 +748,8 @@ class Recorder:
         assert sm is not None
         if event is TierEvent.PROMOTION_PREPARED:  # keys enter this primary from a tier
             sm.stored(req_id, [k for k in keys if k is not None])  # (stored, maybe, elsewhere)
-        if event in IN_FLIGHT_TIER_WORK or event is TierEvent.PROMOTION_DEFERRED:
-            return keys  # (a deferred failure settles a promotion every chain counts)
+        if event in IN_FLIGHT_TIER_WORK:
+            return keys
         if req_id is None or event is TierEvent.PROMOTION_EVICTED:  # keys of any chain
             return sm.sampled_keys(keys)
         return keys if sm.request(req_id) else []

@@ -16,8 +16,9 @@ chains (each listed in ``docs/diff.md``):
 - ``reset`` rows and the keyless tier rows (``promotions_held``/``promotions_released``);
 - the tier rows that count primary slots held by transfers in flight
   (`keytrace.format.schema.IN_FLIGHT_TIER_WORK`), for every chain: a promotion of a
-  sampled request that found no room is judged by what *all* transfers held then (and a
-  promotion's deferred failure, ``promotion_deferred``, which settles one of them);
+  sampled request that found no room is judged by what *all* transfers held then (a
+  promotion's deferred failure, ``promotion_deferred``, among them: it hands the slots it
+  still holds from its request to none);
 - the first ``prepared`` key of each group on the instance, whatever its chain (as a row
   of no request): the ``other_group`` cause reads when a group first reached the store path.
 """

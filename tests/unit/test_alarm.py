@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from keytrace.analysis.diff import diff
 from keytrace.format.reader import open_trace
 from keytrace.format.schema import StoreEvent, TierEvent
+from keytrace.judge import definitions as d
 from keytrace.live import metrics
 from keytrace.live.alarm import BYTES_PER_RECORD, Alarm
 from keytrace.live.registry import AlarmSettings
@@ -432,6 +433,9 @@ def test_a_deferred_failure_holds_its_slot_until_released() -> None:
         ("promotion_prepared", "b", [b"k5", b"k6"], 7),
         ("promotion_deferred", "b", [b"k5", b"k6"], None),
         ("promotion_no_room", "c", [b"k7"], 9),  # b's two slots are still held
+        # b itself, promoting again: its failed promotion's slots are no longer its own
+        # promotion in flight, they crowd it as anyone's would
+        ("promotion_no_room", "b", [b"k5"], 10),
         ("deferred_released", "b", [b"k5", b"k6"], None),
         ("promotion_no_room", "c", [b"k8"], 11),  # free again
     ]
@@ -444,11 +448,29 @@ def test_a_deferred_failure_holds_its_slot_until_released() -> None:
         for k in keys
     ]
     frame = pl.LazyFrame(rows, schema_overrides={"event": pl.Categorical, "key": pl.Binary})
-    assert st_.crowd == {9: 2, 11: 0}
+    assert st_.crowd == {9: 2, 10: 2, 11: 0}
     assert sorted(crowding(frame).to_dicts(), key=lambda r: r["s"]) == [
         {"inst": 1, "s": 9, "held": 2},
+        {"inst": 1, "s": 10, "held": 2},
         {"inst": 1, "s": 11, "held": 0},
     ]
+
+
+@pytest.mark.parametrize("settled", ["promotion_failed", "promotion_deferred", None])
+def test_a_deferred_failure_is_no_promotion_in_flight(settled: str | None) -> None:
+    """A key whose promotion failed with a deferred release left the primary at once: a
+    lookup after it finds no store in flight (as after ``promotion_failed``), though its
+    slot is still held; before the failure it is being promoted."""
+    keys = KeyStore(1_000)
+    st_ = _state()
+    keys.tier(st_, _tier_call(1, "promotion_prepared", "b", [b"k5"], None))
+    if settled is not None:
+        keys.tier(st_, _tier_call(2, settled, "b", [b"k5"], None))
+    rec = keys.get(st_, b"k5")
+    assert rec is not None
+    removed = d.removal(rec.evicted, None)
+    assert not d.resident(rec.completed, removed)
+    assert bool(d.in_flight(rec.prepared, removed, rec.failed)) is (settled is None)
 
 
 def _state() -> InstanceState:

@@ -139,13 +139,14 @@ def test_the_alarm_is_fed_what_the_trace_keeps(tmp_path: Path) -> None:
     k_out, k_in = make_key(b"k" * 8, 0), make_key(b"i" * 8, 0)
     _episode(rec, "out", OUT)
     rec.store_prepared("out", [k_out], {k_out: 16}, [k_out], [], 1)
-    rec.request_finished("out")
+    rec.request_finished("out")  # (told: tier rows kept by key may name it)
     _episode(rec, "in", IN)
     rec.store_prepared("in", [k_in], {k_in: 16}, [k_in], [], 2)
     rec.request_finished("in")
     rec.close()
     assert [f for f in fed if f[0] not in ("instance_started", "recorder_closed")] == [
         ("store_called", None, (k_out,)),
+        ("request_finished", None, ()),
         ("episode_began", "in", ()),
         ("episode_ended", "in", ()),
         ("episode_closed", "in", ()),
@@ -153,6 +154,41 @@ def test_the_alarm_is_fed_what_the_trace_keeps(tmp_path: Path) -> None:
         ("request_finished", None, ()),
     ]
     assert _stores(tmp_path) == [("prepared", None, k_out), ("prepared", "in", k_in)]
+
+
+def test_unsampled_traffic_leaves_the_alarm_nothing_to_keep(tmp_path: Path) -> None:
+    """A promotion of an unsampled request that evicts a sampled chain's key is kept (by
+    key), naming that request; the alarm forgets it when vLLM finishes the request, and no
+    row names the unsampled episode (none is recorded)."""
+    from keytrace.format.schema import TierEvent
+    from keytrace.live.alarm import Alarm
+    from tests import factories
+    from tests.factories import TINY
+
+    alarm = Alarm(factories.synthetic_header(TINY), interval=1e9)
+    rec = Recorder(
+        str(tmp_path), {}, engine_id=None, dp_rank=None, tokens_per_chunk=TPC,
+        listener=alarm, sample=0.5,
+    )  # fmt: skip
+    assert rec.sampler is not None
+    rec.sampler.tiered = True  # (as the hook sets it for a tiered manager: promotions)
+    mine = make_key(IN, 0)
+    _episode(rec, "in", IN)
+    rec.store_prepared("in", [mine], {mine: 16}, [mine], [], 1)
+    rec.store_completed("in", [mine], {mine: 16}, 1, True)
+    rec.request_finished("in")
+    for n in range(3):  # unsampled requests whose promotions evict the sampled key
+        req = f"out{n}"
+        rec.episode_begin(req, 0, None, 64, 64, 4, None, OUT)
+        rec.evicted_by_promotion(req, 0, [mine], {mine: 16})
+        rec.episode_end(req, 0, False)
+        rec.request_finished(req)
+    [st] = alarm._inst.values()
+    assert st.promoted_out == {} and st.promoted_now == {}
+    assert st.per_request_entries() == 0
+    rec.close()
+    tier = open_trace(str(tmp_path)).collect("tier")
+    assert tier.height == 3 and tier["episode"].null_count() == 3  # kept, on no episode
 
 
 def test_a_request_without_a_full_block_is_kept(tmp_path: Path) -> None:

@@ -436,8 +436,9 @@ class TieringContext:
 
     promoting: int | None = None
     """The secondary tier a promotion in progress reads from (``_initiate_promotion``)."""
-    promoted_from: dict[bytes, int | None] = field(default_factory=dict)
-    """Promoted keys not yet completed -> the tier they come from."""
+    promoted_from: dict[bytes, tuple[int | None, str]] = field(default_factory=dict)
+    """Promoted keys not yet completed -> the tier they come from and the request whose
+    lookup promotes them."""
     storing: tuple[Sequence[bytes], Any] | None = None
     """(keys, request context) of the ``complete_store`` call in progress: what a
     write-through that back-pressure drops would have written."""
@@ -509,7 +510,7 @@ def prepare_write(
         return
     taken = list(out.keys_to_store)
     for k in taken:
-        here.promoted_from[k] = tier
+        here.promoted_from[k] = (tier, ctx.req_id)
     rec.tier_event(TierEvent.PROMOTION_PREPARED, ctx.req_id, tier, taken, pos)
     evicted = list(out.evicted_keys or ())
     if evicted:
@@ -524,7 +525,7 @@ def complete_write(
     success = args[2] if len(args) > 2 else kw.get("success", True)
     by_tier: dict[int | None, list[bytes]] = {}
     for k in keys:
-        by_tier.setdefault(tiering(rec).promoted_from.pop(k, None), []).append(k)
+        by_tier.setdefault(tiering(rec).promoted_from.pop(k, (None, ""))[0], []).append(k)
     event = TierEvent.PROMOTION_COMPLETED if success else TierEvent.PROMOTION_FAILED
     for tier, ks in by_tier.items():
         rec.tier_event(event, ctx.req_id, tier, ks, positions(ctx))
@@ -557,9 +558,10 @@ def defer_release(
     here = tiering(rec)
     ctx, tier, job_id = here.settling or (None, None, None)
     req_id = None if ctx is None else ctx.req_id
-    for k in keys:
-        from_tier = here.promoted_from.pop(k, None)
+    for k in keys:  # (the promotion's own record, should the settling call go unseen)
+        from_tier, from_req = here.promoted_from.pop(k, (None, None))
         tier = from_tier if tier is None else tier
+        req_id = from_req if req_id is None else req_id
     for chunk_id, k in zip(chunk_ids or (), keys, strict=False):
         here.held[int(chunk_id)] = (req_id, tier, job_id, k)
     pos = positions(ctx) if ctx is not None else None

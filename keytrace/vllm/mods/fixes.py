@@ -43,6 +43,11 @@ this scheduler step (vLLM's own ``prepare_read``/``complete_read`` reference cou
 the promotion takes other room or fails: vLLM then answers MISS, its designed answer when
 the CPU tier is full, and the request runs with what it has.
 
+``lookahead_replay_boundary`` targets vLLM 0.34.0's resend hole under lookahead hashes (L >=
+2): a resend keys ``(P - L) // tph`` blocks, so its lookup reaches ``(P - L) // A * A``,
+below the replay boundary where the windows' tails are kept when ``P mod A`` is in ``[1, L -
+1]``; the store also keeps them at ``P - L``.
+
 Fixes combine (``--fix eagle_proof_key,window_minus_one``). Testing tool: a fix is written
 into every trace header, and logs a WARNING naming itself.
 """
