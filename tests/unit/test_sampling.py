@@ -160,7 +160,6 @@ def test_unsampled_traffic_leaves_the_alarm_nothing_to_keep(tmp_path: Path) -> N
     """A promotion of an unsampled request that evicts a sampled chain's key is kept (by
     key), naming that request; the alarm forgets it when vLLM finishes the request, and no
     row names the unsampled episode (none is recorded)."""
-    from keytrace.format.schema import TierEvent
     from keytrace.live.alarm import Alarm
     from tests import factories
     from tests.factories import TINY
