@@ -400,16 +400,14 @@ def test_the_slots_other_work_held_are_counted_alike_offline_and_live(calls: lis
     assert st_.crowd == offline
 
 
-def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
+def _crowding_both_ways(
+    calls: list[tuple[str, str | None, list[bytes], int | None]],
+) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    """The slots held by others at each promotion that found no room, as the alarm counts
+    them call by call (episode -> held) and as `history.crowding` reads them from the same
+    calls' tier rows (one per key, in episode order)."""
     from keytrace.analysis.history import crowding
 
-    calls = [
-        ("cascade_submitted", "a", [b"k0", b"k1"], None),  # tier 0
-        ("cascade_submitted", "a", [b"k0", b"k1"], None),  # tier 1: the same two slots
-        ("cascade_completed", "a", [b"k0"], None),  # tier 0 done with k0; tier 1 is not
-        ("promotion_prepared", "b", [b"k5"], 7),
-        ("promotion_no_room", "c", [b"k6"], 9),
-    ]
     st_ = _state()
     for seq, (ev, req, keys, ep) in enumerate(calls):
         KeyStore.in_flight(st_, _tier_call(seq, ev, req, keys, ep))
@@ -419,16 +417,27 @@ def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
         for k in keys
     ]
     frame = pl.LazyFrame(rows, schema_overrides={"event": pl.Categorical, "key": pl.Binary})
-    assert st_.crowd == {9: 3}  # k0 and k1 still being written, b's promotion of k5
-    assert crowding(frame).to_dicts() == [{"inst": 1, "s": 9, "held": 3}]
+    offline = sorted(crowding(frame).to_dicts(), key=lambda r: r["s"])
+    return st_.crowd, offline
+
+
+def test_a_key_written_to_two_tiers_holds_one_slot() -> None:
+    calls = [
+        ("cascade_submitted", "a", [b"k0", b"k1"], None),  # tier 0
+        ("cascade_submitted", "a", [b"k0", b"k1"], None),  # tier 1: the same two slots
+        ("cascade_completed", "a", [b"k0"], None),  # tier 0 done with k0; tier 1 is not
+        ("promotion_prepared", "b", [b"k5"], 7),
+        ("promotion_no_room", "c", [b"k6"], 9),
+    ]
+    live, offline = _crowding_both_ways(calls)
+    assert live == {9: 3}  # k0 and k1 still being written, b's promotion of k5
+    assert offline == [{"inst": 1, "s": 9, "held": 3}]
 
 
 def test_a_deferred_failure_holds_its_slot_until_released() -> None:
     """vLLM 0.34.0 fails a promotion at once but frees its primary slot only when the tier
     can no longer write it (`promotion_deferred`, then `deferred_released`): a promotion
     that finds no room in between is crowded by it, one after the release is not."""
-    from keytrace.analysis.history import crowding
-
     calls = [
         ("promotion_prepared", "b", [b"k5", b"k6"], 7),
         ("promotion_deferred", "b", [b"k5", b"k6"], None),
@@ -439,17 +448,9 @@ def test_a_deferred_failure_holds_its_slot_until_released() -> None:
         ("deferred_released", "b", [b"k5", b"k6"], None),
         ("promotion_no_room", "c", [b"k8"], 11),  # free again
     ]
-    st_ = _state()
-    for seq, (ev, req, keys, ep) in enumerate(calls):
-        KeyStore.in_flight(st_, _tier_call(seq, ev, req, keys, ep))
-    rows = [
-        {"inst": 1, "seq": n, "event": ev, "req_id": req, "key": k, "ep": ep}
-        for n, (ev, req, keys, ep) in enumerate(calls)
-        for k in keys
-    ]
-    frame = pl.LazyFrame(rows, schema_overrides={"event": pl.Categorical, "key": pl.Binary})
-    assert st_.crowd == {9: 2, 10: 2, 11: 0}
-    assert sorted(crowding(frame).to_dicts(), key=lambda r: r["s"]) == [
+    live, offline = _crowding_both_ways(calls)
+    assert live == {9: 2, 10: 2, 11: 0}
+    assert offline == [
         {"inst": 1, "s": 9, "held": 2},
         {"inst": 1, "s": 10, "held": 2},
         {"inst": 1, "s": 11, "held": 0},
