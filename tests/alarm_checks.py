@@ -39,18 +39,20 @@ Fields = dict[str, Any]
 def offline_fields(v: EpisodeVerdict, N: int) -> Fields:
     """`FIELDS` of the differ's verdict (``N``: the episode's num_tokens, from the trace)."""
     short = v.verdict in ("explained", "mismatch")
+    # a shortfall the request's own limit explains (`LIMIT_CAUSES`) keeps its evidence
+    detailed = short or (v.verdict == "limited" and bool(v.needed))
     causes = [(n.group_id, n.cause) for n in v.needed]
     decisive = d.decisive(d.candidates_of(causes, v.binding_group))
     t = v.terminal
     return {
         "verdict": v.verdict,
         "E": v.E,
-        "cause": d.shortfall_cause(decisive, t.result if t else None) if short else None,
-        "decisive": tuple(decisive) if short else (),
-        "binding_group": v.binding_group if short else None,
-        "terminal_chunk": t.chunk if short and t else None,
-        "terminal_result": t.result if short and t else None,
-        "terminal_cause": t.cause if short and t else None,
+        "cause": d.shortfall_cause(decisive, t.result if t else None) if detailed else None,
+        "decisive": tuple(decisive) if detailed else (),
+        "binding_group": v.binding_group if detailed else None,
+        "terminal_chunk": t.chunk if detailed and t else None,
+        "terminal_result": t.result if detailed and t else None,
+        "terminal_cause": t.cause if detailed and t else None,
         "short": (
             d.short_of_E(v.E, *d.served(v.S, N, v.accepted_tokens, v.external_tokens))
             if short
@@ -63,6 +65,7 @@ def offline_fields(v: EpisodeVerdict, N: int) -> Fields:
 def online_fields(j: Judged, alarm: Alarm) -> Fields:
     """`FIELDS` of the alarm's verdict."""
     short = j.verdict in ("explained", "mismatch", "undetermined")
+    short = short or (j.verdict == "limited" and bool(j.decisive))
     return {
         "verdict": j.verdict,
         "E": j.E,

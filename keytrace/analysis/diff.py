@@ -54,6 +54,7 @@ from keytrace.judge.identity import (
 from keytrace.judge.ops import eq, lit, plain
 from keytrace.judge.rules import (
     Group,
+    excluded_tiers,
     groups_from_header,
     load_cap,
     lookup_cap,
@@ -515,8 +516,19 @@ def _with_explanations(eps: pl.DataFrame, explained: pl.DataFrame) -> pl.DataFra
         how="left",
         maintain_order="left",
     )
+    # a shortfall kept from the tier by the request's own tier filter is `limited`: named
+    # by the limit of its decisive cause, and E (which ignores the filter) is E without it
+    now_limited = pl.col("verdict2") == Verdict.LIMITED.value
     return eps.hstack(extra.drop(KEY)).with_columns(
-        pl.coalesce("verdict2", "verdict").alias("verdict")
+        pl.coalesce("verdict2", "verdict").alias("verdict"),
+        pl.when(now_limited)
+        .then(pl.coalesce(pl.col("limit"), d.limit_of_causes(pl.col("decisive"))))
+        .otherwise(pl.col("limit"))
+        .alias("limit"),
+        pl.when(now_limited)
+        .then(pl.coalesce("E_free", "E"))
+        .otherwise(pl.col("E_free"))
+        .alias("E_free"),
     )
 
 
@@ -1007,6 +1019,25 @@ def _needed(
     )
 
 
+def _excluded_tiers(eps: pl.DataFrame, header: Mapping[str, Any]) -> pl.DataFrame | None:
+    """(inst, s, tier) of the secondary tiers each episode's ``kv_load_tiers`` kept its
+    lookup from (`keytrace.judge.rules.excluded_tiers`, evaluated once per distinct filter);
+    None where no episode asked for a filter that excludes any."""
+    if "load_tiers" not in eps.columns:
+        return None
+    asked = eps.select(*KEY, "load_tiers").drop_nulls("load_tiers")
+    tiers = header.get("secondary_tiers") or []
+    table = [
+        (f, t) for f in asked["load_tiers"].unique().to_list() for t in excluded_tiers(f, tiers)
+    ]
+    if not table:
+        return None
+    by_filter = pl.DataFrame(
+        table, schema={"load_tiers": pl.String, "tier": pl.Int32}, orient="row"
+    )
+    return asked.join(by_filter, on="load_tiers").select(*KEY, "tier")
+
+
 def _with_causes(
     header: dict[str, Any],
     stores: pl.LazyFrame,
@@ -1076,8 +1107,9 @@ def _with_causes(
         probes = probes.join(per_episode, on=KEY, how="left")
     group_ids = [g["group_id"] for g in header["groups"]]
     recurrent = [g.gid for g in groups if g.recurrent]
+    excluded = _excluded_tiers(sf, header) if tiers is not None else None
     judged = (
-        causes(probes, stores, group_ids, tiers, others, recurrent)
+        causes(probes, stores, group_ids, tiers, others, recurrent, excluded)
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )

@@ -114,6 +114,7 @@ def episodes(trace: Trace) -> pl.LazyFrame:
         pl.col("spb").cast(pl.Int64),
         *(_or_null(ep, c, a) for c, a in _LIMIT_COLUMNS.items()),
         _or_null(ep, "skip_reading_kv", "skip", pl.Boolean),
+        _or_null(ep, "kv_load_tiers", "load_tiers", pl.String),
     )
 
 

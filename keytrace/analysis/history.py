@@ -73,14 +73,20 @@ def store_rows(stores: pl.LazyFrame, keys: pl.Series) -> pl.DataFrame:
     )
 
 
-def durable(at: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
+def durable(
+    at: pl.DataFrame, tiers: pl.LazyFrame, excluded: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """``at`` (inst, s, key: keys at episodes) -> the same rows with ``durable``: a secondary
     tier held the key at the episode (docs/diff.md, "Tiered offloading"): a write-through
     to it completed before ``s`` or its lookup answered HIT before or during the episode
-    (``ep == s``), and it reported no eviction of the key since. Per tier, then any tier."""
+    (``ep == s``), and it reported no eviction of the key since. Per tier, then any tier.
+
+    ``excluded``: (inst, s, tier) of the tiers an episode's ``kv_load_tiers`` kept its
+    lookup from (`keytrace.judge.rules.excluded_tiers`); ``durable`` then counts the
+    others, and ``excluded`` says the key was held only on excluded tiers."""
     base = at.select("inst", "s", "key").unique()
     if base.height == 0:
-        return base.with_columns(pl.lit(False).alias("durable"))
+        return base.with_columns(pl.lit(False).alias("durable"), pl.lit(False).alias("excluded"))
     keys = base.get_column("key").unique().implode()
     ev = pl.col("event")
     rows = collect(
@@ -101,17 +107,27 @@ def durable(at: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
             pl.col("seq").filter(pl.col("event") == "tier_evicted").max().alias("gone"),
         )
         .filter(resident(pl.col("held"), pl.col("gone")))
-        .select("inst", "s", "key", pl.lit(True).alias("durable"))
-        .unique()
+        .select("inst", "s", "key", "tier")
     )
-    return base.join(seen, on=["inst", "s", "key"], how="left").with_columns(
-        pl.col("durable").fill_null(False)
+    allowed = seen
+    if excluded is not None and excluded.height:
+        allowed = seen.join(excluded, on=["inst", "s", "tier"], how="anti")
+    on = ["inst", "s", "key"]
+    return (
+        base.join(allowed.select(*on, pl.lit(True).alias("durable")).unique(), on=on, how="left")
+        .join(seen.select(*on, pl.lit(True).alias("anywhere")).unique(), on=on, how="left")
+        .with_columns(pl.col("durable").fill_null(False), pl.col("anywhere").fill_null(False))
+        .with_columns((pl.col("anywhere") & ~pl.col("durable")).alias("excluded"))
+        .drop("anywhere")
     )
 
 
-def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
-    """Per probe (pid): ``durable``, ``held``, ``no_room``, ``own_promotion_evicted``,
-    ``evicted_now`` (the `keytrace.judge.definitions.KeyFacts` a tiered manager adds)."""
+def _tier_facts(
+    probes: pl.DataFrame, tiers: pl.LazyFrame, excluded: pl.DataFrame | None = None
+) -> pl.DataFrame:
+    """Per probe (pid): ``durable``, ``excluded``, ``held``, ``no_room``,
+    ``own_promotion_evicted``, ``evicted_now`` (the `keytrace.judge.definitions.KeyFacts` a
+    tiered manager adds; ``excluded``: `durable`'s)."""
     ev = pl.col("event")
     keys = probes.get_column("key").unique().implode()
     rows = collect(
@@ -123,7 +139,7 @@ def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
     base = probes.select(
         "pid", "inst", "s", "key", *(["req_id"] if "req_id" in probes.columns else [])
     )
-    out = base.join(durable(base, tiers), on=["inst", "s", "key"], how="left")
+    out = base.join(durable(base, tiers, excluded), on=["inst", "s", "key"], how="left")
     during = pl.col("ep") == pl.col("s")
     no_room = (
         base.join(rows.filter(ev == "promotion_no_room"), on=["inst", "key"])
@@ -162,7 +178,14 @@ def _tier_facts(probes: pl.DataFrame, tiers: pl.LazyFrame) -> pl.DataFrame:
         "pid",
         *(
             pl.col(c).fill_null(False)
-            for c in ("durable", "held", "no_room", "own_promotion_evicted", "evicted_now")
+            for c in (
+                "durable",
+                "excluded",
+                "held",
+                "no_room",
+                "own_promotion_evicted",
+                "evicted_now",
+            )
         ),
     )
 
@@ -278,6 +301,7 @@ def causes(
     tiers: pl.LazyFrame | None = None,
     others: FirstOffers | None = None,
     recurrent: Sequence[int] = (),
+    excluded: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys (and
     their block hashes under ``group_ids``): two passes over ``stores``, one for those
@@ -295,6 +319,9 @@ def causes(
     judgement, `keytrace.analysis.partition`); whether another instance offered a key
     before the episode is read from this table instead (`offered_elsewhere`). None:
     ``stores`` holds every instance's rows and is read for it.
+
+    ``excluded``: (inst, s, tier) of the secondary tiers an episode's ``kv_load_tiers``
+    kept its lookup from (`durable`).
     """
     if probes.height == 0:
         return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
@@ -383,9 +410,10 @@ def causes(
     )
     tiered = {}
     if tiers is not None:
-        facts = facts.join(_tier_facts(probes, tiers), on="pid", how="left")
+        facts = facts.join(_tier_facts(probes, tiers, excluded), on="pid", how="left")
         tiered = {
             "durable": pl.col("durable"),
+            "excluded": pl.col("excluded"),
             "held": pl.col("held"),
             "no_room": pl.col("no_room"),
             "own_promotion_evicted": pl.col("own_promotion_evicted"),

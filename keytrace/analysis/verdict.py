@@ -20,7 +20,7 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.judge import definitions as d
-from keytrace.judge.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN
+from keytrace.judge.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN, Limit
 from keytrace.judge.ops import plain
 
 CAUSE_TEXT = {
@@ -34,6 +34,7 @@ CAUSE_TEXT = {
     "primary_busy": "on a secondary tier; no CPU slot to promote it into: write-throughs and other requests' promotions in flight held too many (the CPU tier was busy)",
     "promotion_starved": "on a secondary tier; no CPU slot to promote it into, though the request fits the CPU tier beside the transfers in flight",
     "secondary_resident": "on a secondary tier, yet the tiered lookup answered MISS",
+    "tier_excluded": "only on secondary tiers the request's kv_load_tiers excluded from its lookup",
     "evicted": "evicted before the episode",
     "other_engine": "offered on another engine before the lookup (a routing miss)",
     "store_failed": "offered, but the store's allocation or transfer failed",
@@ -98,6 +99,10 @@ def reason(verdict: str, decisive: list[str], term_result: str | None) -> str:
     texts = sorted({CAUSE_TEXT.get(c, c) for c in decisive})
     if verdict == "explained":
         return "shortfall explained by timing/capacity/routing: " + "; ".join(texts)
+    if verdict == "limited":
+        limits = sorted({str(d.LIMIT_OF_CAUSE[c]) for c in decisive if c in d.LIMIT_OF_CAUSE})
+        labels = [d.LIMIT_LABELS[Limit(x)] for x in limits]
+        return "; ".join(labels) + ": " + "; ".join(texts)
     if not decisive:
         return "every chunk vLLM's rule needs for a hit at E was resident, yet lookup fell short"
     rule = sorted({CAUSE_TEXT[c] for c in decisive if c in RULE_CAUSES})

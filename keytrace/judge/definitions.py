@@ -74,6 +74,9 @@ class Cause(StrEnum):
     PRIMARY_BUSY = "primary_busy"
     PROMOTION_STARVED = "promotion_starved"
     SECONDARY_RESIDENT = "secondary_resident"
+    TIER_EXCLUDED = "tier_excluded"
+    """Durable only on secondary tiers the request's ``kv_load_tiers`` keeps its lookup
+    from consulting: not loaded because the request said so (`Limit.KV_LOAD_TIERS`)."""
     EVICTED = "evicted"
     OTHER_ENGINE = "other_engine"
     STORE_FAILED = "store_failed"
@@ -122,6 +125,9 @@ class Limit(StrEnum):
     ``skip_reading_prefix_cache``; 0.34.0 reads it as ``skip_reading_external_kv``)."""
     MAX_OFFLOAD_TOKENS = "max_offload_tokens"
     STORE_THRESHOLD = "store_threshold"
+    KV_LOAD_TIERS = "kv_load_tiers"
+    """The request's ``kv_load_tiers`` excluded the secondary tiers that held what its
+    lookup needed (`Cause.TIER_EXCLUDED`)."""
 
 
 LIMIT_LABELS: dict[str, str] = {
@@ -129,6 +135,7 @@ LIMIT_LABELS: dict[str, str] = {
     Limit.SKIP_READING: "by request: skip_reading_prefix_cache",
     Limit.MAX_OFFLOAD_TOKENS: "by request: max_offload_tokens",
     Limit.STORE_THRESHOLD: "filtered: store_threshold",
+    Limit.KV_LOAD_TIERS: "by request: kv_load_tiers",
 }
 """How a limit is named in a verdict line and in the token account."""
 
@@ -393,6 +400,9 @@ class KeyFacts:
     tier's asynchronous lookup under way: `unsettled`)."""
     unasked: Truth = False
     """The episode never looked the key up (its key is known from elsewhere)."""
+    excluded: Truth = False
+    """Durable on a secondary tier, but only on tiers the episode's ``kv_load_tiers``
+    excludes (``durable`` counts the tiers it allows: `keytrace.judge.rules.excluded_tiers`)."""
 
 
 def last_removal(f: KeyFacts) -> Num:
@@ -425,6 +435,7 @@ CAUSES: tuple[tuple[Cause, Callable[[KeyFacts], Truth]], ...] = (
     (Cause.PRIMARY_BUSY, lambda f: f.durable & f.no_room & f.crowded),
     (Cause.PROMOTION_STARVED, lambda f: f.durable & f.no_room),
     (Cause.SECONDARY_RESIDENT, lambda f: f.durable),
+    (Cause.TIER_EXCLUDED, lambda f: f.excluded),
     (Cause.EVICTED, lambda f: known(f.completed)),
     (Cause.OTHER_ENGINE, lambda f: f.other_engine),
     (Cause.STORE_FAILED, lambda f: known(f.failed)),
@@ -474,6 +485,11 @@ STORE_RULE_CAUSES = (
 )
 """The store path and the lookup path disagree about a key: with perfect timing, capacity
 and routing the lookup would still fall short."""
+LIMIT_CAUSES = (Cause.TIER_EXCLUDED,)
+"""A key kept from the lookup because the request said so: a shortfall with these and no
+rule cause is `Verdict.LIMITED` (`LIMIT_OF_CAUSE` names the limit)."""
+LIMIT_OF_CAUSE: dict[str, Limit] = {Cause.TIER_EXCLUDED: Limit.KV_LOAD_TIERS}
+"""The `Limit` each of `LIMIT_CAUSES` names."""
 TIER_RULE_CAUSES = (Cause.PROMOTION_EVICTED, Cause.PROMOTION_STARVED, Cause.SECONDARY_RESIDENT)
 """A tiered manager did not serve a key a tier held, though the request fits its primary:
 alone, with nothing blocking, it would have served it."""
@@ -487,6 +503,7 @@ TIER_CAUSES = (
     Cause.PRIMARY_BUSY,
     Cause.PROMOTION_STARVED,
     Cause.SECONDARY_RESIDENT,
+    Cause.TIER_EXCLUDED,
 )
 """Causes that only a tiered manager gives: the key was on a secondary tier."""
 
@@ -697,6 +714,20 @@ def limit_of(E: Num, E_free: Num, stored_limit: Any, skip_reading: Any = False) 
     )
 
 
+def limit_of_causes(decisive_causes: Any) -> Any:
+    """The `Limit` a ``limited`` shortfall names: that of its first decisive cause
+    (`LIMIT_OF_CAUSE`), else unknown. A list, or a list column."""
+    if is_expr(decisive_causes):
+        import polars as pl
+
+        return decisive_causes.list.first().replace_strict(
+            {str(k): str(v) for k, v in LIMIT_OF_CAUSE.items()},
+            default=None,
+            return_dtype=pl.String,
+        )
+    return LIMIT_OF_CAUSE.get(decisive_causes[0]) if decisive_causes else None
+
+
 def store_limit(last_event: Any) -> Any:
     """The `Limit` named by a key's last store event before the episode, when that event
     is a limit's (`STORE_LIMITS`): filtered by ``store_threshold``, or withheld by its
@@ -745,6 +776,7 @@ class Shortfall:
     any_blocking: Truth
     any_tier_rule: Truth
     any_absent: Truth
+    any_limit: Truth = False
 
 
 SHORTFALL_VERDICTS: tuple[tuple[Verdict, Callable[[Shortfall], Truth]], ...] = (
@@ -752,12 +784,14 @@ SHORTFALL_VERDICTS: tuple[tuple[Verdict, Callable[[Shortfall], Truth]], ...] = (
     (Verdict.EXPLAINED, lambda f: f.unsettled),
     (Verdict.EXPLAINED, lambda f: f.any_blocking),
     (Verdict.MISMATCH, lambda f: f.any_tier_rule),
+    (Verdict.LIMITED, lambda f: f.any_limit),
     (Verdict.EXPLAINED, lambda f: f.any_absent),
 )
 """A shortfall's verdict, first match wins; none holding (every needed chunk was resident
 and lookup still fell short) is ``mismatch``. A tier rule cause is a mismatch only where
 nothing blocking stood in the way: a tiered manager cannot serve a key that is on no tier,
-or a request bigger than its primary."""
+or a request bigger than its primary. A shortfall whose rule-free absent chunks include
+one the request kept from its lookup (`LIMIT_CAUSES`) is ``limited``: the request asked."""
 
 
 DECISIVE_ORDER: tuple[tuple[tuple[str, ...] | None, bool], ...] = (
@@ -766,6 +800,8 @@ DECISIVE_ORDER: tuple[tuple[tuple[str, ...] | None, bool], ...] = (
     (BLOCKING_CAUSES, False),
     (TIER_RULE_CAUSES, True),
     (TIER_RULE_CAUSES, False),
+    (LIMIT_CAUSES, True),
+    (LIMIT_CAUSES, False),
     (None, True),
     (None, False),
 )
@@ -788,6 +824,7 @@ def shortfall_facts(candidates: Sequence[Any], term_result: Any) -> Shortfall:
         any_blocking=some(by[(BLOCKING_CAUSES, False)]),
         any_tier_rule=some(by[(TIER_RULE_CAUSES, False)]),
         any_absent=some(by[(None, False)]),
+        any_limit=some(by[(LIMIT_CAUSES, False)]),
     )
 
 
@@ -809,7 +846,7 @@ def candidates_of(causes: Sequence[tuple[int, str]], binding_group: int | None) 
 
 
 def shortfall_verdict(f: Shortfall) -> Any:
-    """``mismatch`` or ``explained`` (`SHORTFALL_VERDICTS`)."""
+    """``mismatch``, ``explained`` or ``limited`` (`SHORTFALL_VERDICTS`)."""
     return cases(
         [(lambda t=test: t(f), name) for name, test in SHORTFALL_VERDICTS], Verdict.MISMATCH
     )

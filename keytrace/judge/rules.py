@@ -227,16 +227,19 @@ a cap on the tokens stored."""
 LOAD_TIERS_KEY = "kv_load_tiers"
 """The list of ``{"medium", "locality"}`` matchers that limits which secondary tiers a
 request's lookup consults (``_parse_tier_filter``); never the primary CPU tier."""
-_TIER_FIELDS = ("medium", "locality")
+TIER_MEDIA = ("CPU", "STORAGE")
+"""vLLM's ``Medium`` names (``vllm.v1.kv_offload.base``): a matcher naming another is skipped."""
+TIER_LOCALITIES = ("LOCAL", "REMOTE")
+"""vLLM's ``Locality`` names: a matcher naming another is skipped."""
+_TIER_FIELDS = {"medium": TIER_MEDIA, "locality": TIER_LOCALITIES}
 
 
 def request_limits(params: Any) -> dict[str, Any]:
     """What a request's ``kv_transfer_params`` ask of the offloading connector, as vLLM
     reads them and nothing else (never arbitrary user data): ``max_load_tokens`` and
     ``max_offload_tokens`` when ``type(v) is int and v >= 0`` (vLLM ignores anything else:
-    a bool, a float, a string), and ``kv_load_tiers`` as the canonical JSON of its entries'
-    recognised fields, upper-cased as vLLM compares them (None when not a list: vLLM then
-    allows every tier; ``"[]"`` allows none). Absent or ignored keys are None."""
+    a bool, a float, a string), and ``kv_load_tiers`` as `tier_filter` parses it.
+    Absent or ignored keys are None."""
     out: dict[str, Any] = dict.fromkeys((*LIMIT_KEYS, LOAD_TIERS_KEY))
     if not isinstance(params, dict):
         return out
@@ -244,15 +247,59 @@ def request_limits(params: Any) -> dict[str, Any]:
         raw = params.get(name)
         if type(raw) is int and raw >= 0:
             out[name] = raw
-    tiers = params.get(LOAD_TIERS_KEY)
-    if isinstance(tiers, list):
-        entries = [
-            {f: str(e[f]).upper() for f in _TIER_FIELDS if isinstance(e.get(f), str)}
-            for e in tiers
-            if isinstance(e, dict)
-        ]
-        out[LOAD_TIERS_KEY] = json.dumps(entries, sort_keys=True, separators=(",", ":"))
+    if params.get(LOAD_TIERS_KEY) is not None:
+        out[LOAD_TIERS_KEY] = tier_filter(params[LOAD_TIERS_KEY])
     return out
+
+
+def tier_filter(raw: Any) -> str | None:
+    """A request's ``kv_load_tiers`` as vLLM's ``_parse_tier_filter`` reads it, written as
+    the canonical JSON of its matchers (``[{"medium": "STORAGE"}]``; a matcher's absent
+    field matches any tier), or None where vLLM allows every tier: not a list, or a
+    non-empty list none of whose entries is a valid matcher. An entry is skipped when it
+    is not a dict or names a medium or locality vLLM does not know (case-insensitive);
+    ``[]`` allows none."""
+    if not isinstance(raw, list):
+        return None
+    matchers = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            continue
+        matcher = {}
+        for name, known in _TIER_FIELDS.items():
+            value = entry.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or value.upper() not in known:
+                break
+            matcher[name] = value.upper()
+        else:
+            matchers.append(matcher)
+    if not matchers and raw:
+        return None
+    return json.dumps(matchers, sort_keys=True, separators=(",", ":"))
+
+
+def excluded_tiers(load_tiers: str | None, tiers: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The secondary tiers (header ``secondary_tiers``: index, medium, locality) a request's
+    `tier_filter` keeps its lookup from consulting (``TierFilter.allows``: a tier is allowed
+    when some matcher's medium and locality each are absent, equal, or unknown on the tier).
+    None (every tier allowed) excludes none; the primary tier is never excluded. Read
+    through `tier_filter` again: traces of keytrace before 0.9 kept unknown names that
+    vLLM skips."""
+    canonical = tier_filter(json.loads(load_tiers)) if load_tiers is not None else None
+    if canonical is None:
+        return []
+    matchers = json.loads(canonical)
+
+    def matches(m: Mapping[str, str], tier: Mapping[str, Any]) -> bool:
+        return all(m.get(f) is None or tier.get(f) is None or m[f] == tier[f] for f in _TIER_FIELDS)
+
+    return [
+        int(tier.get("index", i))
+        for i, tier in enumerate(tiers)
+        if not any(matches(m, tier) for m in matchers)
+    ]
 
 
 def withheld_chunk(g: Group, max_offload: int, prompt_tokens: int) -> int | None:

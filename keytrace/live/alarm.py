@@ -83,6 +83,7 @@ class Alarm:
             retention_of(dict(header)),
             self.keys,
             trim_first_of(dict(header)),
+            header.get("secondary_tiers") or (),
         )
         self._inst: dict[int, InstanceState] = {}
         # counters, read by the Prometheus collector and the tests

@@ -19,7 +19,7 @@ from keytrace.format.keys import chunk_ending_at
 from keytrace.format.schema import LookupResult
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import UNSEEN, Cause, Limit, Verdict
-from keytrace.judge.rules import Group, lookup_cap, needed_range
+from keytrace.judge.rules import Group, excluded_tiers, lookup_cap, needed_range
 from keytrace.live.judged import Judged
 from keytrace.live.state import InstanceState, KeyStore
 from keytrace.record.events import Episode, Scan
@@ -38,6 +38,8 @@ class _Moment:
     req_id: str
     fits: bool
     crowded: bool = False
+    excluded: frozenset[int] = frozenset()
+    """The secondary tiers the episode's ``kv_load_tiers`` kept its lookup from."""
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Judge:
         retention: int | None,
         keys: KeyStore,
         trim_first: bool = False,
+        secondary_tiers: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         self.groups = list(groups)
         self.by_gid = {g.gid: g for g in self.groups}
@@ -77,6 +80,10 @@ class Judge:
         self.retention = retention
         self.keys = keys
         self.trim_first = trim_first
+        self.secondary_tiers = list(secondary_tiers)
+        """The header's ``secondary_tiers`` (medium and locality: what a request's
+        ``kv_load_tiers`` matches)."""
+        self._excluded: dict[str, frozenset[int]] = {}
         """The trace's `keytrace.judge.rules.trim_first_of` (where vLLM's lookup cap takes
         off the recomputed token)."""
 
@@ -257,6 +264,7 @@ class Judge:
             ep.req_id,
             bool(d.fits_primary(total, self.primary_chunks)),
             bool(d.crowded(total, self.primary_chunks, st.crowd.get(s, 0))),
+            self.excluded(ep.load_tiers),
         )
         unknown = False
         causes: list[tuple[int, Cause]] = []
@@ -312,6 +320,7 @@ class Judge:
             term_result=term_result,
             term_cause=term_cause,
             decisive=tuple(decisive),
+            limit=d.limit_of_causes(decisive) if verdict is Verdict.LIMITED else None,
         )
 
     def cause(
@@ -336,7 +345,10 @@ class Judge:
             token_end=token_end,
             keyable_end=at.keyable_end,
             recurrent=g.recurrent if (g := self.by_gid.get(gid)) is not None else False,
-            durable=keys.durable(st, key),
+            durable=keys.durable(st, key, at.excluded),
+            excluded=bool(at.excluded)
+            and keys.durable(st, key)
+            and not keys.durable(st, key, at.excluded),
             held=bool(d.resident(*st.held)),
             no_room=key in st.no_room.get(s, ()),
             own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
@@ -347,6 +359,18 @@ class Judge:
             unasked=result is None,
         )
         return Cause(d.cause(facts))
+
+    def excluded(self, load_tiers: str | None) -> frozenset[int]:
+        """The secondary tiers a request's ``kv_load_tiers`` keeps its lookup from
+        (`keytrace.judge.rules.excluded_tiers`), once per distinct filter."""
+        if load_tiers is None:
+            return frozenset()
+        found = self._excluded.get(load_tiers)
+        if found is None:
+            found = frozenset(excluded_tiers(load_tiers, self.secondary_tiers))
+            if len(self._excluded) < 1024:
+                self._excluded[load_tiers] = found
+        return found
 
     instances: Sequence[InstanceState] = ()
     """Every instance of the alarm (set by it): ``other_engine`` reads their records."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -261,13 +261,18 @@ class KeyStore:
                 rec.tiers = {**(rec.tiers or {}), call.tier: held_gone}
 
     # -------------------------------------------------------------- facts
-    def durable(self, st: InstanceState, key: bytes) -> bool:
-        """A secondary tier holds ``key`` (`keytrace.analysis.history.durable`)."""
+    def durable(self, st: InstanceState, key: bytes, excluded: Collection[int] = ()) -> bool:
+        """A secondary tier holds ``key``, one not in ``excluded`` (the tiers an episode's
+        ``kv_load_tiers`` kept its lookup from: `keytrace.analysis.history.durable`)."""
         rec = self.get(st, key)
         return bool(
             rec is not None
             and rec.tiers
-            and any(d.resident(held, gone) for held, gone in rec.tiers.values())
+            and any(
+                d.resident(held, gone)
+                for tier, (held, gone) in rec.tiers.items()
+                if tier not in excluded
+            )
         )
 
     def offered_elsewhere(

@@ -211,6 +211,97 @@ def test_a_resend_after_an_overflow_is_served_from_disk(tmp_path: Path) -> None:
     assert_alarm_agrees(d, alarms(), [])
 
 
+# (the resend's kv_load_tiers, what vLLM serves it, keytrace's verdict, limit, cause): the
+# fs tier's medium is STORAGE, its locality unset (it matches any locality)
+LOAD_TIERS = [
+    ([], 0, "limited", "kv_load_tiers", "tier_excluded"),
+    ([{"medium": "cpu"}], 0, "limited", "kv_load_tiers", "tier_excluded"),
+    ([{"medium": "Storage"}], 384, "hit", None, None),
+    ([{"locality": "remote"}], 384, "hit", None, None),
+    ([{"medium": "tape"}], 384, "hit", None, None),  # vLLM skips it: every tier allowed
+    (["storage"], 384, "hit", None, None),  # not a dict: skipped, every tier allowed
+]
+
+
+@pytest.mark.parametrize(("load_tiers", "served", "verdict", "limit", "cause"), LOAD_TIERS)
+def test_a_resend_whose_kv_load_tiers_excludes_the_disk_is_limited_by_it(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    load_tiers: list[object],
+    served: int,
+    verdict: str,
+    limit: str | None,
+    cause: str | None,
+) -> None:
+    """The overflow scenario above, the resend asking for its ``kv_load_tiers``: vLLM's
+    tiered lookup consults only the secondary tiers the filter allows. Excluding the fs
+    tier that holds the whole prefix, it serves 0; keytrace names it ``limited`` by
+    ``kv_load_tiers`` (each missing chunk ``tier_excluded``), no warning, the tokens on the
+    token account's ``by request: kv_load_tiers`` row; not the ``secondary_resident``
+    mismatch it read before. A filter vLLM reads as every tier is a plain hit."""
+    caplog.set_level(logging.WARNING, logger="keytrace")
+    d = str(tmp_path / "t")
+    with recording(d, SETTINGS):
+        h = _harness(tmp_path, 16)
+        for chain in (0, 1):
+            h.submit(tokens(6), chain=chain)
+            h.run_until_idle()
+        h.reset_gpu_prefix_cache()
+        resend = h.submit(tokens(6), chain=0, kv_transfer_params={"kv_load_tiers": load_tiers})
+        h.run_until_idle()
+    assert h.observations[resend].accepted[-1] == served
+    report = diff(open_trace(d), all_episodes=True)
+    assert report.verdict == "agree"
+    (v,) = [v for v in report.episodes if v.req_id == resend and v.verdict != "deferred"]
+    assert (v.verdict, v.external_tokens, v.limit) == (verdict, served, limit)
+    if cause is not None:
+        assert v.E == 384 and v.E_free == 384
+        assert {c.cause for c in v.needed if c.cause != "resident"} == {cause}
+        assert v.reason.startswith("by request: kv_load_tiers")
+        assert report.lost is not None
+        rows = {r.label: r.tokens for r in report.lost.rows if r.engine == "all"}
+        assert rows["by request: kv_load_tiers"] == 384
+    assert_alarm_agrees(d, alarms(), _warnings(caplog))
+    assert _warnings(caplog) == []
+
+
+RAW_FILTERS: list[object] = [
+    None,
+    "cpu",
+    [],
+    [{}],
+    ["storage"],
+    [{"medium": "storage"}],
+    [{"medium": "Cpu", "locality": "remote"}],
+    [{"locality": "LOCAL"}],
+    [{"medium": "tape"}],
+    [{"medium": "tape"}, {"locality": "remote"}],
+    [{"medium": 3}],
+    [{"medium": "cpu"}, {"medium": "storage", "locality": "local"}],
+]
+
+
+def test_the_tier_filter_is_read_as_vllm_reads_it() -> None:
+    """keytrace's reading of ``kv_load_tiers`` (`rules.request_limits`, `excluded_tiers`)
+    against vLLM's own ``_parse_tier_filter`` and ``TierFilter.allows``, for every medium
+    and locality a tier can have (None included)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as vs
+    from vllm.v1.kv_offload.base import Locality, Medium, TierFilter
+
+    from keytrace.judge.rules import excluded_tiers, request_limits
+
+    kinds = [(m, loc) for m in [None, *Medium] for loc in [None, *Locality]]
+    tiers = [
+        {"index": i, "medium": m and m.name, "locality": loc and loc.name}
+        for i, (m, loc) in enumerate(kinds)
+    ]
+    for raw in RAW_FILTERS:
+        vllm_filter = TierFilter.ALL if raw is None else vs._parse_tier_filter(raw)
+        want = [i for i, (m, loc) in enumerate(kinds) if not vllm_filter.allows(m, loc)]
+        asked = request_limits({"kv_load_tiers": raw})["kv_load_tiers"]
+        assert excluded_tiers(asked, tiers) == want, raw
+
+
 def test_a_reset_clears_the_primary_and_the_disk_keeps_its_data(tmp_path: Path) -> None:
     """With stores still in flight at a reset, vLLM holds promotions until its workers
     report them (a late DMA could land in a freed slot): a lookup then answers MISS for keys

@@ -55,6 +55,7 @@ FACT_SCHEMA = {
     "unsettled": pl.Boolean,
     "unasked": pl.Boolean,
     "recurrent": pl.Boolean,
+    "excluded": pl.Boolean,
 }
 FACTS = st.fixed_dictionaries(
     {
@@ -80,6 +81,7 @@ FACTS = st.fixed_dictionaries(
         "unsettled": FLAG,
         "unasked": FLAG,
         "recurrent": FLAG,
+        "excluded": FLAG,
     }
 )
 
@@ -265,6 +267,29 @@ def test_a_blocking_cause_outranks_a_tier_rule_not_a_store_rule() -> None:
     assert judged([(1, "promoting")]) == ("explained", ["promoting"])
 
 
+def test_a_tier_the_request_excluded_limits_only_where_nothing_else_decides() -> None:
+    """``tier_excluded`` (the request's ``kv_load_tiers``) makes a shortfall ``limited``
+    only where no rule and no blocking cause decides; its limit is ``kv_load_tiers``."""
+
+    def judged(causes: list[tuple[int, str]]) -> tuple[str, list[str], Any]:
+        cands = d.candidates_of(causes, 2)
+        decisive = list(d.decisive(cands))
+        verdict = str(d.shortfall_verdict(d.shortfall_facts(cands, "MISS")))
+        return verdict, decisive, d.limit_of_causes(decisive)
+
+    assert judged([(1, "tier_excluded"), (2, "tier_excluded")]) == (
+        "limited",
+        ["tier_excluded"],
+        "kv_load_tiers",
+    )
+    # a timing cause beside it does not take the request's own choice away
+    assert judged([(2, "tier_excluded"), (1, "promoting")])[0] == "limited"
+    assert judged([(2, "tier_excluded"), (2, "evicted")])[:2] == ("explained", ["evicted"])
+    assert judged([(2, "tier_excluded"), (1, "secondary_resident")])[0] == "mismatch"
+    assert judged([(2, "tier_excluded"), (1, "never_offered")])[0] == "mismatch"
+    assert d.limit_of_causes(["evicted"]) is None and d.limit_of_causes([]) is None
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
@@ -332,7 +357,8 @@ def test_the_verdicts_are_the_documented_ones() -> None:
     documented = docs_table("Verdicts")
     base = [name for name, _ in d.BASE_VERDICTS]
     assert documented[: len(base)] == base
-    assert set(documented[len(base) :]) == {name for name, _ in d.SHORTFALL_VERDICTS}
+    # a shortfall can also end `limited` (a base verdict too, documented once)
+    assert set(documented[len(base) :]) == {name for name, _ in d.SHORTFALL_VERDICTS} - set(base)
 
 
 def facts(**kw: Any) -> d.KeyFacts:
@@ -341,6 +367,7 @@ def facts(**kw: Any) -> d.KeyFacts:
     base.update(s=100, rejected=False, other_engine=False, sibling_stored=False, token_end=64)
     base.update(durable=False, held=False, no_room=False, own_promotion_evicted=False, fits=True)
     base.update(unsettled=False, unasked=False, evicted_now=False, crowded=False, recurrent=False)
+    base.update(excluded=False)
     base.update(kw)
     return d.KeyFacts(**base)
 
@@ -366,7 +393,8 @@ def test_each_precedence_in_the_cause_table() -> None:
         ),
         ("primary_busy", "promotion_starved", facts(no_room=True, crowded=True, **tier)),
         ("promotion_starved", "secondary_resident", facts(no_room=True, **tier)),
-        ("secondary_resident", "evicted", facts(completed=20, evicted=30, **tier)),
+        ("secondary_resident", "tier_excluded", facts(excluded=True, **tier)),
+        ("tier_excluded", "evicted", facts(completed=20, evicted=30, excluded=True)),
         ("evicted", "other_engine", facts(completed=20, evicted=30, other_engine=True)),
         ("other_engine", "store_failed", facts(prepared=20, failed=30, other_engine=True)),
         ("store_failed", "rejected", facts(failed=30, rejected=True)),

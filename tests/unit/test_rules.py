@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import polars as pl
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from keytrace.judge.rules import (
     align_down,
     cdiv,
     eagle_peek_unkeyable,
+    excluded_tiers,
     group_label,
     groups_from_header,
     load_cap,
@@ -282,9 +284,37 @@ def test_only_the_recognised_kv_transfer_params_are_read_as_vllm_validates_them(
     tiers = request_limits(
         {"kv_load_tiers": [{"medium": "cpu", "locality": "local", "x": 1}, "junk", {"medium": 3}]}
     )["kv_load_tiers"]
-    assert tiers == '[{"locality":"LOCAL","medium":"CPU"},{}]'
+    # vLLM skips an entry that is not a dict or names an unknown (or non-string) value
+    assert tiers == '[{"locality":"LOCAL","medium":"CPU"}]'
     assert request_limits({"kv_load_tiers": []})["kv_load_tiers"] == "[]"  # allows none
     assert request_limits({"kv_load_tiers": "cpu"})["kv_load_tiers"] is None  # vLLM: all
+    # a non-empty list with no valid entry: vLLM falls back to every tier
+    assert request_limits({"kv_load_tiers": [{"medium": "tape"}, 7]})["kv_load_tiers"] is None
+    assert request_limits({"kv_load_tiers": [{}]})["kv_load_tiers"] == "[{}]"  # matches all
+
+
+FS = {"index": 0, "medium": "STORAGE", "locality": None}
+P2P = {"index": 1, "medium": "CPU", "locality": "REMOTE"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "excluded"),
+    [
+        (None, []),
+        ([], [0, 1]),
+        ([{"medium": "storage"}], [1]),
+        ([{"medium": "CPU"}], [0]),
+        ([{"locality": "local"}], [1]),  # fs has no locality: matches any
+        ([{"medium": "cpu", "locality": "local"}], [0, 1]),
+        ([{"medium": "cpu"}, {"medium": "storage"}], []),
+        ([{"medium": "tape"}], []),  # no valid entry: every tier
+    ],
+)
+def test_the_tiers_a_request_excludes_are_those_its_filter_matches_none_of(
+    raw: object, excluded: list[int]
+) -> None:
+    asked = request_limits({"kv_load_tiers": raw})["kv_load_tiers"]
+    assert excluded_tiers(asked, [FS, P2P]) == excluded
 
 
 def test_a_request_that_skips_external_kv_has_a_load_cap_of_0() -> None:

@@ -121,6 +121,10 @@ def test_shortfall_verdicts(s: int, verdict: str, decisive: list[str]) -> None:
 
 
 def test_reason_lines() -> None:
+    assert reason("limited", ["tier_excluded"], "MISS") == (
+        "by request: kv_load_tiers: only on secondary tiers the request's kv_load_tiers "
+        "excluded from its lookup"
+    )
     # a rule mismatch names only the rule causes, even when timing causes are decisive too
     assert reason("mismatch", ["evicted", "never_offered"], None) == (
         "lookup needed chunks the store path did not keep: never offered by the store path"
