@@ -170,7 +170,13 @@ def _diff(
     options = _Options(groups, (request, engine, rank), all_episodes, batch_episodes, split, shared)
     results: list[PartitionResult] = []
     for shipped in subsets:
-        results.extend(_judge_all(shipped, options, runner, partitions, tick))
+        # engines that hash apart may differ in their lookahead too: each under its own
+        own = (
+            options
+            if shipped is shipped_all
+            else dataclasses.replace(options, groups=_groups(shipped))
+        )
+        results.extend(_judge_all(shipped, own, runner, partitions, tick))
     return _merge(trace, results, all_episodes, findings)
 
 

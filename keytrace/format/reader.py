@@ -137,7 +137,11 @@ class Trace:
         the differ judges at once (`keytrace.analysis.partition`)."""
         keep = frozenset(instances)
         parts = [p for p in self.parts if (i := _instance_of(p)) is None or i in keep]
-        return dataclasses.replace(self, parts=parts, only=keep)
+        # engines may differ in their own settings (`PER_ENGINE_KEYS`): these instances'
+        # rows are judged under their own header, not the first part's of the whole trace
+        own = next((p.header_json for p in parts if _instance_of(p) is not None), None)
+        header = json.loads(own) if own is not None else self.header
+        return dataclasses.replace(self, parts=parts, only=keep, header=header)
 
     def absolute(self) -> Trace:
         """This trace with every part's path absolute: what a worker in another working
@@ -621,10 +625,22 @@ def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
     return bool(_plain(found) == _plain(expected))
 
 
-PER_ENGINE_KEYS = frozenset({"hash_identity", "tier_scope", "hash_algo", "pythonhashseed_set"})
+PER_ENGINE_KEYS = frozenset(
+    {
+        "hash_identity",
+        "tier_scope",
+        "hash_algo",
+        "pythonhashseed_set",
+        "num_hash_lookahead_tokens",
+        "use_lookahead_block_hashes",
+        "eagle_proof_margins",
+    }
+)
 """Header keys that describe one engine, not the configuration: parts may differ in them
-(two engines, two runs, a random seed per process) and still be one trace. The differ
-compares them across engines (`keytrace.judge.identity`) before it judges any key."""
+(two engines, two runs, a random seed per process, one engine with lookahead block hashes
+and one without) and still be one trace. The differ compares them across engines
+(`keytrace.judge.identity`) before it judges any key, and judges engines that hash
+differently apart, each under its own header (`Trace.of_instances`)."""
 
 
 def _configuration(header_json: str) -> str:

@@ -519,3 +519,72 @@ def test_a_deferred_release_is_recorded_on_0_34(tmp_path: Path) -> None:
     assert len(jobs) == 1 and jobs[0][:2] == ("r3", 0) and jobs[0][2] is not None
     assert rows["deferred_released"].select("req_id", "tier", "job_id").unique().rows() == jobs
     assert rows["promotion_deferred"]["seq"].max() < rows["deferred_released"]["seq"].min()  # type: ignore[operator]
+
+
+TWO_LOOKAHEADS = """
+from keytrace.analysis.geometry import HYBRID, parse_drafter
+from keytrace.vllm.hook.patches import recording
+from keytrace.vllm.lab import config as lab_config
+from keytrace.vllm.lab.config import tiered
+from keytrace.vllm.lab.harness import Harness
+
+make = lab_config.speculative_config
+for disable in (False, True):
+    # the second engine as a user sets it: --speculative-config
+    # '{{"disable_lookahead_block_hashes": true, ...}}'
+    def spec(*a, _disable=disable, **kw):
+        cfg = make(*a, **kw)
+        cfg.disable_lookahead_block_hashes = _disable
+        return cfg
+
+    lab_config.speculative_config = spec
+    geo = tiered(HYBRID.with_(drafter=parse_drafter("mtp:2:3")), ("fs",), {disk!r})
+    with recording({trace!r}):
+        h = Harness(geo, max_prompt_tokens=2_000)
+        try:
+            h.submit({P})
+            h.run_until_idle()
+            h.settle_tiers()
+        finally:
+            h.close()
+"""
+
+
+def test_engines_sharing_a_tier_with_another_lookahead_are_one_finding(tmp_path: Path) -> None:
+    """Two engines on 0.34.0 share one fs root, the second with the same MTP drafter but
+    ``disable_lookahead_block_hashes``: their block hashes of one prompt differ (L = 2 vs
+    0), so the second can never read what the first wrote. `keytrace diff` reads the trace
+    (the lookahead is an engine's own setting, not a mixed configuration), names the
+    engines and the field (``lookahead_tokens``) as one hash-identity finding, exit 1, and
+    judges each engine under its own header."""
+    from keytrace.analysis.diff import diff
+    from keytrace.cli import main
+    from keytrace.format.reader import engine_headers, open_trace
+    from keytrace.judge.identity import Finding
+
+    trace, disk = tmp_path / "t", tmp_path / "disk"
+    r = run_python(TWO_LOOKAHEADS.format(trace=str(trace), disk=str(disk), P=P), **_where())
+    assert r.returncode == 0, r.stderr[-4000:]
+    t = open_trace(str(trace))
+    lookaheads = sorted(h["num_hash_lookahead_tokens"] for h, _ in engine_headers(t).values())
+    assert lookaheads == [0, 2]
+    report = diff(t, all_episodes=True)
+    (finding,) = report.identity
+    assert finding.finding is Finding.HASH_IDENTITY and finding.field == "lookahead_tokens"
+    assert finding.tier.startswith("fs:") and len(finding.engines) == 2
+    assert "disable_lookahead_block_hashes" in finding.fix
+    assert report.verdict == "mismatch"
+    assert main(["diff", str(trace)]) == 1
+    # each engine's episodes judged under its own header: its own lookup cap
+    caps = {
+        header["num_hash_lookahead_tokens"]: sorted(
+            {v.L for v in report.episodes if v.instance_id in insts}
+        )
+        for header, insts in engine_headers(t).values()
+    }
+    # P = 1,025, A = 64: N - 2 = 1,023 -> 960 under L = 2; N - 1 = 1,024 without
+    assert caps == {2: [960], 0: [1024]}
+    # the second engine's prompt: named for the cause, not "not stored anywhere"
+    assert report.lost is not None
+    rows = {r.label: r.tokens for r in report.lost.rows if r.engine == "all"}
+    assert rows == {"cold: an engine on its shared tier hashes differently (hash identity)": 2 * P}

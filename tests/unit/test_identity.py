@@ -147,6 +147,10 @@ def test_the_reader_compares_configurations_without_the_per_engine_keys() -> Non
     a, b = _header(), _header(algo="xxhash", digest="bb", tiers=("fs:/other",))
     a["groups"] = b["groups"] = [1]
     assert _configuration(json.dumps(a)) == _configuration(json.dumps(b))
+    # one engine with lookahead block hashes, one without (vLLM 0.34.0): its own setting
+    b.update(num_hash_lookahead_tokens=2, use_lookahead_block_hashes=True)
+    b["eagle_proof_margins"] = {"2": 1}
+    assert _configuration(json.dumps(a)) == _configuration(json.dumps(b))
     b["groups"] = [2]
     assert _configuration(json.dumps(a)) != _configuration(json.dumps(b))
     assert {"hash_identity", "tier_scope"} <= PER_ENGINE_KEYS
