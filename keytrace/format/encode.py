@@ -170,24 +170,56 @@ _PLAIN = {"key", "term_key", "head_keys", "tail_keys", "head_seqs", "tail_seqs"}
 """Columns never dictionary-encoded: hashes and sequence numbers do not repeat."""
 
 
-def write_parquet(table: pa.Table, fh: Any) -> None:
-    """One closed Parquet file. Lookup parts (v2) get one row group per group id, sorted, so
-    a reader asking for one group (the differ's full-attention keys) skips the others by
-    their statistics."""
+SPLIT_MIN_ROWS = 16_384
+"""The rows from which a part the writer closes gets one row group per group id (lookup
+rows, `write_row_groups`). A reader skips a group's row group only to save reading it;
+below this a part is read whole in a moment anyway, while each row group costs the writer
+a column writer per column (55 for lookup rows): one row group halves the instructions of
+writing a small lookup part, on the serving process (`tools/bench_recorder.py --profile`).
+`keytrace compact` always splits."""
+
+
+def write_parquet(table: pa.Table, fh: Any, split_min_rows: int = SPLIT_MIN_ROWS) -> None:
+    """One closed Parquet file. A lookup part (v2) of at least ``split_min_rows`` rows gets
+    one row group per group id, sorted, so a reader asking for one group (the differ's
+    full-attention keys) skips the others by their statistics."""
     with parquet_writer(fh, table.schema) as w:
-        write_row_groups(w, table)
+        write_row_groups(w, table, split_min_rows)
 
 
 def parquet_writer(fh: Any, schema: pa.Schema) -> pq.ParquetWriter:
-    """A Parquet writer with the trace's encoding: zstd, dictionaries except for hashes."""
+    """A Parquet writer with the trace's encoding: zstd, dictionaries except for hashes,
+    statistics only where a reader can prune by them (`statistics_columns`)."""
     # a list of columns is what pyarrow accepts; its stubs only know the bool form
-    opts: dict[str, Any] = {"use_dictionary": [c for c in schema.names if c not in _PLAIN]}
+    opts: dict[str, Any] = {
+        "use_dictionary": [c for c in schema.names if c not in _PLAIN],
+        "write_statistics": statistics_columns(schema),
+    }
     return pq.ParquetWriter(fh, schema, compression="zstd", **opts)
 
 
-def write_row_groups(w: pq.ParquetWriter, table: pa.Table) -> None:
-    """``table`` as one row group, or for lookup rows (v2) one per group id."""
-    if "scan" not in table.column_names or len(table) == 0:
+def statistics_columns(schema: pa.Schema) -> list[str]:
+    """The columns whose min/max a part records: every scalar column but binary ones.
+    A block hash is uniformly random, so a row group's min and max span almost the whole
+    key space and never let a reader skip it; lists are never filtered by range. Their
+    statistics cost a tenth of the writer's instructions (`tools/bench_recorder.py
+    --profile`), on the serving process."""
+    return [
+        f.name
+        for f in schema
+        if not (
+            pa.types.is_binary(f.type)
+            or pa.types.is_large_binary(f.type)
+            or pa.types.is_list(f.type)
+            or pa.types.is_large_list(f.type)
+        )
+    ]
+
+
+def write_row_groups(w: pq.ParquetWriter, table: pa.Table, split_min_rows: int = 0) -> None:
+    """``table`` as one row group, or for lookup rows (v2) of at least ``split_min_rows``
+    rows one per group id."""
+    if "scan" not in table.column_names or len(table) == 0 or len(table) < split_min_rows:
         w.write_table(table, row_group_size=max(len(table), 1))
         return
     table = table.sort_by([("group_id", "ascending")])

@@ -198,6 +198,36 @@ def test_modes_and_layout(tmp_path: Path) -> None:
     assert not any("DICTIONARY" in e for e in cols["key"].encodings)
     assert any("DICTIONARY" in e for e in cols["event"].encodings)
     assert {c.compression for c in cols.values()} == {"ZSTD"}
+    # min/max only where a reader can prune by them: never a random hash's
+    assert cols["key"].statistics is None
+    assert cols["seq"].statistics is not None and cols["seq"].statistics.has_min_max
+
+
+def test_a_small_lookup_part_is_one_row_group_a_big_one_one_per_group(tmp_path: Path) -> None:
+    """The writer splits a lookup part by group id only from `SPLIT_MIN_ROWS` rows (each row
+    group costs the serving process a column writer per column); compact always splits.
+    Both read back as the same rows."""
+    import io
+
+    from keytrace.format.encode import SPLIT_MIN_ROWS, write_parquet
+
+    b = new_builder(tmp_path / "t")
+    b.prime("p", "c", 100, swa_chunks={1: [5]})
+    b.episode("r", 100, external=0, chain="c", scans=[(0, [(0, "HIT")]), (1, [(5, "MISS")])])
+    b.close()
+    (part,) = _parts(tmp_path / "t" / "kind=lookup")
+    small = pq.read_table(part)
+    gids = set(small.column("group_id").to_pylist())  # episode rows have none
+    assert len(gids) >= 3
+    assert pq.ParquetFile(part).metadata.num_row_groups == 1
+    for split, groups in ((len(small), len(gids)), (len(small) + 1, 1)):
+        fh = io.BytesIO()
+        write_parquet(small, fh, split)
+        fh.seek(0)
+        again = pq.ParquetFile(fh)
+        assert again.metadata.num_row_groups == groups
+        assert sorted(again.read().to_pylist(), key=str) == sorted(small.to_pylist(), key=str)
+    assert len(small) < SPLIT_MIN_ROWS
 
 
 _CHILD = textwrap.dedent(
