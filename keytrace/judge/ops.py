@@ -36,9 +36,18 @@ Truth: TypeAlias = Any
 """A ``bool``, or a boolean polars expression."""
 
 
+_PLAIN_TYPES = frozenset({int, bool, float, str, type(None)})
+"""Types that are never an expression: `is_expr` answers for them without reading a
+module name (the live alarm asks it some 200 times per judged episode)."""
+
+
 def is_expr(*xs: Any) -> bool:
     """Any of ``xs`` is a polars expression (then the result is one)."""
-    return any(type(x).__module__.startswith("polars") for x in xs)
+    for x in xs:
+        t = type(x)
+        if t not in _PLAIN_TYPES and t.__module__.startswith("polars"):
+            return True
+    return False
 
 
 def _pl() -> Any:
