@@ -24,14 +24,7 @@ import polars as pl
 from keytrace.analysis import frames, lost, partition, scans, unknown
 from keytrace.analysis.boundaries import anchor, chain, shared_boundaries, shared_writes
 from keytrace.analysis.chunkmap import chunk_maps
-from keytrace.analysis.history import (
-    SharedTiers,
-    causes,
-    crowding,
-    durable,
-    gid_in,
-    shared_durable,
-)
+from keytrace.analysis.history import causes, crowding, durable, gid_in
 from keytrace.analysis.results import (
     NO_VERDICT,
     DiffReport,
@@ -235,21 +228,19 @@ def _shared_tiers(
     headers: Mapping[str, Mapping[str, Any]],
     engines: Mapping[str, tuple[dict[str, Any], frozenset[int]]],
 ) -> pl.DataFrame:
-    """(inst, other, tier, own_tier): the pairs of recorder instances that share a tier
+    """(inst, other, tier): the pairs of recorder instances that share a tier
     (`keytrace.judge.identity.shares_tier`, the scope rule), with the index of the shared
-    tier on ``other`` (its writes reach ``inst``) and on ``inst``."""
-    rows: list[tuple[int, int, int, int]] = []
+    tier on ``other`` (its writes reach ``inst``)."""
+    rows: list[tuple[int, int, int]] = []
     for a, (_, ids_a) in engines.items():
         for b, (_, ids_b) in engines.items():
             if a == b or not shares_tier(headers[a], headers[b]):
                 continue
-            mine, theirs = shared_places(headers[a]), shared_places(headers[b])
-            tiers = sorted((theirs[p], mine[p]) for p in set(mine) & set(theirs))
-            rows.extend((i, j, t, o) for i in ids_a for j in ids_b for t, o in tiers)
+            common = set(shared_places(headers[a])) & set(shared_places(headers[b]))
+            tiers = sorted(shared_places(headers[b])[p] for p in common)
+            rows.extend((i, j, t) for i in ids_a for j in ids_b for t in tiers)
     return pl.DataFrame(
-        rows,
-        schema={"inst": pl.Int64, "other": pl.Int64, "tier": pl.Int32, "own_tier": pl.Int32},
-        orient="row",
+        rows, schema={"inst": pl.Int64, "other": pl.Int64, "tier": pl.Int32}, orient="row"
     )
 
 
@@ -443,18 +434,14 @@ def _judge(
     instance, and is read for it)."""
     routing, chains, runs, promotions, crowd = known
     view = trace.episode_range(lo, hi)
-    shared = None
-    if options is not None and options.shared is not None and options.shared.height:
-        fleet = others.fleet if others is not None and others.fleet is not None else trace
-        shared = SharedTiers(options.shared, frames.tiers(fleet))
-    eps = _episodes(view, groups, chains, runs, sel, _store_limits(trace, view), shared)
+    eps = _episodes(view, groups, chains, runs, sel, _store_limits(trace, view))
     if eps.height == 0:
         return _Batch({}, None, None)
     t_max = eps.get_column("t").max()
     before = _before(hi, t_max if isinstance(t_max, int) else None)
     past = _stores(trace, before)
     sf = eps.filter(pl.col("verdict") == "shortfall")
-    explained = _explain_shortfalls(trace, view, past, groups, sf, crowd, others, shared)
+    explained = _explain_shortfalls(trace, view, past, groups, sf, crowd, others)
     judged = _with_explanations(eps, explained)
     del eps, sf  # the episode frame is held once from here (judged shares its columns)
     counts = dict(judged.group_by("verdict").len().iter_rows())
@@ -660,7 +647,6 @@ def _episodes(
     runs: pl.DataFrame,
     sel: pl.Expr,
     limits: pl.DataFrame,
-    shared: SharedTiers | None = None,
 ) -> pl.DataFrame:
     """Every episode of ``trace`` that ``sel`` selects, with L, F, its intended boundaries
     (``chains``: `_chains`), E, E without the request's load cap (``E_free``, where it
@@ -671,7 +657,7 @@ def _episodes(
     # each piece is collected on its own (small: one row per episode): composed in one lazy
     # plan with the joins below, a whole pass ran under _expected_boundary's reuse of `out`
     # (measured at 150M rows: +64 MB peak, and slower)
-    leads = _tiered_leads(trace, groups, shared) if frames.is_tiered(trace) else None
+    leads = _tiered_leads(trace, groups) if frames.is_tiered(trace) else None
     F = frames.collect(scans.resident_prefix(summaries, eps, groups, leads)).lazy()
     B = chains.lazy()
     top = d.match_ceiling(pl.col("L"), pl.col("F"))  # F null: no full-attention constraint
@@ -758,12 +744,8 @@ def _store_limits(trace: Trace, view: Trace) -> pl.DataFrame:
     )
 
 
-def _tiered_leads(
-    trace: Trace, groups: list[Group], shared: SharedTiers | None = None
-) -> pl.LazyFrame:
-    """`scans.tiered_leads` of the episodes of ``trace`` (a tiered trace); with ``shared``,
-    a key another engine wrote to a tier this one shares is held for it too
-    (`keytrace.analysis.history.shared_durable`)."""
+def _tiered_leads(trace: Trace, groups: list[Group]) -> pl.LazyFrame:
+    """`scans.tiered_leads` of the episodes of ``trace`` (a tiered trace)."""
     fa = {g.gid: g.tpc for g in groups if g.full_attention}
     calls = frames.collect(
         frames.lookups(trace, gids=list(fa)).select(
@@ -786,25 +768,6 @@ def _tiered_leads(
         .select("inst", "s", "gid", "first")
     )
     held = durable(cells.select("inst", "s", "key"), frames.tiers(trace))
-    if shared is not None:
-        on = ["inst", "s", "key"]
-        probes = (
-            cells.select(on)
-            .unique()
-            .join(frames.collect(frames.episodes(trace).select("inst", "s", "t")), on=KEY)
-            .with_row_index("pid")
-            .with_columns(pl.col("pid").cast(pl.Int64))
-        )
-        also = (
-            probes.join(shared_durable(probes, shared), on="pid")
-            .filter(pl.col("shared_durable"))
-            .select(*on, pl.lit(True).alias("also"))
-        )
-        held = (
-            held.join(also, on=on, how="left")
-            .with_columns(pl.col("durable") | pl.col("also").fill_null(False))
-            .drop("also")
-        )
     return scans.tiered_leads(cells, held, starts).lazy()
 
 
@@ -858,13 +821,12 @@ def _explain_shortfalls(
     sf: pl.DataFrame,
     crowd: pl.DataFrame | None = None,
     others: partition.FirstOffers | None = None,
-    shared: SharedTiers | None = None,
 ) -> pl.DataFrame:
     """Per shortfall episode: the binding scan, needed chunks with causes, the verdict.
     The episodes' own lookup rows are read from ``view``, the store history from ``past``
     (`_judge`), a request's other lookups from ``trace``; ``crowd``: the trace's
     `keytrace.analysis.history.crowding` (a tiered trace; computed here when None);
-    ``others``: `_judge`; ``shared``: other engines' writes to the tiers these share."""
+    ``others``: `_judge`."""
     empty = pl.DataFrame(
         schema={
             "inst": pl.Int64,
@@ -906,9 +868,7 @@ def _explain_shortfalls(
     needed = unknown.settle_offers(trace, needed, sf, fleet)
     needed = needed.join(proofs, on=[*KEY, "gid", "chunk"], how="left")
     tiers = frames.tiers(trace) if frames.is_tiered(trace) else None
-    with_cause = _with_causes(
-        trace.header, past, needed, bind, sf, groups, tiers, crowd, others, shared
-    )
+    with_cause = _with_causes(trace.header, past, needed, bind, sf, groups, tiers, crowd, others)
     terminals = sf.select(KEY).join(bind, on=KEY, how="left")
     # decisive causes in (group, chunk) order: the first one names an episode's shortfall
     # tokens in the account, so it must not depend on the order joins left the rows in
@@ -1094,7 +1054,6 @@ def _with_causes(
     tiers: pl.LazyFrame | None = None,
     crowd: pl.DataFrame | None = None,
     others: partition.FirstOffers | None = None,
-    shared: SharedTiers | None = None,
 ) -> dict[str, pl.DataFrame]:
     """Causes for the needed chunks (HIT: resident; never looked up: not_looked_up) and for
     each episode's terminal key, from one pass over ``stores`` for just those keys' rows.
@@ -1156,7 +1115,7 @@ def _with_causes(
     recurrent = [g.gid for g in groups if g.recurrent]
     excluded = _excluded_tiers(sf, header) if tiers is not None else None
     judged = (
-        causes(probes, stores, group_ids, tiers, others, recurrent, excluded, shared)
+        causes(probes, stores, group_ids, tiers, others, recurrent, excluded)
         .select(*KEY, "key", "gid", "cause")
         .unique([*KEY, "key", "gid"])
     )

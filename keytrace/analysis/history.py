@@ -31,7 +31,6 @@ explains nothing: only what was in flight or resident at s counts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import polars as pl
 
@@ -123,81 +122,12 @@ def durable(
     )
 
 
-@dataclass(frozen=True)
-class SharedTiers:
-    """Which recorder instances read which others' shared tiers, and every instance's tier
-    rows: what `shared_durable` reads (the differ's `keytrace.analysis.diff._shared_tiers`
-    and the whole trace, whichever partition judges)."""
-
-    pairs: pl.DataFrame
-    """(inst, other, tier, own_tier): ``inst`` reads ``other``'s tier ``tier``, its own
-    ``own_tier``."""
-    tiers: pl.LazyFrame
-    """`keytrace.analysis.frames.tiers` of every instance."""
-
-
-def shared_durable(
-    probes: pl.DataFrame, shared: SharedTiers, excluded: pl.DataFrame | None = None
-) -> pl.DataFrame:
-    """(pid, shared_durable, shared_excluded) of the probes (pid, inst, s, t, key): another
-    instance wrote the key through to a tier this one shares (`keytrace.judge.identity.
-    shares_tier`), completed (or its lookup there answered HIT) before the episode's wall
-    clock ``t`` (instances' sequence numbers do not compare), and reported no eviction of it
-    from that tier since: the tier held it for this engine too, one tier for both, as it
-    does for E (`keytrace.judge.identity.on_shared_tier`). ``shared_excluded``: held so only
-    on shared tiers the episode's ``kv_load_tiers`` excluded (``excluded``: `durable`'s)."""
-    base = probes.select("pid", "inst", "s", "t", "key")
-    ev = pl.col("event")
-    keys = base.get_column("key").unique().implode()
-    rows = collect(
-        shared.tiers.filter(
-            pl.col("key").is_in(keys)
-            & (
-                ev.is_in(plain([*DURABLE_EVENTS, TierEvent.TIER_EVICTED]))
-                | ((ev == "lookup") & (pl.col("result") == "HIT"))
-            )
-        ).select(pl.col("inst").alias("other"), "ts", "tier", ev.cast(pl.String), "key")
-    )
-    gone = pl.col("event") == "tier_evicted"
-    seen = (
-        base.join(shared.pairs, on="inst")
-        .join(rows, on=["other", "tier", "key"])
-        .filter(pl.col("ts") < pl.col("t"))
-        .group_by("pid", "inst", "s", "other", "tier", "own_tier")
-        .agg(
-            pl.col("ts").filter(~gone).max().alias("held"),
-            pl.col("ts").filter(gone).max().alias("gone"),
-        )
-        .filter(resident(pl.col("held"), pl.col("gone")))
-        .select("pid", "inst", "s", pl.col("own_tier").alias("tier"))
-    )
-    allowed = seen
-    if excluded is not None and excluded.height:
-        allowed = seen.join(excluded, on=["inst", "s", "tier"], how="anti")
-    return (
-        base.select("pid")
-        .join(allowed.select("pid", pl.lit(True).alias("sd")).unique(), on="pid", how="left")
-        .join(seen.select("pid", pl.lit(True).alias("any")).unique(), on="pid", how="left")
-        .select(
-            "pid",
-            pl.col("sd").fill_null(False).alias("shared_durable"),
-            (pl.col("any").fill_null(False) & ~pl.col("sd").fill_null(False)).alias(
-                "shared_excluded"
-            ),
-        )
-    )
-
-
 def _tier_facts(
-    probes: pl.DataFrame,
-    tiers: pl.LazyFrame,
-    excluded: pl.DataFrame | None = None,
-    shared: SharedTiers | None = None,
+    probes: pl.DataFrame, tiers: pl.LazyFrame, excluded: pl.DataFrame | None = None
 ) -> pl.DataFrame:
     """Per probe (pid): ``durable``, ``excluded``, ``held``, ``no_room``,
     ``own_promotion_evicted``, ``evicted_now`` (the `keytrace.judge.definitions.KeyFacts` a
-    tiered manager adds; ``excluded``: `durable`'s). With ``shared``, a key another engine
-    wrote to a tier this one shares is durable too (`shared_durable`)."""
+    tiered manager adds; ``excluded``: `durable`'s)."""
     ev = pl.col("event")
     keys = probes.get_column("key").unique().implode()
     rows = collect(
@@ -244,20 +174,6 @@ def _tier_facts(
     )
     for extra in (no_room, own, held):
         out = out.join(extra, on="pid", how="left")
-    if shared is not None and shared.pairs.height and "t" in probes.columns:
-        out = (
-            out.join(shared_durable(probes, shared, excluded), on="pid", how="left")
-            .with_columns(
-                durable=pl.col("durable").fill_null(False)
-                | pl.col("shared_durable").fill_null(False)
-            )
-            .with_columns(
-                excluded=(
-                    pl.col("excluded").fill_null(False) | pl.col("shared_excluded").fill_null(False)
-                )
-                & ~pl.col("durable")
-            )
-        )
     return out.select(
         "pid",
         *(
@@ -386,7 +302,6 @@ def causes(
     others: FirstOffers | None = None,
     recurrent: Sequence[int] = (),
     excluded: pl.DataFrame | None = None,
-    shared: SharedTiers | None = None,
 ) -> pl.DataFrame:
     """``probes`` plus ``cause`` (see the module doc). Touches only the probes' keys (and
     their block hashes under ``group_ids``): two passes over ``stores``, one for those
@@ -406,8 +321,7 @@ def causes(
     ``stores`` holds every instance's rows and is read for it.
 
     ``excluded``: (inst, s, tier) of the secondary tiers an episode's ``kv_load_tiers``
-    kept its lookup from (`durable`). ``shared``: other engines' writes to tiers this one
-    shares count as on its tier (`shared_durable`).
+    kept its lookup from (`durable`).
     """
     if probes.height == 0:
         return probes.with_columns(pl.lit(None, dtype=pl.String).alias("cause"))
@@ -496,7 +410,7 @@ def causes(
     )
     tiered = {}
     if tiers is not None:
-        facts = facts.join(_tier_facts(probes, tiers, excluded, shared), on="pid", how="left")
+        facts = facts.join(_tier_facts(probes, tiers, excluded), on="pid", how="left")
         tiered = {
             "durable": pl.col("durable"),
             "excluded": pl.col("excluded"),

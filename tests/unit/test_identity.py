@@ -3,7 +3,6 @@ the reader and the token account do with them."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -200,55 +199,3 @@ def test_the_token_account_names_shared_routing_and_identity_apart() -> None:
     assert t["cold_hash_identity"] == 100  # engine B (inst 2) is in a finding
     t = _account([Verdict.COLD], E_other=[96])
     assert (t["cold_shared"], t["cold_routing"], t["cold_not_stored"]) == (0, 96, 4)
-
-
-def _shared_engines(tmp_path: Path, shared: bool) -> Any:
-    """Two engines over one fs tier (hand-built, TINY's FA group: tpc 16), ``shared`` or
-    each its own folder: A stores chain ``c``'s first 6 chunks (a 100-token prompt: its
-    boundary is 96) and writes them through to its fs tier; then B sends the same prompt,
-    finds chunks 0-4 (80 tokens, served) and its lookup answers MISS for chunk 5. Returns
-    the report."""
-    from keytrace.analysis.diff import diff
-    from keytrace.analysis.geometry import synthetic_header
-    from keytrace.format.reader import open_trace
-    from keytrace.format.schema import TierEvent
-    from tests.factories import TINY, TraceBuilder
-
-    geo = TINY.with_(groups=TINY.groups[:1])
-    headers = [
-        {**synthetic_header(geo), **_header(tiers=(place,))}
-        for place in (("fs:/mnt/kv", "fs:/mnt/kv") if shared else ("fs:/mnt/a", "fs:/mnt/b"))
-    ]
-    for h in headers:
-        h["secondary_tiers"] = [{"index": 0, "type": "fs", "medium": "STORAGE"}]
-    a = TraceBuilder(tmp_path / "t", geo, engine_id="engine-a", header=headers[0])
-    a.prime("pa", "c", 100)
-    chunks = list(range(6))
-    keys = [a.key("c", 0, c) for c in chunks]
-    a.rec.tier_event(TierEvent.CASCADE_COMPLETED, None, 0, keys, a.positions("c", 0, chunks))
-    a.close()
-    b = TraceBuilder(tmp_path / "t", geo, engine_id="engine-b", header=headers[1])
-    calls = [(c, "HIT") for c in range(5)] + [(5, "MISS")]
-    b.episode("rb", 100, external=80, chain="c", scans=[(0, calls)])
-    b.close()
-    return diff(open_trace(str(tmp_path / "t")), all_episodes=True)
-
-
-def test_a_key_another_engine_wrote_to_the_shared_tier_is_a_finding_when_missed(
-    tmp_path: Path,
-) -> None:
-    """Engine B's lookup answered MISS for a key engine A had written through to the fs
-    tier both share, before B asked: one tier for both, so it was on B's tier too (it
-    counts toward B's resident prefix and E, as A's boundary does) and B's shortfall is
-    its tiered manager's: a mismatch with `secondary_resident`. Over private tiers the
-    same traffic is a hit at B's own resident prefix (80): A's key was elsewhere."""
-    report = _shared_engines(tmp_path, shared=True)
-    (v,) = [v for v in report.episodes if v.req_id == "rb"]
-    assert (v.verdict, v.E, v.external_tokens) == ("mismatch", 96, 80)
-    assert [(n.chunk, n.cause) for n in v.needed if n.cause != "resident"] == [
-        (5, "secondary_resident")
-    ]
-    assert report.verdict == "mismatch"
-    private = _shared_engines(tmp_path / "private", shared=False)
-    (v,) = [v for v in private.episodes if v.req_id == "rb"]
-    assert (v.verdict, v.E) == ("hit", 80)
