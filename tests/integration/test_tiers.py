@@ -184,11 +184,12 @@ def test_a_key_on_disk_is_part_of_the_resident_prefix(tmp_path: Path) -> None:
     assert not [v for v in report.episodes if v.req_id == "r4" and v.verdict == "cold"]
 
 
-def test_a_resend_after_an_overflow_is_served_from_disk(tmp_path: Path) -> None:
-    """A second conversation overflows the 16-chunk primary; the first one's resend finds
-    its keys on disk (the fs tier answers RETRY while its lookup runs: deferred), they are
-    promoted, and all 384 tokens are served. The lost-token table says where they came
-    from: promoted from secondary tier 0 (fs), none from the CPU tier, adding up exactly."""
+def _overflow_then_resend(
+    tmp_path: Path, params: dict[str, object] | None = None
+) -> tuple[str, Harness, str]:
+    """Two conversations of 6 chunks each over a 16-chunk primary (the second overflows
+    it), then the first one's resend with ``params`` as its kv_transfer_params, recorded:
+    (trace folder, harness, the resend's request id)."""
     d = str(tmp_path / "t")
     with recording(d, SETTINGS):
         h = _harness(tmp_path, 16)
@@ -196,8 +197,17 @@ def test_a_resend_after_an_overflow_is_served_from_disk(tmp_path: Path) -> None:
             h.submit(tokens(6), chain=chain)
             h.run_until_idle()
         h.reset_gpu_prefix_cache()
-        resend = h.submit(tokens(6), chain=0)
+        resend = h.submit(tokens(6), chain=0, kv_transfer_params=params)
         h.run_until_idle()
+    return d, h, resend
+
+
+def test_a_resend_after_an_overflow_is_served_from_disk(tmp_path: Path) -> None:
+    """A second conversation overflows the 16-chunk primary; the first one's resend finds
+    its keys on disk (the fs tier answers RETRY while its lookup runs: deferred), they are
+    promoted, and all 384 tokens are served. The lost-token table says where they came
+    from: promoted from secondary tier 0 (fs), none from the CPU tier, adding up exactly."""
+    d, h, resend = _overflow_then_resend(tmp_path)
     assert h.observations[resend].accepted[-1] == 384
     report = diff(open_trace(d), all_episodes=True)
     assert report.verdict == "agree"
@@ -240,15 +250,7 @@ def test_a_resend_whose_kv_load_tiers_excludes_the_disk_is_limited_by_it(
     token account's ``by request: kv_load_tiers`` row; not the ``secondary_resident``
     mismatch it read before. A filter vLLM reads as every tier is a plain hit."""
     caplog.set_level(logging.WARNING, logger="keytrace")
-    d = str(tmp_path / "t")
-    with recording(d, SETTINGS):
-        h = _harness(tmp_path, 16)
-        for chain in (0, 1):
-            h.submit(tokens(6), chain=chain)
-            h.run_until_idle()
-        h.reset_gpu_prefix_cache()
-        resend = h.submit(tokens(6), chain=0, kv_transfer_params={"kv_load_tiers": load_tiers})
-        h.run_until_idle()
+    d, h, resend = _overflow_then_resend(tmp_path, {"kv_load_tiers": load_tiers})
     assert h.observations[resend].accepted[-1] == served
     report = diff(open_trace(d), all_episodes=True)
     assert report.verdict == "agree"
