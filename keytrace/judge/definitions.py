@@ -451,7 +451,19 @@ LAST_CAUSE = Cause.NOT_KEYABLE
 
 
 def cause(facts: KeyFacts) -> Any:
-    """The cause of ``facts``: the first of `CAUSES` that holds, else `LAST_CAUSE`."""
+    """The cause of ``facts``: the first of `CAUSES` that holds, else `LAST_CAUSE`.
+
+    Plain facts (the live alarm, once per needed key of a shortfall) are tested in turn
+    with no `cases` chain built; the first test that gives an expression hands the whole
+    table to `cases` (the same first-that-holds order, over columns)."""
+    for name, test in CAUSES:
+        holds = test(facts)
+        if is_expr(holds):
+            break
+        if holds:
+            return name
+    else:
+        return LAST_CAUSE
     return cases([(lambda t=test: t(facts), name) for name, test in CAUSES], LAST_CAUSE)
 
 

@@ -212,28 +212,38 @@ class Judge:
 
     def _needed(self, ep: Episode, S: int, E: int) -> list[_Needed]:
         """Every needed chunk of a hit at E, in (group, chunk) order, with what the episode
-        knew of it: the last lookup of it by sequence number, else its listed key."""
-        seen: dict[tuple[int, int], tuple[int, bytes, LookupResult]] = {}
-        for sc in ep.scans:
-            size = self.by_gid[sc.gid].tpc if sc.gid in self.by_gid else None
-            for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True):
-                chunk = chunk_ending_at(end, size) if size else None
-                if chunk is not None:
-                    seen[(sc.gid, chunk)] = (seq, key, result)
-        out = []
+        knew of it: the last lookup of it by sequence number, else its listed key. Only the
+        calls of the needed groups' scans inside their needed ranges are read (a shortfall
+        episode's full-attention scans, most of its calls, are not needed on a CPU tier)."""
+        ranges: dict[int, tuple[int, int]] = {}
         for g in self.groups:
             if not d.lists_needed(g, self.tiered):
                 continue
             plain = d.keyed_chunks(g, ep.hashes, self.tph)
             keyed = d.keyed_chunks(g, ep.hashes, self.tph, plain in ep.proofs.get(g.gid, {}))
-            lo, hi = needed_range(g, S, E, keyed)
+            ranges[g.gid] = needed_range(g, S, E, keyed)
+        seen: dict[tuple[int, int], tuple[int, bytes, LookupResult]] = {}
+        for sc in ep.scans:
+            gid = sc.gid
+            if gid not in ranges:
+                continue
+            lo, hi = ranges[gid]
+            tpc = self.by_gid[gid].tpc
+            # chunk c ends at token (c + 1) * tpc (`chunk_ending_at`): a needed chunk's
+            # call is one whose end is a boundary in (lo * tpc, hi * tpc]
+            first, last = (lo + 1) * tpc, hi * tpc
+            for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True):
+                if end is not None and first <= end <= last and not end % tpc:
+                    seen[(gid, end // tpc - 1)] = (seq, key, result)
+        out = []
+        for gid, (lo, hi) in ranges.items():
+            listed = ep.unqueried.get(gid, {})
             for chunk in range(lo, hi):
-                hit = seen.get((g.gid, chunk))
+                hit = seen.get((gid, chunk))
                 if hit is not None:
-                    out.append(_Needed(g.gid, chunk, hit[1], hit[2], hit[0]))
+                    out.append(_Needed(gid, chunk, hit[1], hit[2], hit[0]))
                 else:
-                    listed = ep.unqueried.get(g.gid, {}).get(chunk)
-                    out.append(_Needed(g.gid, chunk, listed, None, None))
+                    out.append(_Needed(gid, chunk, listed.get(chunk), None, None))
         return out
 
     def _shortfall(

@@ -13,12 +13,13 @@ counts them, and the judgement then never warns on what a forgotten record could
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from keytrace.format.keys import key_hash, key_tail, make_key, tail_gid
+from keytrace.format.keys import GID_BYTES, key_hash, make_key, tail_gid
 from keytrace.format.schema import LIMIT_EVENTS, LookupResult, StoreEvent, TierEvent
 from keytrace.judge import definitions as d
 from keytrace.judge.rules import OFFER_EVENTS
@@ -63,6 +64,9 @@ class KeyRecord:
         """A tiered manager's secondary tiers: tier -> [last seq it held the key (a
         write-through completed, or its lookup answered HIT), last seq it evicted it]."""
 
+
+_TAIL = operator.itemgetter(slice(-GID_BYTES, None))
+"""`keytrace.format.keys.key_tail` as a C call (``map`` over a call's keys)."""
 
 _SET_ON = {
     StoreEvent.COMPLETED: "completed",
@@ -167,25 +171,36 @@ class KeyStore:
     # ------------------------------------------------------------- stores
     def store(self, st: InstanceState, call: StoreCall) -> None:
         """Apply one store call to the records (`keytrace.analysis.history`'s facts)."""
-        if call.event is StoreEvent.RESET:
-            st.reset = call.seq
+        event, seq = call.event, call.seq
+        if event is StoreEvent.RESET:
+            st.reset = seq
             return
-        for tail, n in Counter(key_tail(k) for k in call.keys).items():  # per group, not key
-            self.stored[(st.engine, str(tail_gid(tail)), call.event)] += n
-            if call.event is StoreEvent.PREPARED:
-                st.first_prep.setdefault(tail_gid(tail), call.seq)
-        attr = _SET_ON.get(call.event)
-        offer = call.event in OFFER_EVENTS
-        limit = (call.seq, call.event) if call.event in LIMIT_EVENTS else None
-        for key in call.keys:
-            rec = self.touch(st, key)
+        keys = call.keys
+        for tail, n in Counter(map(_TAIL, keys)).items():  # per group, not key
+            self.stored[(st.engine, str(tail_gid(tail)), event)] += n
+            if event is StoreEvent.PREPARED:
+                st.first_prep.setdefault(tail_gid(tail), seq)
+        attr = _SET_ON.get(event)
+        limit = (seq, event) if event in LIMIT_EVENTS else None
+        offered_ts = call.ts if event in OFFER_EVENTS else None
+        rejected = event is StoreEvent.REJECTED
+        # the hot loop of the alarm's store path (every key stored): `touch` inlined
+        records, tag, cap = self._keys, st.tag, self.max_records
+        for key in keys:
+            tagged = key + tag
+            rec = records.pop(tagged, None)
+            if rec is None:
+                rec = KeyRecord()
+                if len(records) >= cap:
+                    self._forget()
+            records[tagged] = rec
             rec.limit = limit
             if attr is not None:
-                setattr(rec, attr, call.seq)
-            elif call.event is StoreEvent.REJECTED:
+                setattr(rec, attr, seq)
+            elif rejected:
                 rec.rejected = True
-            if offer and rec.offered_ts is None:
-                rec.offered_ts = call.ts
+            if offered_ts is not None and rec.offered_ts is None:
+                rec.offered_ts = offered_ts
 
     # -------------------------------------------------------------- tiers
     @staticmethod

@@ -31,6 +31,7 @@ class Scan:
         "ends",
         "episode",
         "first_nonhit",
+        "gid",
         "gid_bytes",
         "keys",
         "last_hit",
@@ -58,6 +59,8 @@ class Scan:
     ) -> None:
         self.episode, self.scan, self.req_id = episode, scan, req_id
         self.gid_bytes, self.secondary, self.step = gid_bytes, secondary, step
+        self.gid = tail_gid(gid_bytes)
+        """The group id its calls' keys end with (read per call by the judgements: kept)."""
         self.position = position
         """Key -> its end token (the request's own map, read when the scan closes)."""
         self.ts = time.time_ns()
@@ -72,10 +75,6 @@ class Scan:
         self.term: int | None = None
         """Index of the first MISS or RETRY."""
         self.first_nonhit: int | None = None
-
-    @property
-    def gid(self) -> int:
-        return tail_gid(self.gid_bytes)
 
     @property
     def terminal(self) -> int | None:
