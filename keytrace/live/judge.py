@@ -229,12 +229,10 @@ class Judge:
                 continue
             lo, hi = ranges[gid]
             tpc = self.by_gid[gid].tpc
-            # chunk c ends at token (c + 1) * tpc (`chunk_ending_at`): a needed chunk's
-            # call is one whose end is a boundary in (lo * tpc, hi * tpc]
-            first, last = (lo + 1) * tpc, hi * tpc
             for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True):
-                if end is not None and first <= end <= last and not end % tpc:
-                    seen[(gid, end // tpc - 1)] = (seq, key, result)
+                chunk = chunk_ending_at(end, tpc)
+                if chunk is not None and lo <= chunk < hi:
+                    seen[(gid, chunk)] = (seq, key, result)
         out = []
         for gid, (lo, hi) in ranges.items():
             listed = ep.unqueried.get(gid, {})

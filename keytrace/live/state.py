@@ -184,16 +184,8 @@ class KeyStore:
         limit = (seq, event) if event in LIMIT_EVENTS else None
         offered_ts = call.ts if event in OFFER_EVENTS else None
         rejected = event is StoreEvent.REJECTED
-        # the hot loop of the alarm's store path (every key stored): `touch` inlined
-        records, tag, cap = self._keys, st.tag, self.max_records
         for key in keys:
-            tagged = key + tag
-            rec = records.pop(tagged, None)
-            if rec is None:
-                rec = KeyRecord()
-                if len(records) >= cap:
-                    self._forget()
-            records[tagged] = rec
+            rec = self.touch(st, key)
             rec.limit = limit
             if attr is not None:
                 setattr(rec, attr, seq)
