@@ -51,7 +51,7 @@ from keytrace.judge.identity import (
     shared_places,
     shares_tier,
 )
-from keytrace.judge.ops import eq, lit, plain
+from keytrace.judge.ops import as_expr, eq, lit, plain
 from keytrace.judge.rules import (
     Group,
     excluded_tiers,
@@ -660,7 +660,7 @@ def _episodes(
     leads = _tiered_leads(trace, groups) if frames.is_tiered(trace) else None
     F = frames.collect(scans.resident_prefix(summaries, eps, groups, leads)).lazy()
     B = chains.lazy()
-    top = d.match_ceiling(pl.col("L"), pl.col("F"))  # F null: no full-attention constraint
+    top = as_expr(d.match_ceiling(pl.col("L"), pl.col("F")))  # F null: no full-attention constraint
     trim = trim_first_of(trace.header)
     N, S, max_new = pl.col("N"), pl.col("S"), pl.col("max_new")
     base = frames.collect(
@@ -677,7 +677,7 @@ def _episodes(
     # E had the request not capped its load: only for the episodes that asked for a cap
     free = out.filter(
         pl.col("max_load").is_not_null() | pl.col("skip").fill_null(False)
-    ).with_columns(d.free_ceiling(pl.col("L"), pl.col("F"), pl.col("L_free")).alias("top"))
+    ).with_columns(as_expr(d.free_ceiling(pl.col("L"), pl.col("F"), pl.col("L_free"))).alias("top"))
     E_free = _expected_boundary(free, groups, trace.header).rename({"E": "E_free"})
     out = (
         out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left")
@@ -804,7 +804,7 @@ def _expected_boundary(
         .agg(pl.col("b").max().alias("E_chain"))
     )
     standing = d.standing_boundaries(top, groups, retention_of(header))
-    E = d.expected_boundary(S, pl.col("E_chain"), standing)
+    E = as_expr(d.expected_boundary(S, pl.col("E_chain"), standing))
     return (
         eps.select(*KEY, "S", "top")
         .join(chained, on=KEY, how="left")
@@ -1120,13 +1120,15 @@ def _with_causes(
         .unique([*KEY, "key", "gid"])
     )
     keyable = d.chunk_keyable(pl.col("chunk"), pl.col("tpc"), pl.col("keyable_end"))
-    cause = d.chunk_cause(
-        pl.col("result"),
-        pl.col("key").is_not_null(),
-        pl.col("unoffered"),
-        keyable,
-        pl.col("cause"),
-        gid_in(recurrent),
+    cause = as_expr(
+        d.chunk_cause(
+            pl.col("result"),
+            pl.col("key").is_not_null(),
+            pl.col("unoffered"),
+            keyable,
+            pl.col("cause"),
+            gid_in(recurrent),
+        )
     )
     needed = (
         needed.join(judged, on=[*KEY, "key", "gid"], how="left")

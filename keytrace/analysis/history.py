@@ -50,7 +50,7 @@ from keytrace.judge.definitions import (
     resident,
     unsettled,
 )
-from keytrace.judge.ops import plain
+from keytrace.judge.ops import as_expr, plain
 from keytrace.judge.rules import OFFER_EVENTS
 
 __all__ = ["causes", "store_rows", "wanted_keys"]
@@ -442,4 +442,6 @@ def causes(
         recurrent=gid_in(recurrent),
         **tiered,
     )
-    return facts.with_columns(cause(facts_of).alias("cause")).select(*probes.columns, "cause")
+    return facts.with_columns(as_expr(cause(facts_of)).alias("cause")).select(
+        *probes.columns, "cause"
+    )

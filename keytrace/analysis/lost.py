@@ -52,7 +52,7 @@ from keytrace.judge.definitions import (
     served,
     short_of_E,
 )
-from keytrace.judge.ops import eq, plain
+from keytrace.judge.ops import as_expr, eq, plain
 from keytrace.judge.rules import Group
 
 CATEGORIES = (
@@ -167,8 +167,10 @@ def account(
     routed = pl.when(cold).then(
         pl.max_horizontal(pl.col("E_other").fill_null(0) - pl.col("served"), 0)
     )
-    limited = by_request_tokens(
-        pl.col("verdict"), pl.col("E"), pl.col("E_free"), pl.col("L"), pl.col("served")
+    limited = as_expr(
+        by_request_tokens(
+            pl.col("verdict"), pl.col("E"), pl.col("E_free"), pl.col("L"), pl.col("served")
+        )
     )
     ep = ep.with_columns(
         short.fill_null(0).alias("short"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import polars as pl
 
 from keytrace.judge import definitions
+from keytrace.judge.ops import as_expr
 from keytrace.judge.rules import Group
 
 SCAN_COLUMNS = (
@@ -73,7 +74,7 @@ def resident_prefix(
         )
         out = out.join(lead, on=["inst", "s"], how="left")
     F = definitions.resident_prefix(pl.col("S"), groups, lambda gid: pl.col(f"lead{gid}"))
-    return out.select("inst", "s", F.cast(pl.Int64).alias("F"))
+    return out.select("inst", "s", as_expr(F).cast(pl.Int64).alias("F"))
 
 
 def tiered_cells(calls: pl.DataFrame, listed: pl.DataFrame) -> pl.DataFrame:

@@ -21,7 +21,7 @@ import polars as pl
 
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import RULE_CAUSES, TIER_CAUSES, UNSEEN, Limit
-from keytrace.judge.ops import plain
+from keytrace.judge.ops import as_expr, plain
 
 CAUSE_TEXT = {
     "resident": "resident",
@@ -60,8 +60,7 @@ def base_verdict() -> pl.Expr:
         E_free=c("E_free"),
         stored_limit=c("stored_limit"),
     )
-    out: pl.Expr = d.base_verdict(numbers)
-    return out
+    return as_expr(d.base_verdict(numbers))
 
 
 def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.DataFrame:
@@ -82,7 +81,7 @@ def shortfall_verdicts(needed: pl.DataFrame, terminals: pl.DataFrame) -> pl.Data
     flags = needed.group_by("inst", "s").agg(*lists)
     empty = pl.lit([], dtype=pl.List(pl.String))
     candidates = [pl.col(n) for n in names]
-    verdict = d.shortfall_verdict(d.shortfall_facts(candidates, pl.col("term_result")))
+    verdict = as_expr(d.shortfall_verdict(d.shortfall_facts(candidates, pl.col("term_result"))))
     return (
         terminals.join(flags, on=["inst", "s"], how="left")
         .with_columns(pl.col(names).fill_null(empty))

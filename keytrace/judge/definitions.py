@@ -31,14 +31,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar, cast, overload
 
 from keytrace.format.schema import IN_FLIGHT_TIER_WORK as IN_FLIGHT_TIER_WORK  # re-exported
 from keytrace.format.schema import NOT_SETTLED, SCAN_ENDING, LookupResult, StoreEvent, TierEvent
 from keytrace.format.schema import OWN_TIER_WORK as OWN_TIER_WORK  # re-exported
 from keytrace.judge.ops import (
+    Label,
+    Labels,
+    MaybeNum,
     Num,
     Truth,
+    as_expr,
     as_int,
     cases,
     coalesce,
@@ -58,6 +63,12 @@ from keytrace.judge.ops import (
     unknown,
 )
 from keytrace.judge.rules import Group, align_down, needed_range, store_boundary, unit
+
+if TYPE_CHECKING:
+    from polars import Expr, String
+
+C = TypeVar("C", bound=str)
+"""A cause's type: `Cause` in the live alarm, plain names where a trace was read back."""
 
 
 class Cause(StrEnum):
@@ -153,14 +164,22 @@ SHORTFALLS: tuple[Verdict, ...] = (Verdict.EXPLAINED, Verdict.MISMATCH)
 # ------------------------------------------------------------------ F and the ceiling
 
 
-def fa_prefix_end(S: Num, tpc: int, lead: Num) -> Num:
+def fa_prefix_end(S: Num, tpc: int, lead: MaybeNum) -> Num:
     """How far one full-attention group is resident from S, by the manager's own word: its
     first scan runs left to right from S, so its ``lead`` HITs end at ``(S // tpc + lead) *
     tpc``. A group the episode never scanned (``lead`` unknown) gives S."""
-    return cases([(unknown(lead), S)], lambda: (S // tpc + lead) * tpc)
+    return cases([(unknown(lead), S)], lambda: (S // tpc + cast("Num", lead)) * tpc)
 
 
-def resident_prefix(S: Num, groups: Sequence[Group], lead: Callable[[int], Num]) -> Num:
+@overload
+def resident_prefix(
+    S: int, groups: Sequence[Group], lead: Callable[[int], int | None]
+) -> int | None: ...
+@overload
+def resident_prefix(
+    S: Expr, groups: Sequence[Group], lead: Callable[[int], MaybeNum]
+) -> Expr | None: ...
+def resident_prefix(S: Num, groups: Sequence[Group], lead: Callable[[int], MaybeNum]) -> MaybeNum:
     """F: the smallest `fa_prefix_end` over the full-attention groups (``lead(gid)``: the
     leading HITs of that group's first scan, unknown if never scanned); None when there is
     no full-attention group (no constraint)."""
@@ -168,13 +187,19 @@ def resident_prefix(S: Num, groups: Sequence[Group], lead: Callable[[int], Num])
     return least(*ends) if ends else None
 
 
-def match_ceiling(L: Num, F: Num) -> Num:
+@overload
+def match_ceiling(L: int, F: int | None) -> int: ...
+@overload
+def match_ceiling(L: int | None, F: int | None) -> int | None: ...
+@overload
+def match_ceiling(L: MaybeNum, F: MaybeNum) -> MaybeNum: ...
+def match_ceiling(L: MaybeNum, F: MaybeNum) -> MaybeNum:
     """``min(L, F)``: no hit can end past the lookup cap or the resident prefix (an unknown
     F is no constraint)."""
     return least_known(L, F)
 
 
-def free_ceiling(L: Num, F: Num, L_free: Num) -> Num:
+def free_ceiling(L: MaybeNum, F: MaybeNum, L_free: MaybeNum) -> MaybeNum:
     """The ceiling of a hit had the request not capped its load (``L_free``: the lookup cap
     without ``max_load_tokens``). A capped lookup never scans past its cap L, so where its
     full-attention scans held to the cap (``F >= L``) nothing says what is resident past
@@ -191,32 +216,46 @@ def anchor(groups: Sequence[Group]) -> Group:
     return next((g for g in groups if g.full_attention), groups[0])
 
 
+@overload
+def boundary_chunk(b: int, tpc: int) -> int: ...
+@overload
+def boundary_chunk(b: Expr, tpc: int) -> Expr: ...
 def boundary_chunk(b: Num, tpc: int) -> Num:
     """The chunk (of a group with ``tpc`` tokens per chunk) that ends at boundary ``b``: its
     key is the one a request offers for that boundary."""
     return b // tpc - 1
 
 
-def in_reach(b: Num, S: Num, ceiling: Num) -> Truth:
+def in_reach(b: Num, S: Num, ceiling: MaybeNum) -> Truth:
     """An intended boundary the episode could have hit: ``S < b <= min(L, F)``."""
     return gt(b, S) & le(b, ceiling)
 
 
-def standing_boundaries(ceiling: Num, groups: Sequence[Group], retention: int | None) -> list[Num]:
+@overload
+def standing_boundaries(
+    ceiling: int, groups: Sequence[Group], retention: int | None
+) -> list[int]: ...
+@overload
+def standing_boundaries(
+    ceiling: Expr, groups: Sequence[Group], retention: int | None
+) -> list[Expr]: ...
+def standing_boundaries(
+    ceiling: Num, groups: Sequence[Group], retention: int | None
+) -> list[int] | list[Expr]:
     """The boundaries intended for every episode, whatever was stored: each multiple of the
     retention interval when it is > 0, and every chunk boundary when there is no
     sliding-window group or retention is dense (``None``: vLLM keeps every block of every
     window), each at or below ``ceiling``, the largest one of each kind."""
-    out = []
+    out: list[Num] = []
     if retention is not None and retention > 0:  # segment tails every retention_interval
         out.append(ceiling // retention * retention)
     if retention is None or all(g.full_attention for g in groups):  # every boundary kept
         u = unit(groups)
         out.append(ceiling // u * u)
-    return out
+    return cast("list[int] | list[Expr]", out)  # of ``ceiling``'s kind, every one
 
 
-def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
+def expected_boundary(S: Num, chain_best: MaybeNum, standing: Sequence[Num]) -> MaybeNum:
     """E: the largest intended boundary in reach. ``chain_best``: the largest of the chain's
     boundaries `in_reach` (unknown if none); ``standing``: `standing_boundaries`. Unknown
     when nothing is above S: a cold episode."""
@@ -227,7 +266,7 @@ def expected_boundary(S: Num, chain_best: Num, standing: Sequence[Num]) -> Num:
 # ------------------------------------------------------------------ needed chunks
 
 
-def junction_kept(groups: Sequence[Group], junction: Num, computed_from: Num) -> Truth:
+def junction_kept(groups: Sequence[Group], junction: Num, computed_from: MaybeNum) -> Truth:
     """A request's stores keep what a hit at its junction (``shared_prefix_boundary``,
     aligned down) needs: windowed groups keep tails there whatever the request loaded;
     a recurrent group has a state only where the request computed one, so with one the
@@ -263,6 +302,10 @@ def lists_needed(g: Group, tiered: bool) -> bool:
     return tiered or not g.full_attention
 
 
+@overload
+def keyed_chunks(g: Group, hashes: int, tph: int, tail_proof: bool = False) -> int: ...
+@overload
+def keyed_chunks(g: Group, hashes: Num, tph: int, tail_proof: Truth = False) -> Num: ...
 def keyed_chunks(g: Group, hashes: Num, tph: int, tail_proof: Truth = False) -> Num:
     """How many of ``g``'s keys the lookup had (``needed_range``'s ``keyed_chunks``): the
     request's block hashes give ``hashes * tph // tpc``; under the candidate fix
@@ -326,18 +369,24 @@ def needed_total(listed: Num, S: Num, E: Num, groups: Sequence[Group], tiered: b
 # ------------------------------------------------------------- residency and causes
 
 
-def removal(evicted: Num, reset: Num, now: Num = None) -> Num:
+def removal(evicted: MaybeNum, reset: MaybeNum, now: MaybeNum = None) -> MaybeNum:
     """The last time the key left the tier: its eviction or a reset, whichever is later
     (``now``: the episode's own *s*, when its lookup's promotions evicted the key during it)."""
     return greatest_known(evicted, reset, now)
 
 
-def resident(completed: Num, removed: Num) -> Truth:
+@overload
+def resident(completed: int | None, removed: int | None) -> bool: ...
+@overload
+def resident(completed: Expr, removed: MaybeNum) -> Expr: ...
+@overload
+def resident(completed: MaybeNum, removed: MaybeNum) -> Truth: ...
+def resident(completed: MaybeNum, removed: MaybeNum) -> Truth:
     """*Resident*: a completed store after the last removal."""
     return known(completed) & (unknown(removed) | gt(completed, removed))
 
 
-def in_flight(prepared: Num, removed: Num, failed: Num) -> Truth:
+def in_flight(prepared: MaybeNum, removed: MaybeNum, failed: MaybeNum) -> Truth:
     """Prepared after the last removal and not failed since. (A completion needs no term: a
     completed key is resident, checked first, unless a removal followed the completion,
     and then that removal also follows the preparation.)"""
@@ -356,21 +405,21 @@ class KeyFacts:
     (the differ)."""
 
     s: Num
-    completed: Num
-    evicted: Num
-    reset: Num
-    prepared: Num
-    failed: Num
+    completed: MaybeNum
+    evicted: MaybeNum
+    reset: MaybeNum
+    prepared: MaybeNum
+    failed: MaybeNum
     rejected: Truth
     other_engine: Truth
     """Offered on another recorder instance before the episode's wall clock."""
     sibling_stored: Truth
     """The same block hash completed under another group id before ``s``."""
-    own_first_prepared: Num
+    own_first_prepared: MaybeNum
     """When this group id first reached the store path on the instance (any key)."""
     token_end: Num
     """The token the key's chunk ends at."""
-    keyable_end: Num
+    keyable_end: MaybeNum
     """How far the earlier requests on the episode's chain reached (None: no chain)."""
     durable: Truth = False
     """A secondary tier held the key at the episode (a write-through to it completed
@@ -405,7 +454,7 @@ class KeyFacts:
     excludes (``durable`` counts the tiers it allows: `keytrace.judge.rules.excluded_tiers`)."""
 
 
-def last_removal(f: KeyFacts) -> Num:
+def last_removal(f: KeyFacts) -> MaybeNum:
     """`removal` of the key at the episode: its last eviction or reset before *s*, or *s*
     itself when a promotion of the episode's own lookup evicted it during the episode (on a
     tiered manager a lookup changes the primary: what was resident at *s* may be gone when
@@ -450,7 +499,7 @@ LAST_CAUSE = Cause.NOT_KEYABLE
 """No earlier request on the chain was long enough to key it."""
 
 
-def cause(facts: KeyFacts) -> Any:
+def cause(facts: KeyFacts) -> Cause | Expr:
     """The cause of ``facts``: the first of `CAUSES` that holds, else `LAST_CAUSE`.
 
     Plain facts (the live alarm, once per needed key of a shortfall) are tested in turn
@@ -464,7 +513,7 @@ def cause(facts: KeyFacts) -> Any:
             return name
     else:
         return LAST_CAUSE
-    return cases([(lambda t=test: t(facts), name) for name, test in CAUSES], LAST_CAUSE)
+    return cases([(partial(test, facts), name) for name, test in CAUSES], LAST_CAUSE)
 
 
 CAUSE_ORDER: tuple[Cause, ...] = (*(name for name, _ in CAUSES), LAST_CAUSE)
@@ -520,19 +569,23 @@ TIER_CAUSES = (
 """Causes that only a tiered manager gives: the key was on a secondary tier."""
 
 
-def fits_primary(needed_chunks: Num, primary_chunks: Num) -> Truth:
+def fits_primary(needed_chunks: Num, primary_chunks: MaybeNum) -> Truth:
     """The chunks an episode needs for a hit at E (every group's) fit the primary tier at
     once; an unknown capacity fits."""
     return cases([(unknown(primary_chunks), True)], lambda: le(needed_chunks, primary_chunks))
 
 
-def crowded(needed_chunks: Num, primary_chunks: Num, held_by_others: Num) -> Truth:
+def crowded(needed_chunks: Num, primary_chunks: MaybeNum, held_by_others: Num) -> Truth:
     """The chunks an episode needs do not fit beside the primary slots that other work in
     flight held when its promotion found no room (`held_by_others`): the primary was busy.
     An unknown capacity is never crowded."""
     return gt(needed_chunks + held_by_others, primary_chunks)
 
 
+@overload
+def held_by_others(cascades: int, promotions: int, own_promotions: int) -> int: ...
+@overload
+def held_by_others(cascades: Expr, promotions: Expr, own_promotions: Expr) -> Expr: ...
 def held_by_others(cascades: Num, promotions: Num, own_promotions: Num) -> Num:
     """Primary slots other work held at a promotion that found no room: the keys with a
     write-through job in flight, and the promotions in flight of other requests (each a
@@ -545,37 +598,59 @@ UNSEEN = Cause.NOT_LOOKED_UP
 """A needed chunk whose key the episode never had (its scan stopped in another group)."""
 
 
-def cause_rank(c: Any) -> Any:
+def cause_rank(c: Label) -> Num:
     """`CAUSE_RANK` of a cause (of a column of causes): unknown ones rank last."""
     last = len(CAUSE_RANK)
     if is_expr(c):
         import polars as pl
 
-        return c.replace_strict(CAUSE_RANK, default=last, return_dtype=pl.Int32)
+        return as_expr(c).replace_strict(CAUSE_RANK, default=last, return_dtype=pl.Int32)
     return CAUSE_RANK.get(c or "", last)
 
 
-def proof_is_better(own: Any, proof: Any) -> Truth:
+def proof_is_better(own: Label, proof: Label) -> Truth:
     """A chunk found under either of two keys (an EAGLE peek and its proof, under the
     candidate fix ``eagle_proof_key``) is as available as the better: the proof's cause
     decides when it is known and ranks strictly earlier in `CAUSE_ORDER`."""
     return known(proof) & lt(cause_rank(proof), cause_rank(own))
 
 
-def better_cause(a: Any, b: Any) -> Any:
+@overload
+def better_cause(a: Cause, b: Cause) -> Cause: ...
+@overload
+def better_cause(a: Label, b: Label) -> Label: ...
+def better_cause(a: Label, b: Label) -> Label:
     """Of two causes of one chunk's two keys, the better (`proof_is_better`; a tie keeps
     ``a``)."""
     return cases([(proof_is_better(a, b), b)], a)
 
 
+@overload
 def chunk_cause(
-    result: Any,
+    result: str | None,
+    key_known: bool,
+    unoffered: bool,
+    keyable: bool,
+    key_cause: Cause | None,
+    recurrent: bool = False,
+) -> Cause: ...
+@overload
+def chunk_cause(
+    result: Label,
     key_known: Truth,
     unoffered: Truth,
     keyable: Truth,
-    key_cause: Any,
+    key_cause: Label,
     recurrent: Truth = False,
-) -> Any:
+) -> Label: ...
+def chunk_cause(
+    result: Label,
+    key_known: Truth,
+    unoffered: Truth,
+    keyable: Truth,
+    key_cause: Label,
+    recurrent: Truth = False,
+) -> Label | Cause:
     """The cause of one needed chunk of a shortfall: ``resident`` when the episode's own
     lookup of it answered HIT (the manager's word); for a chunk whose key the episode
     never had, ``never_offered`` (``no_checkpoint`` for a ``recurrent`` group's) or
@@ -595,7 +670,7 @@ def chunk_cause(
     )
 
 
-def chunk_keyable(chunk: Num, tpc: Num, keyable_end: Num) -> Truth:
+def chunk_keyable(chunk: Num, tpc: Num, keyable_end: MaybeNum) -> Truth:
     """A chunk the chain's requests were long enough to key: it ends at or before how far
     they reached (an unknown reach keys nothing)."""
     return le((chunk + 1) * tpc, coalesce(keyable_end, 0))
@@ -621,7 +696,7 @@ def binding_rank(n_hit: Num, n: Num, scan: Num) -> Num:
     return as_int(binds(n_hit, n)) * RANK_SPAN + scan
 
 
-def terminal_candidate(binding: Truth, result: Any) -> Truth:
+def terminal_candidate(binding: Truth, result: Label) -> Truth:
     """A needed chunk that can be the terminal key: of the binding group, looked up by the
     episode, and not a HIT. vLLM starts a window scan at its own candidate end, which can
     lie right of E's window, so the terminal key is the first *needed* chunk the binding
@@ -629,20 +704,20 @@ def terminal_candidate(binding: Truth, result: Any) -> Truth:
     return binding & known(result) & negate(eq(result, LookupResult.HIT))
 
 
-def terminal_rank(result: Any, seq: Num) -> Num:
+def terminal_rank(result: Label, seq: Num) -> Num:
     """Among the candidates (`terminal_candidate`) the terminal key is the one of least rank: a MISS or a
     RETRY before a HIT_PENDING (`terminal_order`), then in call order."""
     return as_int(terminal_order(result)) * RANK_SPAN + seq
 
 
-def lead_ok(result: Any, durable: Truth) -> Truth:
+def lead_ok(result: Label, durable: Truth) -> Truth:
     """A full-attention chunk counts toward F on a tiered manager: the primary answered
     HIT, or a secondary tier held it (``durable``). F's lead is the run of these from S's
     chunk on, in a row (`keytrace.analysis.scans.tiered_leads`; the alarm walks it)."""
     return eq(result, LookupResult.HIT) | durable
 
 
-def terminal_order(result: Any) -> Any:
+def terminal_order(result: Label) -> Truth:
     """How a scan's non-HIT keys rank for terminal (sort by this, then call order): a MISS
     or RETRY (`SCAN_ENDING`) before a HIT_PENDING."""
     return negate(member(result, SCAN_ENDING))
@@ -660,7 +735,7 @@ STALL_NS = 30_000_000_000
 can be far apart)."""
 
 
-def stalled(deferrals: Num, waited_ns: Num) -> Truth:
+def stalled(deferrals: Num, waited_ns: MaybeNum) -> Truth:
     """A deferred episode that is the `STALL_EPISODES`-th (or later) consecutive deferral of
     its request, or comes `STALL_NS` or more after the first of them."""
     return ge(deferrals, STALL_EPISODES) | ge(waited_ns, STALL_NS)
@@ -676,15 +751,15 @@ class EpisodeNumbers:
     (`store_limit`; unknown: none)."""
 
     S: Num
-    X: Num
-    E: Num
+    X: MaybeNum
+    E: MaybeNum
     deferrals: Num = 0
-    waited: Num = 0
-    E_free: Num = None
-    stored_limit: Any = None
+    waited: MaybeNum = 0
+    E_free: MaybeNum = None
+    stored_limit: Label = None
 
 
-def load_capped(E: Num, E_free: Num) -> Truth:
+def load_capped(E: MaybeNum, E_free: MaybeNum) -> Truth:
     """The request's ``max_load_tokens`` kept a boundary from the episode: E without the
     cap is past E with it (or there is none with it)."""
     return known(E_free) & (unknown(E) | gt(E_free, E))
@@ -696,7 +771,7 @@ def limited(e: EpisodeNumbers) -> Truth:
     tier (``stored_limit``); or E served, and the cap alone kept a larger boundary away."""
     return cases(
         [(unknown(e.E), lambda: known(e.E_free) | known(e.stored_limit))],
-        lambda: ge(e.X, e.E - e.S) & load_capped(e.E, e.E_free),
+        lambda: ge(e.X, cast("Num", e.E) - e.S) & load_capped(e.E, e.E_free),
     )
 
 
@@ -705,7 +780,7 @@ BASE_VERDICTS: tuple[tuple[Verdict, Callable[[EpisodeNumbers], Truth]], ...] = (
     (Verdict.DEFERRED, lambda e: unknown(e.X)),
     (Verdict.LIMITED, limited),
     (Verdict.COLD, lambda e: unknown(e.E)),
-    (Verdict.HIT, lambda e: e.X >= e.E - e.S),
+    (Verdict.HIT, lambda e: cast("Num", e.X) >= cast("Num", e.E) - e.S),
 )
 """An episode's verdict before its shortfall is explained, first match wins; none holding
 is ``shortfall``. ``stalled`` is never an agreement: the request is deferred again and
@@ -713,34 +788,57 @@ again and served nothing. ``limited`` (`limited`) agrees; a shortfall below a lo
 judged against the boundary the cap allows, as any other."""
 
 
-def limit_of(E: Num, E_free: Num, stored_limit: Any, skip_reading: Any = False) -> Any:
+@overload
+def limit_of(
+    E: int | None, E_free: int | None, stored_limit: Limit | None, skip_reading: bool = False
+) -> Limit | None: ...
+@overload
+def limit_of(
+    E: MaybeNum, E_free: MaybeNum, stored_limit: Label, skip_reading: Truth | None = False
+) -> Label: ...
+def limit_of(
+    E: MaybeNum, E_free: MaybeNum, stored_limit: Label, skip_reading: Truth | None = False
+) -> Label:
     """The `Limit` an episode's verdict and token account name: where its own load cap kept
     a boundary away (`load_capped`), ``skip_reading_prefix_cache`` when it asked not to
     read external KV at all, else ``max_load_tokens``; otherwise the limit that kept its
     missed key from the tier (`store_limit`), else unknown."""
     capped = load_capped(E, E_free)
-    skip = skip_reading.fill_null(False) if is_expr(skip_reading) else bool(skip_reading)
+    skip = as_expr(skip_reading).fill_null(False) if is_expr(skip_reading) else bool(skip_reading)
     return cases(
         [(lambda: capped & skip, Limit.SKIP_READING), (capped, Limit.MAX_LOAD_TOKENS)],
         stored_limit,
     )
 
 
-def limit_of_causes(decisive_causes: Any) -> Any:
+@overload
+def limit_of_causes(decisive_causes: Sequence[str]) -> Limit | None: ...
+@overload
+def limit_of_causes(decisive_causes: Expr) -> Expr: ...
+def limit_of_causes(decisive_causes: Labels) -> Limit | Expr | None:
     """The `Limit` a ``limited`` shortfall names: that of its first decisive cause
     (`LIMIT_OF_CAUSE`), else unknown. A list, or a list column."""
     if is_expr(decisive_causes):
         import polars as pl
 
-        return decisive_causes.list.first().replace_strict(
-            {str(k): str(v) for k, v in LIMIT_OF_CAUSE.items()},
-            default=None,
-            return_dtype=pl.String,
+        return (
+            as_expr(decisive_causes)
+            .list.first()
+            .replace_strict(
+                {str(k): str(v) for k, v in LIMIT_OF_CAUSE.items()},
+                default=None,
+                return_dtype=pl.String,
+            )
         )
-    return LIMIT_OF_CAUSE.get(decisive_causes[0]) if decisive_causes else None
+    plain = cast("Sequence[str]", decisive_causes)
+    return LIMIT_OF_CAUSE.get(plain[0]) if plain else None
 
 
-def store_limit(last_event: Any) -> Any:
+@overload
+def store_limit(last_event: str | None) -> Limit | None: ...
+@overload
+def store_limit(last_event: Expr) -> Expr: ...
+def store_limit(last_event: Label) -> Limit | Expr | None:
     """The `Limit` named by a key's last store event before the episode, when that event
     is a limit's (`STORE_LIMITS`): filtered by ``store_threshold``, or withheld by its
     request's ``max_offload_tokens``; unknown otherwise (a later offer, store or eviction
@@ -748,13 +846,21 @@ def store_limit(last_event: Any) -> Any:
     if is_expr(last_event):
         import polars as pl
 
-        return last_event.cast(pl.String).replace_strict(
-            {str(k): str(v) for k, v in STORE_LIMITS.items()}, default=None, return_dtype=pl.String
+        return (
+            as_expr(last_event)
+            .cast(pl.String)
+            .replace_strict(
+                {str(k): str(v) for k, v in STORE_LIMITS.items()},
+                default=None,
+                return_dtype=pl.String,
+            )
         )
-    return STORE_LIMITS.get(last_event)
+    return STORE_LIMITS.get(cast("str", last_event))
 
 
-def by_request_tokens(verdict: Any, E: Num, E_free: Num, L: Num, served_end: Num) -> Num:
+def by_request_tokens(
+    verdict: Label, E: MaybeNum, E_free: MaybeNum, L: Num, served_end: Num
+) -> Num:
     """The tokens a limit kept from an episode (the token account's ``limited`` row):
     a shortfall below a load cap, from E to E without the cap; a ``limited`` episode, from
     what was served to E without the cap, or to the lookup cap L where a store limit (no
@@ -764,17 +870,17 @@ def by_request_tokens(verdict: Any, E: Num, E_free: Num, L: Num, served_end: Num
     limited = eq(verdict, Verdict.LIMITED)
     return cases(
         [
-            (shortfall, lambda: greatest(E_free - E, 0)),
-            (limited & known(E_free), lambda: greatest(E_free - served_end, 0)),
+            (shortfall, lambda: greatest(cast("Num", E_free) - cast("Num", E), 0)),
+            (limited & known(E_free), lambda: greatest(cast("Num", E_free) - served_end, 0)),
             (limited, lambda: greatest(L - served_end, 0)),
         ],
         0,
     )
 
 
-def base_verdict(e: EpisodeNumbers) -> Any:
+def base_verdict(e: EpisodeNumbers) -> Verdict | Expr:
     """``deferred``, ``cold``, ``limited``, ``hit`` or ``shortfall`` (`BASE_VERDICTS`)."""
-    return cases([(lambda t=test: t(e), name) for name, test in BASE_VERDICTS], Verdict.SHORTFALL)
+    return cases([(partial(test, e), name) for name, test in BASE_VERDICTS], Verdict.SHORTFALL)
 
 
 @dataclass(frozen=True)
@@ -822,12 +928,12 @@ for any absent one; whether the binding group's chunks only). The class that dec
 verdict (`SHORTFALL_VERDICTS`) names it."""
 
 
-def shortfall_facts(candidates: Sequence[Any], term_result: Any) -> Shortfall:
+def shortfall_facts(candidates: Sequence[Labels], term_result: Label) -> Shortfall:
     """`Shortfall` of an episode from its `DECISIVE_ORDER` candidate lists (lists, or list
     columns) and its binding key's result."""
 
-    def some(x: Any) -> Any:
-        return x.list.len() > 0 if is_expr(x) else bool(x)
+    def some(x: Labels) -> Truth:
+        return as_expr(x).list.len() > 0 if is_expr(x) else bool(x)
 
     by = dict(zip(DECISIVE_ORDER, candidates, strict=True))
     return Shortfall(
@@ -840,7 +946,7 @@ def shortfall_facts(candidates: Sequence[Any], term_result: Any) -> Shortfall:
     )
 
 
-def candidates_of(causes: Sequence[tuple[int, str]], binding_group: int | None) -> list[list[str]]:
+def candidates_of(causes: Sequence[tuple[int, C]], binding_group: int | None) -> list[list[C]]:
     """`DECISIVE_ORDER`'s candidate lists from (group, cause) of every needed chunk, in
     (group, chunk) order: plain values (the alarm, the tests); the differ builds the same
     lists as polars aggregations (`keytrace.analysis.verdict.shortfall_verdicts`)."""
@@ -857,11 +963,9 @@ def candidates_of(causes: Sequence[tuple[int, str]], binding_group: int | None) 
     return out
 
 
-def shortfall_verdict(f: Shortfall) -> Any:
+def shortfall_verdict(f: Shortfall) -> Verdict | Expr:
     """``mismatch``, ``explained`` or ``limited`` (`SHORTFALL_VERDICTS`)."""
-    return cases(
-        [(lambda t=test: t(f), name) for name, test in SHORTFALL_VERDICTS], Verdict.MISMATCH
-    )
+    return cases([(partial(test, f), name) for name, test in SHORTFALL_VERDICTS], Verdict.MISMATCH)
 
 
 PROMOTION_AS_STORE: dict[str, StoreEvent] = {
@@ -887,64 +991,88 @@ AVAILABLE = (Cause.RESIDENT, Cause.ON_TIER)
 lookup never got to it)."""
 
 
-def absent(c: Any) -> Truth:
+def absent(c: Label) -> Truth:
     """A needed chunk's cause that says its key was not there."""
     return negate(member(c, (*AVAILABLE, UNSEEN)))
 
 
-def unsettled(term_result: Any) -> Truth:
+@overload
+def unsettled(term_result: str | None) -> bool: ...
+@overload
+def unsettled(term_result: Expr) -> Expr: ...
+def unsettled(term_result: Label) -> Truth:
     """The binding key was seen as HIT_PENDING or RETRY: the store had not finished."""
     return member(term_result, NOT_SETTLED)
 
 
-def decisive(candidates: Sequence[Any]) -> Any:
+@overload
+def decisive(candidates: Sequence[Sequence[C]]) -> Sequence[C]: ...
+@overload
+def decisive(candidates: Sequence[Expr]) -> Expr: ...
+def decisive(candidates: Sequence[Sequence[C]] | Sequence[Expr]) -> Sequence[C] | Expr:
     """The causes shown with a shortfall's verdict: the first non-empty of its
     `DECISIVE_ORDER` candidate lists (lists, or list columns)."""
     if is_expr(*candidates):
-        return cases([(c.list.len() > 0, c) for c in candidates[:-1]], candidates[-1])
+        columns = [as_expr(c) for c in candidates]
+        return cases([(c.list.len() > 0, c) for c in columns[:-1]], columns[-1])
     return next((c for c in candidates if c), candidates[-1])
 
 
-def shortfall_cause(decisive_causes: Any, term_result: Any) -> Any:
+@overload
+def shortfall_cause(decisive_causes: Sequence[Cause], term_result: str | None) -> Cause: ...
+@overload
+def shortfall_cause(decisive_causes: Labels, term_result: Label) -> Label: ...
+def shortfall_cause(decisive_causes: Labels, term_result: Label) -> Label:
     """The one cause that names a shortfall's tokens: its first decisive cause, else
     ``in_flight`` when the binding key was unsettled, else ``all_resident``."""
+    first: Label | Callable[[], Label]
+    some: Truth
     if is_expr(decisive_causes, term_result):
-        first: Any = decisive_causes.list.first()
-        some: Any = decisive_causes.list.len() > 0
+        column = as_expr(decisive_causes)
+        first, some = column.list.first(), column.list.len() > 0
     else:
-        some = bool(decisive_causes)
-        first = (lambda: decisive_causes[0]) if some else None
+        names = cast("Sequence[str]", decisive_causes)
+        some = bool(names)
+        first = (lambda: names[0]) if some else None
     return cases([(some, first), (unsettled(term_result), Cause.IN_FLIGHT)], Cause.ALL_RESIDENT)
 
 
 # -------------------------------------------------------------------- shortfall tokens
 
 
-def served(S: Num, N: Num, accepted: Num, external: Num) -> tuple[Num, Num]:
+@overload
+def served(S: int, N: int, accepted: int | None, external: int | None) -> tuple[int, int]: ...
+@overload
+def served(S: Expr, N: Num, accepted: MaybeNum, external: MaybeNum) -> tuple[Expr, Expr]: ...
+def served(S: Num, N: Num, accepted: MaybeNum, external: MaybeNum) -> tuple[Num, Num]:
     """(from the GPU prefix cache, from the offload tier) of an episode's N tokens: S (at
     most N), and what the scheduler accepted (the connector's answer when it accepted
     nothing yet) within the rest."""
     gpu = least(S, N)
-    return gpu, least(coalesce(accepted, external, 0), N - gpu)
+    return gpu, least(cast("Num", coalesce(accepted, external, 0)), N - gpu)
 
 
+@overload
+def short_of_E(E: int, gpu: int, offload: int) -> int: ...
+@overload
+def short_of_E(E: Expr, gpu: Num, offload: Num) -> Expr: ...
 def short_of_E(E: Num, gpu: Num, offload: Num) -> Num:
     """A shortfall's tokens: between what was served and the expected boundary E."""
     return greatest(E - gpu - offload, 0)
 
 
-def is_request(req_id: Any, request: str) -> Truth:
+def is_request(req_id: Label, request: str) -> Truth:
     """``req_id`` (vLLM's internal request id) is the request a user names ``request``:
     equal, or that id plus vLLM's suffixes. The OpenAI server returns ``cmpl-<hex>``; the
     scheduler sees ``cmpl-<hex>-<choice index>-<random>``, so ``--request`` with the id the
     API returned selects every choice of it (and never ``cmpl-<hex>9``, a different id)."""
     if is_expr(req_id):
-        text = req_id.cast(pl_string())
+        text = as_expr(req_id).cast(pl_string())
         return (text == request) | text.str.starts_with(request + "-")
     return req_id is not None and (req_id == request or str(req_id).startswith(request + "-"))
 
 
-def pl_string() -> Any:
+def pl_string() -> type[String]:
     """polars' String type, imported only for an expression (the alarm never loads polars)."""
     import polars as pl
 

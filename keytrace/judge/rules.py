@@ -22,9 +22,12 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
-from keytrace.judge.ops import Num, greatest, is_expr, least, lit
+from keytrace.judge.ops import MaybeNum, Num, Truth, greatest, is_expr, least, lit
+
+if TYPE_CHECKING:
+    from polars import Expr
 
 OFFER_EVENTS = ("prepared", "rejected", "failed")
 """Store events by which the store path decided about a key (a completion follows one)."""
@@ -47,6 +50,10 @@ def group_label(kind: str, eagle: bool) -> str:
     return f"{short}, MTP" if eagle else short
 
 
+@overload
+def cdiv(a: int, b: int) -> int: ...
+@overload
+def cdiv(a: Expr, b: int) -> Expr: ...
 def cdiv(a: Num, b: int) -> Num:
     """Ceiling division of a non-negative ``a`` (vLLM's ``cdiv``)."""
     return (a + (b - 1)) // b
@@ -162,6 +169,33 @@ def unit(groups: Iterable[Group]) -> int:
     return math.lcm(*(g.tpc for g in groups))
 
 
+@overload
+def lookup_cap(
+    groups: Sequence[Group],
+    num_tokens: int,
+    local: int = 0,
+    max_new: int | None = None,
+    max_load: int | None = None,
+    trim_first: bool = False,
+) -> int: ...
+@overload
+def lookup_cap(
+    groups: Sequence[Group],
+    num_tokens: Expr,
+    local: Num = 0,
+    max_new: Num | None = None,
+    max_load: Num | None = None,
+    trim_first: bool = False,
+) -> Expr: ...
+@overload
+def lookup_cap(
+    groups: Sequence[Group],
+    num_tokens: Num,
+    local: Num = 0,
+    max_new: Num | None = None,
+    max_load: Num | None = None,
+    trim_first: bool = False,
+) -> Num: ...
 def lookup_cap(
     groups: Sequence[Group],
     num_tokens: Num,
@@ -186,7 +220,7 @@ def lookup_cap(
     ``max_load`` (a column of unknowns, or None) is no bound.
     """
     trim = any(not g.full_attention for g in groups)
-    cap: Any = num_tokens - 1 if trim and trim_first else num_tokens
+    cap: Num = num_tokens - 1 if trim and trim_first else num_tokens
     if max_new is not None:
         cap = least(cap, local + max_new)
     if max_load is not None:
@@ -200,7 +234,11 @@ def lookup_cap(
     return greatest(0, cap // u * u)
 
 
-def load_cap(max_load: Any, skip_reading: Any) -> Any:
+@overload
+def load_cap(max_load: int | None, skip_reading: bool | None) -> int | None: ...
+@overload
+def load_cap(max_load: MaybeNum, skip_reading: Truth | None) -> MaybeNum: ...
+def load_cap(max_load: MaybeNum, skip_reading: Truth | None) -> MaybeNum:
     """A request's own cap on the external tokens its lookup may return: 0 when it asked not
     to read external KV at all (``skip_reading_prefix_cache`` / ``skip_reading_external_kv``:
     the connector answers 0 without a lookup), else its ``max_load_tokens`` (None: none).
@@ -234,13 +272,13 @@ TIER_LOCALITIES = ("LOCAL", "REMOTE")
 _TIER_FIELDS = {"medium": TIER_MEDIA, "locality": TIER_LOCALITIES}
 
 
-def request_limits(params: Any) -> dict[str, Any]:
+def request_limits(params: object) -> dict[str, int | str | None]:
     """What a request's ``kv_transfer_params`` ask of the offloading connector, as vLLM
     reads them and nothing else (never arbitrary user data): ``max_load_tokens`` and
     ``max_offload_tokens`` when ``type(v) is int and v >= 0`` (vLLM ignores anything else:
     a bool, a float, a string), and ``kv_load_tiers`` as `tier_filter` parses it.
     Absent or ignored keys are None."""
-    out: dict[str, Any] = dict.fromkeys((*LIMIT_KEYS, LOAD_TIERS_KEY))
+    out: dict[str, int | str | None] = dict.fromkeys((*LIMIT_KEYS, LOAD_TIERS_KEY))
     if not isinstance(params, dict):
         return out
     for name in LIMIT_KEYS:
@@ -252,7 +290,7 @@ def request_limits(params: Any) -> dict[str, Any]:
     return out
 
 
-def tier_filter(raw: Any) -> str | None:
+def tier_filter(raw: object) -> str | None:
     """A request's ``kv_load_tiers`` as vLLM's ``_parse_tier_filter`` reads it, written as
     the canonical JSON of its matchers (``[{"medium": "STORAGE"}]``; a matcher's absent
     field matches any tier), or None where vLLM allows every tier: not a list, or a
@@ -311,6 +349,10 @@ def withheld_chunk(g: Group, max_offload: int, prompt_tokens: int) -> int | None
     return chunk if (chunk + 1) * g.tpc <= prompt_tokens else None
 
 
+@overload
+def store_boundary(groups: Sequence[Group], prompt_tokens: int) -> int: ...
+@overload
+def store_boundary(groups: Sequence[Group], prompt_tokens: Expr) -> Expr: ...
 def store_boundary(groups: Sequence[Group], prompt_tokens: Num) -> Num:
     """The boundary a request's own store means to keep sliding-window tails for: its own
     cap, where an identical resend's lookup can hit (keytrace's definition, docs/diff.md).
@@ -322,12 +364,20 @@ def store_boundary(groups: Sequence[Group], prompt_tokens: Num) -> Num:
     return lookup_cap(groups, prompt_tokens)
 
 
+@overload
+def align_down(tokens: int, groups: Sequence[Group]) -> int: ...
+@overload
+def align_down(tokens: Expr, groups: Sequence[Group]) -> Expr: ...
 def align_down(tokens: Num, groups: Sequence[Group]) -> Num:
     """A position rounded down to the hit granularity (a junction's boundary)."""
     u = unit(groups)
     return tokens // u * u
 
 
+@overload
+def load_window(g: Group, end: int) -> int: ...
+@overload
+def load_window(g: Group, end: Expr) -> Num: ...
 def load_window(g: Group, end: Num) -> Num:
     """``GroupOffloadConfig.load_window_size_in_chunks(end)``.
 
@@ -341,6 +391,10 @@ def load_window(g: Group, end: Num) -> Num:
     return greatest(g.window, cdiv(g.sliding_window - 1 + g.extra + pad, g.tpc))
 
 
+@overload
+def needed_range(g: Group, local: int, E: int, keyed_chunks: int) -> tuple[int, int]: ...
+@overload
+def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, Num]: ...
 def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, Num]:
     """``[lo, hi)``: the chunks of ``g`` vLLM's lookup needs for a hit ending at ``E``.
 

@@ -19,6 +19,7 @@ from keytrace.format.keys import chunk_ending_at
 from keytrace.format.schema import LookupResult
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import UNSEEN, Cause, Limit, Verdict
+from keytrace.judge.ops import plain_of
 from keytrace.judge.rules import Group, excluded_tiers, lookup_cap, needed_range
 from keytrace.live.judged import Judged
 from keytrace.live.state import InstanceState, KeyStore
@@ -182,7 +183,7 @@ class Judge:
         else:
             st.deferred.pop(ep.req_id, None)
             numbers = d.EpisodeNumbers(S=S, X=X, E=E, E_free=E_free, stored_limit=stored)
-        verdict = Verdict(d.base_verdict(numbers))
+        verdict = Verdict(plain_of(d.base_verdict(numbers)))
         if verdict is Verdict.LIMITED:
             limit = d.limit_of(E, E_free, stored, ep.skip_reading)
             return Judged(verdict, st.name, ep.req_id, ep.seq, S, E, X, limit=limit)
@@ -298,7 +299,7 @@ class Judge:
         candidates = d.candidates_of(causes, bind_gid)
         decisive = d.decisive(candidates)
         term_result = term[3] if term is not None else None
-        verdict = Verdict(d.shortfall_verdict(d.shortfall_facts(candidates, term_result)))
+        verdict = Verdict(plain_of(d.shortfall_verdict(d.shortfall_facts(candidates, term_result))))
         if verdict is Verdict.MISMATCH and not rule and (unknown or forgotten):
             # nothing absent: a mismatch unless a needed key is unknown here (vLLM never
             # keyed it for this request; the differ may derive it from other requests in the
@@ -366,7 +367,7 @@ class Judge:
             unsettled=bool(d.unsettled(result)),
             unasked=result is None,
         )
-        return Cause(d.cause(facts))
+        return Cause(plain_of(d.cause(facts)))
 
     def excluded(self, load_tiers: str | None) -> frozenset[int]:
         """The secondary tiers a request's ``kv_load_tiers`` keeps its lookup from
