@@ -187,15 +187,6 @@ def lookup_cap(
     max_load: Num | None = None,
     trim_first: bool = False,
 ) -> Expr: ...
-@overload
-def lookup_cap(
-    groups: Sequence[Group],
-    num_tokens: Num,
-    local: Num = 0,
-    max_new: Num | None = None,
-    max_load: Num | None = None,
-    trim_first: bool = False,
-) -> Num: ...
 def lookup_cap(
     groups: Sequence[Group],
     num_tokens: Num,
