@@ -330,9 +330,15 @@ def instructions(seed: int, conversations: int) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        epilog="The module docstring (python -m pydoc tools/bench_recorder.py) says what "
+        "each measure means and why the instruction counts are the ones to compare.",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="timed rounds per mode (default 5; timing only)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
     ap.add_argument(
         "--instructions",
         action="store_true",
@@ -345,7 +351,13 @@ def main() -> int:
         help="instructions of each part of keytrace (the hooks, the writer, the alarm) under "
         "callgrind, per scheduler step and per key (one process per part, minutes each)",
     )
-    ap.add_argument("--conversations", type=int, default=24, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--conversations",
+        type=int,
+        default=24,
+        help="conversations in the workload (default 24; the README's counts use 18, "
+        "a quick look 1 to 6)",
+    )
     ap.add_argument("--one", choices=(*INSTRUCTION_MODES, "record+alarm"), help=argparse.SUPPRESS)
     ap.add_argument("--part", choices=PROFILE_PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
