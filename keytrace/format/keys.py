@@ -8,6 +8,8 @@ Imports no polars: it is on the recording path of every serving process.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable, Iterator
 from typing import Any, NewType
 
 OffloadKey = NewType("OffloadKey", bytes)
@@ -30,6 +32,15 @@ def gid_tail(gid: int) -> bytes:
 def key_tail(key: bytes) -> bytes:
     """A key's group-id bytes, as they are (cheap to compare with `gid_tail`)."""
     return key[-GID_BYTES:]
+
+
+_TAIL = operator.itemgetter(slice(-GID_BYTES, None))
+
+
+def key_tails(keys: Iterable[bytes]) -> Iterator[bytes]:
+    """`key_tail` of each of ``keys``, lazily: a C call a key (the live alarm counts a
+    store call's keys per group this way), where a Python function would be a frame."""
+    return map(_TAIL, keys)
 
 
 def tail_gid(tail: bytes) -> int:

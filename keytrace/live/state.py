@@ -13,13 +13,12 @@ counts them, and the judgement then never warns on what a forgotten record could
 from __future__ import annotations
 
 import itertools
-import operator
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from keytrace.format.keys import GID_BYTES, key_hash, make_key, tail_gid
+from keytrace.format.keys import key_hash, key_tails, make_key, tail_gid
 from keytrace.format.schema import LIMIT_EVENTS, LookupResult, StoreEvent, TierEvent
 from keytrace.judge import definitions as d
 from keytrace.judge.rules import OFFER_EVENTS
@@ -64,9 +63,6 @@ class KeyRecord:
         """A tiered manager's secondary tiers: tier -> [last seq it held the key (a
         write-through completed, or its lookup answered HIT), last seq it evicted it]."""
 
-
-_TAIL = operator.itemgetter(slice(-GID_BYTES, None))
-"""`keytrace.format.keys.key_tail` as a C call (``map`` over a call's keys)."""
 
 _SET_ON = {
     StoreEvent.COMPLETED: "completed",
@@ -176,7 +172,7 @@ class KeyStore:
             st.reset = seq
             return
         keys = call.keys
-        for tail, n in Counter(map(_TAIL, keys)).items():  # per group, not key
+        for tail, n in Counter(key_tails(keys)).items():  # per group, not key
             self.stored[(st.engine, str(tail_gid(tail)), event)] += n
             if event is StoreEvent.PREPARED:
                 st.first_prep.setdefault(tail_gid(tail), seq)
