@@ -191,3 +191,53 @@ def test_the_report_writes_no_vllm_only_test_it_cannot_make_fail(
     md = (out / "report.md").read_text()
     assert "No vLLM-only test: the geometry has recurrent state groups" in md
     assert "no_checkpoint" in md.splitlines()[0]
+
+
+def _send_capped(cap: int) -> None:
+    """A 700-token prompt on the partial-tail geometry (its tail boundary T = 688) whose
+    request asks ``max_offload_tokens`` = ``cap``, run to the end."""
+    h = Harness(PARTIAL, max_prompt_tokens=700)
+    try:
+        h.submit_tokens(h.tokens(700, chain=0), kv_transfer_params={"max_offload_tokens": cap})
+        h.run_until_idle(give_up=True)
+    finally:
+        h.close()
+
+
+def test_a_scheduler_error_passes_through_the_recorder_unchanged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM 0.33.0 and 0.34.0 stop the scheduler on a request whose ``max_offload_tokens``
+    falls below its partial-tail boundary (docs/findings.md; vllm#52397, open): an
+    ``AssertionError`` in ``build_connector_meta``, which ends a server's engine core.
+    Recording on, the same error reaches the caller from vLLM's own line, nothing is
+    caught or counted as keytrace's, and what was recorded before it reads back."""
+    from keytrace.analysis import frames
+
+    with (
+        caplog.at_level(logging.WARNING, logger="keytrace"),
+        pytest.raises(AssertionError) as raised,
+        recording(tmp_path / "t") as recs,
+    ):
+        _send_capped(100)
+    frame = raised.traceback[-1]
+    assert frame.name == "_build_partial_tail_store_jobs"
+    assert "boundary <= max_boundary" in str(frame.statement)
+    assert recs and all(r.failures == 0 for r in recs)
+    assert not [r for r in caplog.records if "recording failed" in r.getMessage()]
+    trace = open_trace(str(tmp_path / "t"))
+    assert trace.header["supports_partial_tail"] is True
+    episodes = frames.episodes(trace).collect()
+    assert episodes.height == 1 and episodes["N"].to_list() == [700]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="vLLM 0.33.0/0.34.0: a max_offload_tokens below the partial-tail boundary fails "
+    "`assert boundary <= max_boundary` in _build_partial_tail_store_jobs (vllm#52397, open)",
+)
+def test_a_store_cap_below_the_partial_tail_keeps_the_scheduler_running() -> None:
+    # the request asked that at most 100 tokens be stored: a correct store path stores
+    # no 688-token tail (and complete chunks up to 64 at most), and schedules on
+    _send_capped(100)

@@ -50,9 +50,9 @@ def test_no_any_in_the_public_signatures(module: str) -> None:
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and _uses_any(ast.unparse(item.annotation)):
                     offenders.append(f"{node.name}.{ast.unparse(item.target)}")
-        if isinstance(node, ast.AnnAssign) and node.value is not None:  # Num, Truth, ...
-            if ast.unparse(node.annotation) == "TypeAlias" and _uses_any(ast.unparse(node.value)):
-                offenders.append(f"{ast.unparse(node.target)} = {ast.unparse(node.value)}")
+        alias = isinstance(node, ast.AnnAssign) and ast.unparse(node.annotation) == "TypeAlias"
+        if alias and node.value is not None and _uses_any(ast.unparse(node.value)):  # Num, ...
+            offenders.append(f"{ast.unparse(node.target)} = {ast.unparse(node.value)}")
     assert not offenders, f"{module}: Any in a signature: {offenders}"
 
 
