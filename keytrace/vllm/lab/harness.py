@@ -452,16 +452,30 @@ class Harness:
         """vLLM's ``reset_prefix_cache(reset_running_requests=True)`` (what the server's
         reset endpoint does): preempt every running request and drop the GPU prefix cache;
         the CPU tier keeps what it stored. Skipped (False) while a request waits for, or
-        has just finished, an asynchronous load: vLLM cannot preempt it."""
-        sched = self.scheduler
-        loading = any(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in sched.requests.values())
-        if loading or getattr(sched, "finished_recving_kv_req_ids", None):
+        has just finished, an asynchronous load: vLLM cannot preempt it (it is not
+        running, and holds its blocks), and would raise."""
+        if self._unpreemptable():
             return False
         if self._pending_async is not None:
             self.scheduler.update_from_output(*self._pending_async)
             self._pending_async = None
         return bool(
             self.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+        )
+
+    def _unpreemptable(self) -> bool:
+        """A request holds GPU blocks outside the running queue: its asynchronous load is
+        in flight, or has landed and it waits to be scheduled with the loaded tokens
+        (back in the waiting queue, ``WAITING`` or ``PREEMPTED`` as it was before the
+        load, with computed tokens; preemption leaves a request none)."""
+        sched = self.scheduler
+        if getattr(sched, "finished_recving_kv_req_ids", None):
+            return True
+        running = {r.request_id for r in sched.running}
+        return any(
+            r.status.name == "WAITING_FOR_REMOTE_KVS"
+            or (r.request_id not in running and r.num_computed_tokens > 0)
+            for r in sched.requests.values()
         )
 
     def scenario(self, num_tokens: int, *, chain: int = 0) -> ScenarioResult:
