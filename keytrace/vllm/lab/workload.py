@@ -74,6 +74,7 @@ class WorkloadSpec:
     drafter: Drafter | None = None  # a speculative drafter on the built-in geometry
     blocks_per_chunk: int | None = None  # default: the built-in geometry's
     dcp: int | None = None  # decode context parallel size; default the geometry's (1)
+    prefix_match_unit: int | None = None  # vLLM's --prefix-match-unit; default none
 
 
 @dataclass
@@ -135,6 +136,8 @@ def workload_geometry(spec: WorkloadSpec) -> Geometry:
         geo = geo.with_(blocks_per_chunk=spec.blocks_per_chunk)
     if spec.dcp is not None:
         geo = geo.with_(dcp=spec.dcp)
+    if spec.prefix_match_unit is not None:
+        geo = geo.with_(prefix_match_unit=spec.prefix_match_unit)
     a = _unit(geo)
     budget = spec.budget or geo.max_num_batched_tokens
 
