@@ -34,6 +34,7 @@ from keytrace.cli import main  # noqa: E402
 from keytrace.format.reader import open_trace  # noqa: E402
 from keytrace.vllm.hook.patches import recording  # noqa: E402
 from keytrace.vllm.lab.harness import Harness  # noqa: E402
+from tests.integration.vllm_builds import DEFAULT_CACHE, run_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -156,3 +157,49 @@ def test_doctor_verify_runs_the_dcp_layouts(
     else:
         assert out.workloads == len(DCP_LAYOUTS) and not out.skipped
         assert set(out.covers) == {"recurrent", "recurrent+dcp", "recurrent+lookahead"}
+
+
+SENDS_034 = """
+import json, tempfile
+import vllm
+from keytrace.analysis.diff import diff
+from keytrace.analysis.geometry import RECURRENT
+from keytrace.format.reader import open_trace
+from keytrace.vllm.hook.patches import recording
+from keytrace.vllm.lab.harness import Harness
+
+with tempfile.TemporaryDirectory() as d:
+    with recording(d):
+        h = Harness(RECURRENT.with_(dcp=2), max_prompt_tokens=1000)
+        rids = []
+        for i in range(4):
+            if i:
+                h.reset_gpu_prefix_cache()
+            rids.append(h.submit_tokens(h.tokens(1000)))
+            h.run_until_idle(give_up=True)
+    h.close()
+    report = diff(open_trace(d), all_episodes=True)
+    print(json.dumps({
+        "version": vllm.__version__,
+        "served": [h.observations[r].external_tokens for r in rids],
+        "verdicts": [v.verdict for v in report.episodes],
+        "trust": report.rules.as_json()["trust"],
+    }))
+"""
+
+
+def test_on_0_34_the_same_resend_loads_nothing_until_a_send_computes_the_state() -> None:
+    """vLLM 0.34.0's own code (its sdist, a fresh interpreter): the same 0 at 1,000 tokens,
+    and, as with chunks of two blocks, the missed lookup pins a junction at 896 where the
+    next send computes and stores a state: the third send loads it (0.33.0: never)."""
+    r = run_python(
+        SENDS_034,
+        release="0.34.0",
+        env={"VLLM_CACHE_ROOT": str(DEFAULT_CACHE / "vllm-cache-0.34")},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert found["version"] == "0.34.0"
+    assert found["served"] == [0, 0, 896, 896]
+    assert found["verdicts"] == ["cold", "mismatch", "hit", "hit"]
+    assert found["trust"] == "verified"
