@@ -4,6 +4,9 @@
     python tools/verify_rules.py run --out v033.json
     PYTHONPATH=$(python tools/vllm_sdist.py --version 0.34.0 --sources | head -1) python tools/verify_rules.py run --out v034.json
 
+    # only the layouts of one kind: --lookahead-only, --recurrent-only, --dcp-only
+    python tools/verify_rules.py run --dcp-only --out v033-dcp.json
+
     # fold the runs into the file keytrace ships (keytrace/judge/verified_rules.json)
     python tools/verify_rules.py ship v033.json v034.json
 
@@ -35,6 +38,7 @@ def run(
     lookahead_only: bool,
     recurrent_only: bool,
     seeds: int,
+    dcp_only: bool = False,
 ) -> int:
     from keytrace.vllm.hook import rulecode
     from keytrace.vllm.lab.verify import DRAFTERS, verify
@@ -51,15 +55,23 @@ def run(
         progress=progress,
         keep=False,
         drafters=drafters,
-        recurrent=not lookahead_only,
-        layouts=not recurrent_only,
+        recurrent=not (lookahead_only or dcp_only),
+        layouts=not (recurrent_only or dcp_only),
         seeds=seeds,
+        dcp=dcp_only or None,
     )
     doc = asdict(out)
     doc["code_digests"] = dict(rulecode.code_digests())
-    doc["how"] = "CI oracle: tools/verify_rules.py run" + (
-        " --lookahead-only" if lookahead_only else " --recurrent-only" if recurrent_only else ""
+    only = (
+        " --lookahead-only"
+        if lookahead_only
+        else " --recurrent-only"
+        if recurrent_only
+        else " --dcp-only"
+        if dcp_only
+        else ""
     )
+    doc["how"] = "CI oracle: tools/verify_rules.py run" + only
     doc["when"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     Path(out_path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     print(
@@ -126,11 +138,18 @@ def main() -> int:
     only.add_argument(
         "--recurrent-only", action="store_true", help="only workloads with recurrent groups"
     )
+    only.add_argument(
+        "--dcp-only",
+        action="store_true",
+        help="only workloads with recurrent groups under decode context parallelism",
+    )
     s = sub.add_parser("ship", help="fold run outputs into keytrace/judge/verified_rules.json")
     s.add_argument("paths", nargs="+")
     a = ap.parse_args()
     if a.cmd == "run":
-        return run(a.out, a.seconds, a.episodes, a.lookahead_only, a.recurrent_only, a.seeds)
+        return run(
+            a.out, a.seconds, a.episodes, a.lookahead_only, a.recurrent_only, a.seeds, a.dcp_only
+        )
     return ship(a.paths)
 
 

@@ -135,15 +135,42 @@ class Geometry:
     """vLLM's ``--prefix-match-unit``: block hashes every this many tokens instead of the
     block sizes' GCD. Smaller than a recurrent group's block, it turns vLLM's partial
     tails on (hits and stores at hash boundaries inside a block)."""
+    dcp: int = 1
+    """vLLM's ``--decode-context-parallel-size`` (the lab builds it over as many tensor
+    parallel ranks, which vLLM requires). Each rank holds 1/dcp of an attention block's
+    tokens, so an attention group's block spans ``block_size * dcp`` tokens for the
+    scheduler, the GPU prefix cache and the connector (vLLM's
+    ``resolve_dcp_kv_block_size``); a recurrent group's state is not sharded
+    (``MambaSpec.dcp_sharded`` is False) and keeps its ``block_size``. ``block_size`` is
+    always the KV-cache spec's (one rank's)."""
+
+    def __post_init__(self) -> None:
+        if self.dcp < 1:
+            raise ValueError(f"decode context parallel size {self.dcp}: at least 1")
+
+    def tokens_per_block(self, group_id: int) -> int:
+        """Tokens one block of ``group_id`` spans: its ``block_size``, times `dcp` for an
+        attention group (vLLM's ``resolve_dcp_kv_block_size``)."""
+        g = self.groups[group_id]
+        return g.block_size if g.recurrent else g.block_size * self.dcp
 
     @property
     def tokens_per_hash(self) -> int:
         """vLLM's hash granularity for several groups: ``prefix_match_unit`` when set,
-        else the GCD of the block sizes."""
-        return self.prefix_match_unit or block_gcd(self.groups)
+        else the GCD of the blocks' token spans (`tokens_per_block`)."""
+        spans = (self.tokens_per_block(i) for i in range(len(self.groups)))
+        return self.prefix_match_unit or math.gcd(*spans)
 
     def tokens_per_chunk(self, group_id: int) -> int:
-        return self.groups[group_id].block_size * self.blocks_per_chunk
+        return self.tokens_per_block(group_id) * self.blocks_per_chunk
+
+    @property
+    def alignment_unit(self) -> int:
+        """The full-attention chunk (vLLM's ``alignment_tokens``) where the full-attention
+        groups agree on one, else the first group's chunk: the unit workloads draw
+        lengths in."""
+        fa = {self.tokens_per_chunk(i) for i, g in enumerate(self.groups) if not g.has_window}
+        return fa.pop() if len(fa) == 1 else self.tokens_per_chunk(0)
 
     def with_(self, **changes: Any) -> Geometry:
         """A copy with some fields changed (``dataclasses.replace``)."""
@@ -168,6 +195,8 @@ class Geometry:
             del d["drafter"]
         if self.prefix_match_unit is None:  # plans written before it read as before
             del d["prefix_match_unit"]
+        if self.dcp == 1:  # likewise
+            del d["dcp"]
         return d
 
     @classmethod
@@ -247,7 +276,21 @@ draft layer's full-attention group. vLLM 0.34.0 then hashes each block over the 
 token (L = 1) and keytrace judges it; on 0.33.0 (no lookahead hashes, the EAGLE block drop)
 it is recorded and not judged."""
 
-BUILTIN: dict[str, Geometry] = {g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT, RECURRENT_MTP)}
+DSV3 = Geometry(
+    name="dsv3",
+    groups=(GroupGeom("mla", 64, name="mla"), GroupGeom("mla", 64, eagle=True, name="mtp")),
+    max_num_batched_tokens=512,
+    max_model_len=16_384,
+    cpu_chunks=20_000,
+)
+"""DeepSeek-V3/Kimi-like, attention only: an MLA group and its MTP draft layer's MLA group
+(EAGLE/MTP), block 64. The models decode context parallelism serves (``dcp``: an MLA
+block then spans 64 × dcp tokens); vLLM refuses DCP with sliding-window groups, which
+every other attention preset has."""
+
+BUILTIN: dict[str, Geometry] = {
+    g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT, RECURRENT_MTP, DSV3)
+}
 
 
 def describe(geo: Geometry) -> str:
@@ -264,10 +307,27 @@ def describe(geo: Geometry) -> str:
             text += f" +{g.extra_retained_tokens}"
         parts.append(text)
     drafter = f", drafter {geo.drafter.spec}" if geo.drafter is not None else ""
+    dcp = f", dcp {geo.dcp}" if geo.dcp > 1 else ""
     return (
         f"{len(geo.groups)} groups [{', '.join(parts)}], blocks_per_chunk "
-        f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}{drafter}"
+        f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}{drafter}{dcp}"
     )
+
+
+def dcp_refusal(geo: Geometry) -> str | None:
+    """Why vLLM refuses ``geo``'s decode context parallelism, or None: vLLM 0.33.0 and
+    0.34.0 accept DCP > 1 only with full-attention (MLA included) and recurrent groups
+    (``HybridKVCacheCoordinator.__init__``: "DCP with hybrid KV cache layouts only supports
+    full-attention, Mamba, and replicated draft groups"; ``SlidingWindowManager``: "DCP not
+    support sliding window attn now"). vLLM raises the same itself; this says it before
+    vLLM is imported, in a command's words."""
+    windowed = [g.label for g in geo.groups if g.sliding_window is not None]
+    if geo.dcp > 1 and windowed:
+        return (
+            f"vLLM refuses decode context parallelism (dcp {geo.dcp}) with sliding-window "
+            f"groups; {geo.name} has {', '.join(windowed)}"
+        )
+    return None
 
 
 def builtin(name: str) -> Geometry:
@@ -291,7 +351,8 @@ def synthetic_header(
     tph = geometry.tokens_per_hash
     groups = []
     for gid, g in enumerate(geometry.groups):
-        tpc = g.block_size * bpc
+        tpb = geometry.tokens_per_block(gid)
+        tpc = tpb * bpc
         groups.append(
             {
                 "group_id": gid,
@@ -304,7 +365,7 @@ def synthetic_header(
                     "mamba": "MambaSpec",
                 }.get(g.kind, "SlidingWindowSpec"),
                 "block_size": g.block_size,
-                "tokens_per_block": g.block_size,
+                "tokens_per_block": tpb,
                 "tokens_per_chunk": tpc,
                 "hashes_per_chunk": tpc // tph,
                 "sliding_window": g.sliding_window,
@@ -346,6 +407,8 @@ def synthetic_header(
         "geometry_name": geometry.name,
         **drafter_header(geometry.drafter),
         "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
+        # only where it is not 1: every other synthetic header stays what it was
+        **({"dcp_world_size": geometry.dcp} if geometry.dcp > 1 else {}),
     }
 
 
@@ -375,11 +438,13 @@ def drafter_from_header(header: dict[str, Any]) -> Drafter | None:
     )
 
 
-def _prefix_match_unit(header: dict[str, Any], groups: list[GroupGeom]) -> int | None:
+def _prefix_match_unit(header: dict[str, Any], groups: list[GroupGeom], dcp: int) -> int | None:
     """The ``--prefix-match-unit`` a header implies: its hash unit where that is finer
-    than the block sizes' GCD (None: the default)."""
+    than the GCD of the blocks' token spans (None: the default)."""
     tph = header.get("tokens_per_hash")
-    natural = block_gcd(groups) if groups else None
+    natural = (
+        math.gcd(*(g.block_size * (1 if g.recurrent else dcp) for g in groups)) if groups else None
+    )
     return int(tph) if tph and natural and int(tph) < natural else None
 
 
@@ -412,6 +477,7 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
                 name=str(g.get("name") or ""),
             )
         )
+    dcp = int(header.get("dcp_world_size") or 1)
     return Geometry(
         name=str(header.get("geometry_name") or "recorded"),
         groups=tuple(groups),
@@ -425,7 +491,8 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
         num_gpu_blocks=header.get("num_gpu_blocks"),
         extra=_tier_extra(header),
         drafter=drafter_from_header(header),
-        prefix_match_unit=_prefix_match_unit(header, groups),
+        prefix_match_unit=_prefix_match_unit(header, groups, dcp),
+        dcp=dcp,
     )
 
 

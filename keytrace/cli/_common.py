@@ -167,6 +167,19 @@ def drafter_option(help: str, *, multiple: bool = False) -> Callable[[Any], Any]
     )
 
 
+def dcp_option(help: str) -> Callable[[Any], Any]:
+    """``--dcp N``: vLLM's decode context parallel size for the lab's geometry
+    (`keytrace.analysis.geometry.Geometry.dcp`)."""
+    return click.option(
+        "--dcp",
+        type=click.IntRange(min=1),
+        default=None,
+        help=f"{help} vLLM's --decode-context-parallel-size, over as many tensor parallel "
+        "ranks: an attention block spans block x N tokens, a recurrent state stays one "
+        "block. vLLM refuses it with sliding-window groups.",
+    )
+
+
 def echo_trace_warnings(trace: Trace) -> None:
     """Warnings and notes from reading go to stderr, one line each."""
     for w in trace.warnings:

@@ -6,9 +6,16 @@ import sys
 
 import click
 
-from keytrace.analysis.geometry import BUILTIN, builtin, geometry_from_header, parse_drafter
+from keytrace.analysis.geometry import (
+    BUILTIN,
+    builtin,
+    dcp_refusal,
+    geometry_from_header,
+    parse_drafter,
+)
 from keytrace.analysis.sweep import SweepRow, compare_fix, parse_lengths
 from keytrace.cli._common import (
+    dcp_option,
     drafter_option,
     exit_for_verdicts,
     fix_option,
@@ -53,7 +60,8 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     type=click.Choice(sorted(BUILTIN)),
     help="Built-in geometry: dsv4 (DeepSeek-V4-like, MTP), small, hybrid (no MTP group), "
     "recurrent (Qwen3-Next-like: recurrent state groups and full attention), recurrent_mtp "
-    "(the same with its MTP drafter: judged on vLLM 0.34.0, not on 0.33.0).",
+    "(the same with its MTP drafter: judged on vLLM 0.34.0, not on 0.33.0), dsv3 "
+    "(DeepSeek-V3-like: MLA and its MTP group, no sliding window: for --dcp).",
 )
 @click.option(
     "--from", "from_trace", default=None, help="Take the geometry from this trace's header instead."
@@ -71,6 +79,7 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
 )
 @click.option("--blocks-per-chunk", type=int, default=None, help="Offload chunk size in blocks.")
 @drafter_option("Run a speculative drafter ('none': drop the one a --from trace names).")
+@dcp_option("Decode context parallel size (default: the geometry's, 1).")
 @inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
 @fix_option(
     "Apply a candidate fix to vLLM's offload path first (does it close every failing "
@@ -101,6 +110,7 @@ def command(
     retention_interval: int | None,
     blocks_per_chunk: int | None,
     drafter: str | None,
+    dcp: int | None,
     inject: str | None,
     fix: str | None,
     compare: bool,
@@ -147,10 +157,15 @@ def command(
         changes["blocks_per_chunk"] = blocks_per_chunk
     if drafter is not None:
         changes["drafter"] = parse_drafter(drafter)
+    if dcp is not None:
+        changes["dcp"] = dcp
     if max(todo) + 64 > geo.max_model_len:
         changes["max_model_len"] = max(todo) + 1024
     changes["num_gpu_blocks"] = None  # sized per length
     geo = geo.with_(**changes)
+    refused = dcp_refusal(geo)
+    if refused:
+        raise UsageError(refused)
     show = progress if progress is not None else sys.stderr.isatty()
     from keytrace.vllm.lab.sweep import run_sweep
 
@@ -174,6 +189,7 @@ def command(
         where = (
             f"{geo.name}: budget {geo.max_num_batched_tokens:,}, blocks_per_chunk {geo.blocks_per_chunk}"
             f"{', drafter ' + geo.drafter.spec if geo.drafter else ''}"
+            f"{f', dcp {geo.dcp}' if geo.dcp > 1 else ''}"
             f"{', inject ' + inject if inject else ''}"
         )
         paths = [plot_prefix + ".png", plot_prefix + ".svg"]

@@ -8,6 +8,7 @@ import tempfile
 import click
 
 from keytrace.cli._common import (
+    dcp_option,
     drafter_option,
     fix_option,
     inject_option,
@@ -48,8 +49,9 @@ def _tiers(text: str) -> tuple[str, ...]:
     "--geometry",
     default="dsv4",
     show_default=True,
-    type=click.Choice(["dsv4", "small", "hybrid"]),
-    help="Built-in geometry ('hybrid': no MTP group, where stock vLLM's rules agree).",
+    type=click.Choice(["dsv4", "small", "hybrid", "dsv3", "recurrent", "recurrent_mtp"]),
+    help="Built-in geometry ('hybrid': no MTP group, where stock vLLM's rules agree; "
+    "'dsv3' and 'recurrent': no sliding window, for --dcp).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--conversations", type=int, default=24, show_default=True)
@@ -142,6 +144,7 @@ def _tiers(text: str) -> tuple[str, ...]:
     "and/or 'example' (in memory). Pair it with a small --cpu-chunks for promotions.",
 )
 @drafter_option("Run the geometry with a speculative drafter (vLLM's own SpeculativeConfig).")
+@dcp_option("Decode context parallel size (default: the geometry's, 1).")
 @inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
 @fix_option(
     "Apply a candidate fix to vLLM's offload path for the whole run (does it hold on "
@@ -182,6 +185,7 @@ def command(
     budget: int | None,
     tiers: str,
     drafter: str | None,
+    dcp: int | None,
     inject: str | None,
     fix: str | None,
     oracle: bool,
@@ -200,7 +204,7 @@ def command(
     Example: keytrace workload --geometry dsv4 --seed 3 --out /tmp/kt --oracle
     Exit status: 0 no mismatch, 1 mismatch found, 2 trouble (or the oracle disagreed).
     """
-    from keytrace.analysis.geometry import parse_drafter
+    from keytrace.analysis.geometry import builtin, dcp_refusal, parse_drafter
     from keytrace.report.text import render_diff
     from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
 
@@ -228,7 +232,11 @@ def command(
         fix=fix,
         tiers=_tiers(tiers),
         drafter=parse_drafter(drafter) if drafter is not None else None,
+        dcp=dcp,
     )
+    refused = dcp_refusal(builtin(geometry).with_(dcp=dcp or 1))
+    if refused:
+        raise UsageError(refused)
     show = progress if progress is not None else sys.stderr.isatty()
     out = out_dir or tempfile.mkdtemp(prefix="keytrace-workload-")
     study = study_workload(

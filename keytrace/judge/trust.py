@@ -18,11 +18,11 @@ A digest is *verified* when some run checked shortfalls on it and none disagreed
 trusted as before, by whether its release was one keytrace's CI ran (``vllm_verified``).
 
 A digest says which code ran, not which model: each run records the `features` its
-workloads exercised (``covers``: ``recurrent``), and a trace that needs one is verified
-only by a run that covered it. A trace whose configuration holds what no rule describes
-(`uncovered`: a recurrent group with partial tails, decode context parallelism, another
-retention interval or a drafter) gets no verdict at all, whatever its digest: the trace is
-kept and its facts are shown, nothing is judged.
+workloads exercised (``covers``: ``recurrent``, ``recurrent+dcp``, ...), and a trace that
+needs one is verified only by a run that covered it. A trace whose configuration holds
+what no rule describes (`uncovered`: a recurrent group with partial tails, another
+retention interval or a drafter) gets no verdict at all, whatever its digest: the trace is kept and its facts are
+shown, nothing is judged.
 
 The status is looked up when a trace is judged, not written into the header: a header is
 the same bytes for every process of one configuration (the reader refuses mixed parts),
@@ -78,19 +78,28 @@ FEATURE_TEXT = {
     ATTENTION: "attention groups",
     "recurrent": "recurrent state groups",
     "recurrent+lookahead": "recurrent state groups under lookahead hashes",
+    "recurrent+dcp": "recurrent state groups under decode context parallelism",
 }
+
+
+def _dcp(header: Mapping[str, Any]) -> int:
+    return int(header.get("dcp_world_size") or 1)
 
 
 def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     """What a trace needs the oracle to have run on before its verdicts count as verified
     (`Verification.covers`): ``attention`` for a trace without a recurrent state group,
-    ``recurrent`` for one with, and ``recurrent+lookahead`` too when its block hashes look
-    ahead (a drafter, 0.34.0)."""
+    ``recurrent`` for one with, ``recurrent+lookahead`` too when its block hashes look
+    ahead (a drafter, 0.34.0), and ``recurrent+dcp`` too under decode context parallelism
+    (full-attention chunks DCP times a recurrent one, states kept at the hash unit)."""
     if not _recurrent_groups(header):
         return (ATTENTION,)
+    needs = ["recurrent"]
     if int(header.get("num_hash_lookahead_tokens") or 0):
-        return ("recurrent", "recurrent+lookahead")
-    return ("recurrent",)
+        needs.append("recurrent+lookahead")
+    if _dcp(header) > 1:
+        needs.append("recurrent+dcp")
+    return tuple(needs)
 
 
 def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
@@ -100,10 +109,13 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
 
     Recurrent state groups are judged with a window of one chunk and states kept where a
     request computed them (`keytrace.judge.definitions.junction_kept`), on the setting
-    the oracle verified: hash unit = block (no partial tails), no decode context
-    parallelism, retention interval 0, and no speculative drafter unless its block hashes
-    look ahead (``num_hash_lookahead_tokens`` > 0, vLLM 0.34.0: no EAGLE block drop). Any
-    of the others changes where vLLM keeps and looks up states in ways no rule here
+    the oracle verified: no partial tails, retention interval 0, and no speculative
+    drafter unless its block hashes look ahead (``num_hash_lookahead_tokens`` > 0, vLLM
+    0.34.0: no EAGLE block drop); with or without decode context parallelism (vLLM
+    0.33.0 and 0.34.0 scale the full-attention chunk by it and not the recurrent one, and
+    keep partial tails off under it, even with a hash unit below the block: the same
+    rules hold, the oracle verified DCP 2 and 4, `features` ``recurrent+dcp``). Any of
+    the others changes where vLLM keeps and looks up states in ways no rule here
     describes yet."""
     recurrent = _recurrent_groups(header)
     if not recurrent:
@@ -111,8 +123,6 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     why = []
     if header.get("supports_partial_tail"):
         why.append("partial tails (a hash unit below the block)")
-    if int(header.get("dcp_world_size") or 1) > 1:
-        why.append(f"decode context parallel size {header.get('dcp_world_size')}")
     retention = header.get("retention_interval", 0)
     if retention != 0:
         dense = "dense (None)" if retention is None else str(retention)

@@ -103,16 +103,27 @@ def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
 
 
 def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
-    from keytrace.vllm.lab.verify import DRAFTERS, LAYOUTS, RECURRENT_LAYOUTS, first_pass, plan
+    from keytrace.vllm.lab.verify import (
+        DCP_LAYOUTS,
+        DRAFTERS,
+        LAYOUTS,
+        RECURRENT_LAYOUTS,
+        first_pass,
+        plan,
+    )
 
     specs = list(plan())
     first = specs[: first_pass(DRAFTERS, recurrent=True, layouts=True)]
     assert {(s.drafter, s.geometry, s.tiers) for s in first if "recurrent" not in s.geometry} == {
         (d, g, t) for d in DRAFTERS for g, t, _ in LAYOUTS
     }
-    recurrent = [s for s in first if s.geometry.startswith("recurrent")]
+    recurrent = [s for s in first if s.geometry.startswith("recurrent") and not s.dcp]
     assert [(s.geometry, s.tiers, s.blocks_per_chunk, s.drafter) for s in recurrent] == [
         (g, t, bpc, d) for g, t, _, bpc, d in RECURRENT_LAYOUTS
+    ]
+    dcp = [s for s in first if s.dcp]
+    assert [(s.geometry, s.tiers, s.blocks_per_chunk, s.dcp, s.prefix_match_unit) for s in dcp] == [
+        (g, t, bpc, n, unit) for g, t, _, bpc, n, unit in DCP_LAYOUTS
     ]
     assert len({s.seed for s in specs}) == len(specs)  # every workload its own traffic
     lookahead = list(plan(drafters=DRAFTERS[1:], recurrent=False))

@@ -134,7 +134,7 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     # what changes where vLLM keeps and looks up states: no verdict, each named
     for change, why in (
         ({"supports_partial_tail": True}, "partial tails"),
-        ({"dcp_world_size": 2}, "decode context parallel size 2"),
+        ({"dcp_world_size": 2, "supports_partial_tail": True}, "partial tails"),
         ({"retention_interval": 512}, "retention interval 512"),
         ({"retention_interval": None}, "retention interval dense (None)"),
         ({"spec_method": "mtp"}, "an EAGLE/MTP drafter without lookahead hashes"),
@@ -147,6 +147,17 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
         gaps = trust.uncovered({**header, **change})
         assert len(gaps) == 1 and gaps[0].startswith("recurrent state groups 0, 1, 2 with ")
         assert why in gaps[0], change
+    # decode context parallelism (vLLM keeps partial tails off under it, a finer hash unit
+    # or not): judged, and needs a run that covered recurrent groups under DCP
+    for dcp in (
+        {"dcp_world_size": 2},
+        {"dcp_world_size": 4, "tokens_per_hash": 16},
+        {"dcp_world_size": 2, "num_hash_lookahead_tokens": 1, "spec_method": "mtp"},
+    ):
+        assert trust.uncovered({**header, **dcp}) == (), dcp
+        assert trust.features({**header, **dcp})[0] == "recurrent"
+        assert trust.features({**header, **dcp})[-1] == "recurrent+dcp"
+    assert trust.features({**synthetic_header(SMALL), "dcp_world_size": 2}) == ("attention",)
     # a drafter whose block hashes look ahead (vLLM 0.34.0) drops no block: judged, and
     # needs a run that covered recurrent groups under lookahead
     ahead = {**header, "spec_method": "mtp", "num_hash_lookahead_tokens": 1}
@@ -193,6 +204,15 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
         "d", Verification("0.34.0", 50, 0, "t", covers=("recurrent", "recurrent+lookahead"))
     )
     st = trust.trace_rules({**ahead, "rules_digest": "d"})
+    assert st is not None and st.trust is RulesTrust.VERIFIED
+    # ...nor one under decode context parallelism: said so, until a DCP run covers it
+    dcp = {**header, "dcp_world_size": 2, "rules_digest": "d"}
+    st = trust.trace_rules(dcp)
+    assert st is not None and st.trust is RulesTrust.UNVERIFIED
+    line = trust.trust_line(st)
+    assert line is not None and "for recurrent state groups under decode context" in line
+    trust.record_run("d", Verification("0.33.0", 50, 0, "t", covers=("recurrent", "recurrent+dcp")))
+    st = trust.trace_rules(dcp)
     assert st is not None and st.trust is RulesTrust.VERIFIED
     # an attention trace needs a run of attention layouts: a recurrent-only run is none,
     # a run recorded before runs said what they covered is one

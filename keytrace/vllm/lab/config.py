@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import tempfile
 from typing import Any
@@ -42,12 +43,13 @@ from vllm.v1.kv_cache_interface import (
 from keytrace.analysis.geometry import REPLAYABLE_TIERS, Drafter, Geometry, GroupGeom
 
 VOCAB = 32_000
+_TINY_HEADS = 4
 _TINY_MODEL = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 64,
     "intermediate_size": 128,
-    "num_attention_heads": 4,
+    "num_attention_heads": _TINY_HEADS,
     "num_key_value_heads": 1,
     "num_hidden_layers": 2,
     "vocab_size": VOCAB,
@@ -113,12 +115,30 @@ def _local_model(name: str, config: dict[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _model_config(max_model_len: int) -> ModelConfig:
-    """ModelConfig from a tiny local config.json; cached because it costs seconds."""
+def _model_config(max_model_len: int, tensor_parallel_size: int = 1) -> ModelConfig:
+    """ModelConfig from a tiny local config.json; cached because it costs seconds. Over
+    ``tensor_parallel_size`` > 1 ranks (decode context parallelism needs them) its
+    attention heads are as many as vLLM requires to split them (a multiple of the ranks),
+    in a folder of its own: every other model stays the bytes it was."""
+    if tensor_parallel_size == 1:
+        return _tiny_model_config(
+            _local_model(
+                f"tiny-llama-{max_model_len}",
+                {**_TINY_MODEL, "max_position_embeddings": max_model_len},
+            ),
+            max_model_len,
+            "float16",
+        )
+    heads = math.lcm(_TINY_HEADS, tensor_parallel_size)
     return _tiny_model_config(
         _local_model(
-            f"tiny-llama-{max_model_len}",
-            {**_TINY_MODEL, "max_position_embeddings": max_model_len},
+            f"tiny-llama-tp{tensor_parallel_size}-{max_model_len}",
+            {
+                **_TINY_MODEL,
+                "num_attention_heads": heads,
+                "hidden_size": 16 * heads,
+                "max_position_embeddings": max_model_len,
+            },
         ),
         max_model_len,
         "float16",
@@ -149,7 +169,21 @@ def _mtp_target_config(max_model_len: int, mtp_modules: int) -> ModelConfig:
     return _tiny_model_config(folder, max_model_len, "bfloat16")
 
 
-def speculative_config(drafter: Drafter, max_model_len: int) -> SpeculativeConfig:
+def parallel_config(geometry: Geometry) -> ParallelConfig:
+    """The geometry's parallelism: decode context parallel size `Geometry.dcp` over as
+    many tensor parallel ranks (vLLM requires the TP size to be a multiple of it; the
+    scheduler side sees the ranks only as ``world_size`` workers acknowledging each
+    transfer). A new config every call: ``VllmConfig`` may change it."""
+    if geometry.dcp == 1:
+        return ParallelConfig()
+    return ParallelConfig(
+        tensor_parallel_size=geometry.dcp, decode_context_parallel_size=geometry.dcp
+    )
+
+
+def speculative_config(
+    drafter: Drafter, max_model_len: int, tensor_parallel_size: int = 1
+) -> SpeculativeConfig:
     """A real ``SpeculativeConfig`` for ``drafter``, built offline from tiny local
     ``config.json`` files: vLLM resolves everything that follows from it (the hash
     lookahead above all) by its own rules, on every release.
@@ -157,13 +191,15 @@ def speculative_config(drafter: Drafter, max_model_len: int) -> SpeculativeConfi
     EAGLE and EAGLE3 draft for the harness's tiny Llama, with a registered draft
     architecture; MTP drafts from a DeepSeek-V3-like checkpoint with ``mtp_modules`` MTP
     modules (vLLM rewrites it into its MTP draft config, ``n_predict`` modules), which is
-    the speculative target only. A new config every call: ``VllmConfig`` may change it."""
+    the speculative target only. A new config every call: ``VllmConfig`` may change it.
+    ``tensor_parallel_size``: the target's (a geometry with decode context parallelism)."""
+    target_parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
     if drafter.method == "mtp":
         return SpeculativeConfig(
             method="mtp",
             num_speculative_tokens=drafter.num_speculative_tokens,
             target_model_config=_mtp_target_config(max_model_len, drafter.mtp_modules),
-            target_parallel_config=ParallelConfig(),
+            target_parallel_config=target_parallel,
         )
     head = _TINY_EAGLE3 if drafter.method == "eagle3" else _TINY_EAGLE
     folder = _local_model(
@@ -174,8 +210,8 @@ def speculative_config(drafter: Drafter, max_model_len: int) -> SpeculativeConfi
         method=drafter.method,
         model=folder,
         num_speculative_tokens=drafter.num_speculative_tokens,
-        target_model_config=_model_config(max_model_len),
-        target_parallel_config=ParallelConfig(),
+        target_model_config=_model_config(max_model_len, tensor_parallel_size),
+        target_parallel_config=target_parallel,
     )
 
 
@@ -221,7 +257,8 @@ def default_num_gpu_blocks(geometry: Geometry, max_prompt_tokens: int | None = N
     knows its longest prompt sizes the pool to it instead of to ``max_model_len``.
     """
     tokens = min(geometry.max_model_len, (max_prompt_tokens or geometry.max_model_len) + 64)
-    per_req = sum(-(-tokens // g.block_size) + 2 for g in geometry.groups)
+    spans = (geometry.tokens_per_block(i) for i in range(len(geometry.groups)))
+    per_req = sum(-(-tokens // span) + 2 for span in spans)
     return 2 * per_req + 64
 
 
@@ -255,11 +292,13 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
     # and a test that only builds a harness later must find it unloaded)
     from keytrace.vllm.hook.patches import lab_platform
 
+    tp = geometry.dcp  # decode context parallelism needs that many TP ranks at least
     with lab_platform():
         config = VllmConfig(
-            model_config=_model_config(geometry.max_model_len),
+            model_config=_model_config(geometry.max_model_len, tp),
             cache_config=cache,
             scheduler_config=sched,
+            parallel_config=parallel_config(geometry),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="OffloadingConnector",
                 kv_role="kv_both",
@@ -268,7 +307,7 @@ def build_vllm_config(geometry: Geometry, *, cpu_bytes_to_use: int) -> VllmConfi
             # given here, so VllmConfig resolves what follows from it (the hash lookahead)
             speculative_config=None
             if drafter is None
-            else speculative_config(drafter, geometry.max_model_len),
+            else speculative_config(drafter, geometry.max_model_len, tp),
         )
     if any(g.recurrent for g in geometry.groups):
         # what vLLM's hybrid-model config hook sets under prefix caching; the lab's tiny
@@ -311,6 +350,10 @@ def _check_unchanged(config: VllmConfig, geometry: Geometry) -> None:
         problems.append(f"retention_interval={cc.prefix_cache_retention_interval}")
     if bool(sc.async_scheduling) != geometry.async_scheduling:
         problems.append(f"async_scheduling={sc.async_scheduling}")
+    if config.parallel_config.decode_context_parallel_size != geometry.dcp:
+        problems.append(
+            f"decode_context_parallel_size={config.parallel_config.decode_context_parallel_size}"
+        )
     if problems:
         raise RuntimeError("VllmConfig changed the geometry: " + ", ".join(problems))
 
@@ -342,8 +385,9 @@ def build_kv_cache_config(
     return kv
 
 
-def chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
-    """Bytes per CPU chunk exactly as CPUOffloadingSpec computes them (world size 1)."""
+def chunk_bytes(geometry: Geometry, kv: KVCacheConfig, world_size: int = 1) -> int:
+    """Bytes per CPU chunk exactly as CPUOffloadingSpec computes them: one copy of a
+    worker's block per rank of ``world_size``."""
     from vllm.utils.math_utils import round_up
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
@@ -351,7 +395,10 @@ def chunk_bytes(geometry: Geometry, kv: KVCacheConfig) -> int:
         g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv.kv_cache_groups
     )
     return int(
-        round_up(per_block * geometry.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+        round_up(
+            per_block * world_size * geometry.blocks_per_chunk,
+            CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT,
+        )
     )
 
 

@@ -152,7 +152,10 @@ class Harness:
         self.seed = seed
         probe = build_vllm_config(geometry, cpu_bytes_to_use=1)
         kv_probe = build_kv_cache_config(geometry, probe)
-        self.cpu_bytes_to_use = geometry.cpu_chunks * chunk_bytes(geometry, kv_probe)
+        self.world_size = int(probe.parallel_config.world_size)
+        self.cpu_bytes_to_use = geometry.cpu_chunks * chunk_bytes(
+            geometry, kv_probe, self.world_size
+        )
         self.vllm_config = build_vllm_config(geometry, cpu_bytes_to_use=self.cpu_bytes_to_use)
         if dp_rank is not None:
             self.vllm_config.parallel_config.data_parallel_index = dp_rank
@@ -189,7 +192,7 @@ class Harness:
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = _block_hasher(hash_bs, hash_fn, self.num_hash_lookahead_tokens)
-        self.worker = AckWorker(store_delay)
+        self.worker = AckWorker(store_delay, workers=self.world_size)
         self.request_prefix = request_prefix
         self.observations: dict[str, EpisodeObservation] = {}
         self.step_count = 0
@@ -241,13 +244,17 @@ class Harness:
             raise RuntimeError(
                 f"CPU manager has {num_chunks} chunks, asked for {self.geometry.cpu_chunks}"
             )
-        cfgs = self.connector_scheduler.config.kv_group_configs
+        offload = self.connector_scheduler.config
+        cfgs = offload.kv_group_configs
         if len(cfgs) != len(self.geometry.groups):
             raise RuntimeError(
                 f"{len(cfgs)} offloaded groups, geometry has {len(self.geometry.groups)}"
             )
-        for cfg, g in zip(cfgs, self.geometry.groups, strict=True):
-            if cfg.tokens_per_chunk != g.block_size * self.geometry.blocks_per_chunk:
+        dcp = (int(offload.dcp_world_size), int(self.scheduler.dcp_world_size))
+        if dcp != (self.geometry.dcp, self.geometry.dcp):
+            raise RuntimeError(f"decode context parallel size (connector, scheduler) {dcp}")
+        for i, (cfg, g) in enumerate(zip(cfgs, self.geometry.groups, strict=True)):
+            if cfg.tokens_per_chunk != self.geometry.tokens_per_chunk(i):
                 raise RuntimeError(
                     f"group {cfg.group_idx}: tokens_per_chunk {cfg.tokens_per_chunk}"
                 )
@@ -452,16 +459,30 @@ class Harness:
         """vLLM's ``reset_prefix_cache(reset_running_requests=True)`` (what the server's
         reset endpoint does): preempt every running request and drop the GPU prefix cache;
         the CPU tier keeps what it stored. Skipped (False) while a request waits for, or
-        has just finished, an asynchronous load: vLLM cannot preempt it."""
-        sched = self.scheduler
-        loading = any(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in sched.requests.values())
-        if loading or getattr(sched, "finished_recving_kv_req_ids", None):
+        has just finished, an asynchronous load: vLLM cannot preempt it (it is not
+        running, and holds its blocks), and would raise."""
+        if self._unpreemptable():
             return False
         if self._pending_async is not None:
             self.scheduler.update_from_output(*self._pending_async)
             self._pending_async = None
         return bool(
             self.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+        )
+
+    def _unpreemptable(self) -> bool:
+        """A request holds GPU blocks outside the running queue: its asynchronous load is
+        in flight, or has landed and it waits to be scheduled with the loaded tokens
+        (back in the waiting queue, ``WAITING`` or ``PREEMPTED`` as it was before the
+        load, with computed tokens; preemption leaves a request none)."""
+        sched = self.scheduler
+        if getattr(sched, "finished_recving_kv_req_ids", None):
+            return True
+        running = {r.request_id for r in sched.running}
+        return any(
+            r.status.name == "WAITING_FOR_REMOTE_KVS"
+            or (r.request_id not in running and r.num_computed_tokens > 0)
+            for r in sched.requests.values()
         )
 
     def scenario(self, num_tokens: int, *, chain: int = 0) -> ScenarioResult:

@@ -134,7 +134,7 @@ def _candidates(s: Scenario) -> Iterator[tuple[str, Scenario]]:
             groups = geo.groups[:i] + geo.groups[i + 1 :]
             yield f"drop group {i}", dataclasses.replace(s, geometry=geo.with_(groups=groups))
     # 2. shorter prompts, same residue modulo A, primes and episode moved together
-    A = geo.groups[0].block_size * geo.blocks_per_chunk
+    A = geo.tokens_per_chunk(0)
     lengths = (*s.primes, s.episode)
     for k in (max(min(lengths) // A - 1, 0), 8, 1):
         if k > 0 and min(lengths) - k * A >= A:

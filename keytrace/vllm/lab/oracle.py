@@ -147,7 +147,15 @@ def check(
 
         base = geometry_from_header(trace.header).untiered().with_(num_gpu_blocks=None)
         tier_geo = tiered(base, ("example",))
-    fa_groups = [g for g in (tier_geo.groups if tier_geo else ()) if g.sliding_window is None]
+    fa_chunks = (
+        [
+            tier_geo.tokens_per_chunk(i)
+            for i, g in enumerate(tier_geo.groups)
+            if g.sliding_window is None
+        ]
+        if tier_geo is not None
+        else []
+    )
     cases = []
     for i, v in enumerate(todo):
         t, n = when[(v.instance_id, v.episode)]
@@ -166,7 +174,7 @@ def check(
         tier_external = None
         if tier_state is not None and tier_geo is not None:
             primary, secondary = tier_state.get((v.instance_id, v.episode), ([], []))
-            below = sum(v.S // g.block_size // tier_geo.blocks_per_chunk for g in fa_groups)
+            below = sum(v.S // tpc for tpc in fa_chunks)
             _local, tier_external = isolated_lookup(
                 tier_geo.with_(cpu_chunks=tier_geo.cpu_chunks + below),
                 tokens,

@@ -215,7 +215,7 @@ def _local_keys(h: Any, rid: str, local: int) -> list[tuple[bytes, int | None]]:
     for gid, g in enumerate(h.geometry.groups):
         if g.sliding_window is not None:
             continue
-        tpc = g.block_size * h.geometry.blocks_per_chunk
+        tpc = h.geometry.tokens_per_chunk(gid)
         for c in range(local // tpc):
             end = (c + 1) * tpc
             out.append((make_key(hashes[end // h.hash_block_size - 1], gid), end))

@@ -6,7 +6,7 @@ commit on main) that changes that arithmetic makes them silently wrong. The orac
 scheduler) is the arbiter. This module runs it on seeded workloads through the installed
 vLLM, as many as a time budget allows, in an order that covers the switches first (each
 geometry, a CPU and a tiered manager, no drafter, EAGLE and MTP lookahead, recurrent state
-groups in chunks of one and two blocks), and keeps the
+groups in chunks of one and two blocks, and under decode context parallelism), and keeps the
 outcome under the installed code's rules digest (`keytrace.vllm.hook.rulecode`): the
 header of every trace recorded on that code then says whether its verdicts were verified,
 and ``keytrace diff`` refuses AGREE on code where the oracle disagreed.
@@ -66,15 +66,35 @@ state may fall inside a chunk), under a tiered manager, and with an MTP drafter 
 preset's, L = 1 on vLLM 0.34.0; and multi-module, L = 2). A workload keytrace does not
 judge (a drafter without lookahead hashes, vLLM 0.33.0) is skipped, with why."""
 
+DCP_LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None, int, int, int | None], ...] = (
+    ("recurrent", (), 30, 1, 2, None),
+    ("recurrent", (), 30, 2, 2, None),
+    ("recurrent", (), 30, 1, 4, None),
+    ("recurrent", (), 30, 1, 2, 16),
+    ("recurrent_mtp", (), 40, 2, 2, None),
+)
+"""(geometry, secondary tiers, CPU chunks, blocks per chunk, decode context parallel
+size, prefix match unit): recurrent state groups under DCP, where vLLM scales the
+full-attention block (and chunk) by the DCP size and not the recurrent one, and its GPU
+cache keeps a prompt's last state at the hash unit (``partial_hash_hits_enabled``
+accepts a recurrent block equal to it under DCP): states that end no full-attention
+chunk; a hash unit below the recurrent block, where the GPU cache hits inside a block
+while the connector keeps partial tails off (DCP); and the MTP drafter (lookahead hashes
+on vLLM 0.34.0; not judged on 0.33.0, skipped). Run with the recurrent layouts
+unless asked apart (`plan`'s ``dcp``)."""
+
 
 def plan(
     seeds: int = 3,
     drafters: tuple[Drafter | None, ...] = DRAFTERS,
     recurrent: bool = True,
     layouts: bool = True,
+    dcp: bool | None = None,
 ) -> Iterator[WorkloadSpec]:
-    """The workloads `verify` runs, covering every layout and drafter (``layouts``) and
-    every recurrent layout (``recurrent``) once before any repeats with another seed."""
+    """The workloads `verify` runs, covering every layout and drafter (``layouts``),
+    every recurrent layout (``recurrent``) and every DCP layout (``dcp``; None: with the
+    recurrent ones) once before any repeats with another seed."""
+    dcp = recurrent if dcp is None else dcp
     for seed in range(seeds):
         for i, drafter in enumerate(drafters if layouts else ()):
             for j, (geometry, tiers, cpu_chunks) in enumerate(LAYOUTS):
@@ -98,11 +118,31 @@ def plan(
                 blocks_per_chunk=bpc,
                 drafter=drafter,
             )
+        for j, (geometry, tiers, cpu_chunks, bpc, size, unit) in enumerate(
+            DCP_LAYOUTS if dcp else ()
+        ):
+            yield WorkloadSpec(
+                geometry=geometry,
+                seed=1000 * seed + 600 + j,
+                conversations=10,
+                tiers=tiers,
+                cpu_chunks=cpu_chunks,
+                blocks_per_chunk=bpc,
+                dcp=size,
+                prefix_match_unit=unit,
+            )
 
 
-def first_pass(drafters: tuple[Drafter | None, ...], recurrent: bool, layouts: bool) -> int:
+def first_pass(
+    drafters: tuple[Drafter | None, ...], recurrent: bool, layouts: bool, dcp: bool | None = None
+) -> int:
     """How many of `plan`'s workloads cover each layout once."""
-    return len(drafters) * len(LAYOUTS) * layouts + len(RECURRENT_LAYOUTS) * recurrent
+    dcp = recurrent if dcp is None else dcp
+    return (
+        len(drafters) * len(LAYOUTS) * layouts
+        + len(RECURRENT_LAYOUTS) * recurrent
+        + len(DCP_LAYOUTS) * dcp
+    )
 
 
 @dataclass(frozen=True)
@@ -155,6 +195,7 @@ def verify(
     recurrent: bool = True,
     layouts: bool = True,
     seeds: int = 3,
+    dcp: bool | None = None,
 ) -> VerifyOutcome:
     """Run the oracle (and the alarm) on `plan`'s workloads through the installed vLLM
     until ``min_episodes`` shortfalls were checked after every layout and drafter ran once,
@@ -163,14 +204,15 @@ def verify(
     outcome under the installed code's rules digest. ``drafters``: the drafters to
     run (default: none, EAGLE, MTP with 1, 2, 3 tokens); ``recurrent``: also the
     recurrent layouts; ``layouts``: the attention layouts (False: recurrent only);
-    ``seeds``: how many rounds of every layout the plan holds."""
+    ``dcp``: the recurrent layouts under decode context parallelism (None: with
+    ``recurrent``); ``seeds``: how many rounds of every layout the plan holds."""
     from keytrace.vllm.hook.support import vllm_info
 
     digest = rulecode.rules_digest()
     out = VerifyOutcome(digest=digest, vllm=vllm_info().version or "?")
     t0 = time.monotonic()
-    specs = list(plan(seeds, drafters=drafters, recurrent=recurrent, layouts=layouts))
-    once = first_pass(drafters, recurrent, layouts)
+    specs = list(plan(seeds, drafters=drafters, recurrent=recurrent, layouts=layouts, dcp=dcp))
+    once = first_pass(drafters, recurrent, layouts, dcp)
     for n, spec in enumerate(specs):
         elapsed = time.monotonic() - t0
         if elapsed >= budget_seconds or (n >= once and out.episodes >= min_episodes):
@@ -200,7 +242,9 @@ def _name(spec: WorkloadSpec) -> str:
     chosen = spec.drafter or builtin(spec.geometry).drafter  # a preset may carry one
     drafter = chosen.spec if chosen is not None else "no drafter"
     bpc = f" bpc {spec.blocks_per_chunk}" if spec.blocks_per_chunk else ""
-    return f"{spec.geometry}{bpc} {tiers} {drafter} seed {spec.seed}"
+    dcp = f" dcp {spec.dcp}" if spec.dcp and spec.dcp > 1 else ""
+    unit = f" hash {spec.prefix_match_unit}" if spec.prefix_match_unit else ""
+    return f"{spec.geometry}{bpc}{dcp}{unit} {tiers} {drafter} seed {spec.seed}"
 
 
 def _alarm_lines(record: logging.LogRecord) -> bool:
@@ -262,6 +306,7 @@ def _failure(exc: BaseException) -> str:
 
 
 __all__ = [
+    "DCP_LAYOUTS",
     "DRAFTERS",
     "LAYOUTS",
     "RECURRENT_LAYOUTS",

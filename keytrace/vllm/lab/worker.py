@@ -19,10 +19,16 @@ class AckWorker:
     flushed jobs are waited for (complete at once); loads complete in the step they are
     issued, asynchronous ones (every load before 0.33.0) also report their request in
     ``finished_recving``.
+
+    ``workers``: the engine's ranks (``parallel_config.world_size``, more than one under
+    decode context parallelism); each job is reported done by every one of them in the
+    same step, as ``OffloadingWorkerMetadata.aggregate`` sums their reports, and the
+    scheduler completes it once the count reaches its ``num_workers``.
     """
 
-    def __init__(self, store_delay: int = 1) -> None:
+    def __init__(self, store_delay: int = 1, workers: int = 1) -> None:
         self.store_delay = max(1, store_delay)
+        self.workers = workers
         self.deferred_stores: list[tuple[int, int]] = []  # (job, steps left)
         self.acked: set[int] = set()
         self.stores_issued = 0
@@ -50,7 +56,7 @@ class AckWorker:
             completed[job] = 1
             if not is_sync(entry):
                 recving.add(entry.req_id)
-        completed = {j: c for j, c in completed.items() if j not in self.acked}
+        completed = {j: self.workers for j in completed if j not in self.acked}
         self.acked.update(completed)
         return KVConnectorOutput(
             finished_sending=set(),

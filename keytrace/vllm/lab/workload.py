@@ -73,6 +73,8 @@ class WorkloadSpec:
     tiers: tuple[str, ...] = ()  # secondary tiers under the CPU tier (keytrace.vllm.lab.harness)
     drafter: Drafter | None = None  # a speculative drafter on the built-in geometry
     blocks_per_chunk: int | None = None  # default: the built-in geometry's
+    dcp: int | None = None  # decode context parallel size; default the geometry's (1)
+    prefix_match_unit: int | None = None  # vLLM's --prefix-match-unit; default none
 
 
 @dataclass
@@ -104,7 +106,7 @@ class _Conversation:
 
 
 def _unit(geometry: Geometry) -> int:
-    return geometry.groups[0].block_size * geometry.blocks_per_chunk
+    return geometry.alignment_unit
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -114,8 +116,10 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 def _blocks(geo: Geometry, tokens: int) -> int:
     """GPU blocks vLLM wants free to admit a request of ``tokens``: a block per
     ``block_size`` tokens in every group (measured on 0.33.0: a prompt prefilled in one
-    step is allocated whole in windowed groups too, which free the rest afterwards)."""
-    return sum(-(-tokens // g.block_size) + 1 for g in geo.groups)
+    step is allocated whole in windowed groups too, which free the rest afterwards); a
+    block spans `Geometry.tokens_per_block` tokens (more than ``block_size`` under decode
+    context parallelism)."""
+    return sum(-(-tokens // geo.tokens_per_block(i)) + 1 for i in range(len(geo.groups)))
 
 
 def workload_geometry(spec: WorkloadSpec) -> Geometry:
@@ -130,6 +134,10 @@ def workload_geometry(spec: WorkloadSpec) -> Geometry:
         geo = geo.with_(drafter=spec.drafter)
     if spec.blocks_per_chunk is not None:
         geo = geo.with_(blocks_per_chunk=spec.blocks_per_chunk)
+    if spec.dcp is not None:
+        geo = geo.with_(dcp=spec.dcp)
+    if spec.prefix_match_unit is not None:
+        geo = geo.with_(prefix_match_unit=spec.prefix_match_unit)
     a = _unit(geo)
     budget = spec.budget or geo.max_num_batched_tokens
 
