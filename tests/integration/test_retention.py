@@ -16,8 +16,10 @@ interval's. Each replay is a fresh scheduler (prime, GPU-only reset, resend).
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from tests.alarm_checks import SETTINGS, assert_alarm_agrees
@@ -114,3 +116,102 @@ def test_recurrent_groups_under_a_retention_interval_are_not_judged(tmp_path: Pa
     # ended there: no standing boundary; keytrace has no rule for which, and says so
     r = replay(RECURRENT.with_(retention_interval=128), [PRIME], 600, trace_dir=tmp_path)
     assert r.verdict == NO_VERDICT
+
+
+def test_the_oracle_holds_the_full_attention_chunk_e_falls_inside(tmp_path: Path) -> None:
+    # The verify plan's first workload with two blocks per chunk and an interval of 192:
+    # shortfalls at E = 192, 576, ... inside full-attention chunks of 128. The isolated
+    # lookup must hold the chunk E falls in (vLLM's hit at 192 loads FA chunk 1's first
+    # half): with only chunks ending by E it never reached 192 (four false disagreements
+    # here before). The live alarm counts what the differ does.
+    from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
+
+    spec = WorkloadSpec(
+        geometry="hybrid",
+        seed=704,
+        conversations=10,
+        cpu_chunks=16,
+        blocks_per_chunk=2,
+        retention_interval=192,
+    )
+    study = study_workload(spec, str(tmp_path / "wl"), alarm=True, oracle=True)
+    cases = study.oracle or []
+    inside = [c for c in cases if c.E is not None and c.E % 128]
+    assert len(inside) >= 3, [c.describe() for c in cases]
+    assert study.disagreements == [], [c.describe() for c in study.disagreements]
+    assert study.alarm_counts == study.report.counts
+    assert study.report.header["retention_interval"] == 192
+
+
+@pytest.mark.parametrize(("given", "recorded"), [("128", 128), ("dense", None)])
+def test_workload_and_sweep_take_a_retention_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str, recorded: int | None
+) -> None:
+    from keytrace.cli import main
+    from keytrace.format.reader import open_trace
+
+    out = tmp_path / "wl"
+    args = ["workload", "-o", str(out), "--geometry", "hybrid", "--seed", "0"]
+    args += ["--conversations", "6", "--cpu-chunks", "16", "--retention-interval", given]
+    args += ["--oracle", "--alarm", "--no-progress"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "(the same as the differ's)" in text
+    assert re.search(r"oracle: \d+ shortfall episode\(s\) .* 0 disagreement\(s\)", text)
+    assert open_trace(str(out)).header["retention_interval"] == recorded
+    # a sweep of prefixes of one 2,000-token prime: 128 keeps tails every 128 tokens,
+    # dense at every FA chunk boundary (64)
+    sweep = ["sweep", "--geometry", "hybrid", "--retention-interval", given]
+    sweep += ["--prime-length", "2000", "--lengths", "600,700", "--quiet", "--no-progress"]
+    assert main([*sweep, "--parquet", str(tmp_path / "s.parquet")]) == 0
+    rows = pl.read_parquet(tmp_path / "s.parquet")
+    want = [512, 640] if recorded else [576, 640]
+    assert rows["E"].to_list() == want and rows["external"].to_list() == want
+
+
+def test_a_retention_interval_that_is_not_one_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from keytrace.cli import main
+
+    argv = ["sweep", "--lengths", "600", "--retention-interval", "sometimes"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "use a token count N or 'dense'" in err
+
+
+RELEASE_034 = """
+import json, tempfile
+import vllm
+from keytrace.analysis.geometry import SMALL, Drafter
+from keytrace.vllm.lab.replay import replay
+
+out = {"version": vllm.__version__}
+for name, drafter in (("none", None), ("eagle", Drafter("eagle", 1))):
+    geo = SMALL.with_(retention_interval=128, drafter=drafter)
+    with tempfile.TemporaryDirectory() as d:
+        r = replay(geo, [2000], 391, trace_dir=d)
+    out[name] = [r.expected_E, r.external_tokens, r.verdict, r.cause]
+print(json.dumps(out))
+"""
+
+
+def test_on_0_34_lookahead_hashes_close_the_peek_at_a_retention_boundary() -> None:
+    # vLLM 0.34.0's own code (its sdist over the installed dependencies): without a
+    # drafter the MTP group keeps legacy hashes and the 391-token prefix loses the
+    # interval as on 0.33.0; with an EAGLE drafter every block hash looks ahead one token,
+    # no block is dropped, and the prefix is served its E = 384
+    import json
+
+    from tests.integration.vllm_builds import DEFAULT_CACHE, run_python
+
+    r = run_python(
+        RELEASE_034,
+        release="0.34.0",
+        env={"VLLM_CACHE_ROOT": str(DEFAULT_CACHE / "vllm-cache-0.34")},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert found["version"] == "0.34.0"
+    assert found["none"] == [384, 256, "mismatch", "not_keyable"]
+    assert found["eagle"] == [384, 384, "hit", None]
