@@ -4,7 +4,8 @@
     python tools/verify_rules.py run --out v033.json
     PYTHONPATH=$(python tools/vllm_sdist.py --version 0.34.0 --sources | head -1) python tools/verify_rules.py run --out v034.json
 
-    # only the layouts of one kind: --lookahead-only, --recurrent-only, --dcp-only
+    # only the layouts of one kind: --lookahead-only, --recurrent-only, --dcp-only,
+    # --retention-only
     python tools/verify_rules.py run --dcp-only --out v033-dcp.json
 
     # fold the runs into the file keytrace ships (keytrace/judge/verified_rules.json)
@@ -37,6 +38,7 @@ def run(
     episodes: int,
     lookahead_only: bool,
     recurrent_only: bool,
+    retention_only: bool,
     seeds: int,
     dcp_only: bool = False,
 ) -> int:
@@ -55,8 +57,9 @@ def run(
         progress=progress,
         keep=False,
         drafters=drafters,
-        recurrent=not (lookahead_only or dcp_only),
-        layouts=not (recurrent_only or dcp_only),
+        recurrent=not (lookahead_only or dcp_only or retention_only),
+        layouts=not (recurrent_only or dcp_only or retention_only),
+        retention=not (lookahead_only or recurrent_only or dcp_only),
         seeds=seeds,
         dcp=dcp_only or None,
     )
@@ -69,6 +72,8 @@ def run(
         if recurrent_only
         else " --dcp-only"
         if dcp_only
+        else " --retention-only"
+        if retention_only
         else ""
     )
     doc["how"] = "CI oracle: tools/verify_rules.py run" + only
@@ -143,12 +148,24 @@ def main() -> int:
         action="store_true",
         help="only workloads with recurrent groups under decode context parallelism",
     )
+    only.add_argument(
+        "--retention-only",
+        action="store_true",
+        help="only workloads with a retention interval (positive or dense)",
+    )
     s = sub.add_parser("ship", help="fold run outputs into keytrace/judge/verified_rules.json")
     s.add_argument("paths", nargs="+")
     a = ap.parse_args()
     if a.cmd == "run":
         return run(
-            a.out, a.seconds, a.episodes, a.lookahead_only, a.recurrent_only, a.seeds, a.dcp_only
+            a.out,
+            a.seconds,
+            a.episodes,
+            a.lookahead_only,
+            a.recurrent_only,
+            a.retention_only,
+            a.seeds,
+            a.dcp_only,
         )
     return ship(a.paths)
 

@@ -804,7 +804,7 @@ def _expected_boundary(
         .agg(pl.col("b").max().alias("E_chain"))
     )
     standing = d.standing_boundaries(top, groups, retention_of(header))
-    E = as_expr(d.expected_boundary(S, pl.col("E_chain"), standing))
+    E = as_expr(d.expected_boundary(S, pl.col("E_chain"), standing, groups))
     return (
         eps.select(*KEY, "S", "top")
         .join(chained, on=KEY, how="left")

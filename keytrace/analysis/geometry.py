@@ -102,6 +102,23 @@ class Drafter:
         return f"{text}:{self.mtp_modules}" if self.method == "mtp" else text
 
 
+def parse_retention(text: str) -> int | None:
+    """vLLM's ``prefix_cache_retention_interval`` from ``N`` (tokens; 0 is vLLM's default:
+    tails only at each request's own boundary and junctions) or ``dense`` (None: every
+    block of every window kept)."""
+    word = text.strip().lower().replace("_", "")
+    if word in ("dense", "none"):
+        return None
+    if not word.isdigit():
+        raise ValueError(f"bad retention interval {text!r}: use a token count N or 'dense'")
+    return int(word)
+
+
+def retention_text(retention: int | None) -> str:
+    """A retention interval as `parse_retention` reads it back: ``dense`` for None."""
+    return "dense" if retention is None else str(retention)
+
+
 def parse_drafter(text: str) -> Drafter | None:
     """A drafter from ``METHOD[:K[:MODULES]]`` (``eagle``, ``eagle3:2``, ``mtp:2:3``: k 2
     with 3 MTP modules); ``none`` for no drafter."""
@@ -308,9 +325,15 @@ def describe(geo: Geometry) -> str:
         parts.append(text)
     drafter = f", drafter {geo.drafter.spec}" if geo.drafter is not None else ""
     dcp = f", dcp {geo.dcp}" if geo.dcp > 1 else ""
+    retention = (
+        f", retention {retention_text(geo.retention_interval)}"
+        if geo.retention_interval != 0
+        else ""
+    )
     return (
         f"{len(geo.groups)} groups [{', '.join(parts)}], blocks_per_chunk "
         f"{geo.blocks_per_chunk}, budget {geo.max_num_batched_tokens:,}{drafter}{dcp}"
+        f"{retention}"
     )
 
 

@@ -180,6 +180,38 @@ def dcp_option(help: str) -> Callable[[Any], Any]:
     )
 
 
+class RetentionSpec(click.ParamType):  # type: ignore[type-arg]  # not generic at runtime in older click
+    """vLLM's ``prefix_cache_retention_interval``: ``N`` tokens or ``dense``
+    (`keytrace.analysis.geometry.parse_retention`); checked when parsed, the value stays
+    the string (None: not given, the geometry's own)."""
+
+    name = "N|dense"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from keytrace.analysis.geometry import parse_retention
+
+        try:
+            parse_retention(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+def retention_option(help: str) -> Callable[[Any], Any]:
+    """``--retention-interval N|dense``: the geometry runs with vLLM's
+    ``prefix_cache_retention_interval`` (a string; `parse_retention` reads it)."""
+    return click.option(
+        "--retention-interval",
+        "retention_interval",
+        type=RetentionSpec(),
+        default=None,
+        help=f"{help} N: sliding-window tails every N tokens too (a multiple of every "
+        "windowed group's chunk and of the blocks' LCM, as vLLM requires); 0: only at each "
+        "request's own boundary and junctions (vLLM's default); dense: every block of "
+        "every window. The trace header records it.",
+    )
+
+
 def echo_trace_warnings(trace: Trace) -> None:
     """Warnings and notes from reading go to stderr, one line each."""
     for w in trace.warnings:

@@ -39,7 +39,7 @@ from keytrace.report.text import render_doctor, render_verify
     help="Run the isolated-lookup oracle on the installed vLLM (seeded workloads through "
     "its real scheduler: each geometry, a CPU and a tiered manager, no drafter, EAGLE and "
     "MTP lookahead, recurrent state groups with and without an MTP drafter and under "
-    "decode context parallelism) and keep the "
+    "decode context parallelism, retention intervals, positive and dense) and keep the "
     "outcome for this code: traces recorded on it are then "
     "judged as verified, or, on a disagreement, get no AGREE. Needs the CPU lab.",
 )

@@ -12,6 +12,8 @@ from keytrace.analysis.geometry import (
     dcp_refusal,
     geometry_from_header,
     parse_drafter,
+    parse_retention,
+    retention_text,
 )
 from keytrace.analysis.sweep import SweepRow, compare_fix, parse_lengths
 from keytrace.cli._common import (
@@ -21,6 +23,7 @@ from keytrace.cli._common import (
     fix_option,
     inject_option,
     plain_progress_option,
+    retention_option,
     subcommand,
 )
 from keytrace.cli._progress import progress_printer
@@ -74,8 +77,15 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     help="vLLM's --prefix-match-unit: hash every N tokens (finer than a recurrent group's "
     "block: partial tails on).",
 )
+@retention_option("vLLM's prefix_cache_retention_interval [default: the geometry's, 0].")
 @click.option(
-    "--retention-interval", type=int, default=None, help="prefix_cache_retention_interval."
+    "--prime-length",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prime every length with a prompt of this many tokens that shares its prefix "
+    "[default: the length itself, an identical resend]. Longer than a length, the resend "
+    "is a prefix of the prime: it can hit only where the prime's store kept tails below its "
+    "own boundary (a retention interval's).",
 )
 @click.option("--blocks-per-chunk", type=int, default=None, help="Offload chunk size in blocks.")
 @drafter_option("Run a speculative drafter ('none': drop the one a --from trace names).")
@@ -107,7 +117,8 @@ def command(
     from_trace: str | None,
     budget: int | None,
     prefix_match_unit: int | None,
-    retention_interval: int | None,
+    retention_interval: str | None,
+    prime_length: int | None,
     blocks_per_chunk: int | None,
     drafter: str | None,
     dcp: int | None,
@@ -120,7 +131,8 @@ def command(
     quiet: bool,
     progress: bool | None,
 ) -> int:
-    """Record prime -> GPU-only reset -> identical resend at every length and diff it.
+    """Record prime -> GPU-only reset -> identical resend at every length and diff it
+    (--prime-length: a prime of that length sharing the prefix instead).
 
     Each length runs on a fresh real vLLM 0.33.0 scheduler (CPU, about 0.3 s a length on
     dsv4). The table gives, per length: the expected boundary E, the external tokens vLLM
@@ -150,7 +162,7 @@ def command(
     if budget is not None:
         changes["max_num_batched_tokens"] = budget
     if retention_interval is not None:
-        changes["retention_interval"] = retention_interval
+        changes["retention_interval"] = parse_retention(retention_interval)
     if prefix_match_unit is not None:
         changes["prefix_match_unit"] = prefix_match_unit
     if blocks_per_chunk is not None:
@@ -159,8 +171,9 @@ def command(
         changes["drafter"] = parse_drafter(drafter)
     if dcp is not None:
         changes["dcp"] = dcp
-    if max(todo) + 64 > geo.max_model_len:
-        changes["max_model_len"] = max(todo) + 1024
+    longest = max(*todo, prime_length or 0)
+    if longest + 64 > geo.max_model_len:
+        changes["max_model_len"] = longest + 1024
     changes["num_gpu_blocks"] = None  # sized per length
     geo = geo.with_(**changes)
     refused = dcp_refusal(geo)
@@ -170,12 +183,23 @@ def command(
     from keytrace.vllm.lab.sweep import run_sweep
 
     stock = (
-        run_sweep(geo, todo, inject=inject, progress=progress_printer() if show else None)
+        run_sweep(
+            geo,
+            todo,
+            inject=inject,
+            prime_length=prime_length,
+            progress=progress_printer() if show else None,
+        )
         if compare
         else None
     )
     rows = run_sweep(
-        geo, todo, inject=inject, fix=fix, progress=progress_printer() if show else None
+        geo,
+        todo,
+        inject=inject,
+        fix=fix,
+        prime_length=prime_length,
+        progress=progress_printer() if show else None,
     )
     if not quiet:
         _table(rows, stock)
@@ -190,6 +214,8 @@ def command(
             f"{geo.name}: budget {geo.max_num_batched_tokens:,}, blocks_per_chunk {geo.blocks_per_chunk}"
             f"{', drafter ' + geo.drafter.spec if geo.drafter else ''}"
             f"{f', dcp {geo.dcp}' if geo.dcp > 1 else ''}"
+            f"{', retention ' + retention_text(geo.retention_interval) if geo.retention_interval != 0 else ''}"
+            f"{f', prime {prime_length:,}' if prime_length else ''}"
             f"{', inject ' + inject if inject else ''}"
         )
         paths = [plot_prefix + ".png", plot_prefix + ".svg"]

@@ -13,6 +13,7 @@ from keytrace.cli._common import (
     fix_option,
     inject_option,
     plain_progress_option,
+    retention_option,
     subcommand,
 )
 from keytrace.cli._progress import progress_printer
@@ -145,6 +146,7 @@ def _tiers(text: str) -> tuple[str, ...]:
 )
 @drafter_option("Run the geometry with a speculative drafter (vLLM's own SpeculativeConfig).")
 @dcp_option("Decode context parallel size (default: the geometry's, 1).")
+@retention_option("vLLM's prefix_cache_retention_interval [default: 0].")
 @inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
 @fix_option(
     "Apply a candidate fix to vLLM's offload path for the whole run (does it hold on "
@@ -186,6 +188,7 @@ def command(
     tiers: str,
     drafter: str | None,
     dcp: int | None,
+    retention_interval: str | None,
     inject: str | None,
     fix: str | None,
     oracle: bool,
@@ -204,7 +207,7 @@ def command(
     Example: keytrace workload --geometry dsv4 --seed 3 --out /tmp/kt --oracle
     Exit status: 0 no mismatch, 1 mismatch found, 2 trouble (or the oracle disagreed).
     """
-    from keytrace.analysis.geometry import builtin, dcp_refusal, parse_drafter
+    from keytrace.analysis.geometry import builtin, dcp_refusal, parse_drafter, parse_retention
     from keytrace.report.text import render_diff
     from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
 
@@ -233,6 +236,9 @@ def command(
         tiers=_tiers(tiers),
         drafter=parse_drafter(drafter) if drafter is not None else None,
         dcp=dcp,
+        retention_interval=parse_retention(retention_interval)
+        if retention_interval is not None
+        else 0,
     )
     refused = dcp_refusal(builtin(geometry).with_(dcp=dcp or 1))
     if refused:

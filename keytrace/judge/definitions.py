@@ -167,8 +167,15 @@ SHORTFALLS: tuple[Verdict, ...] = (Verdict.EXPLAINED, Verdict.MISMATCH)
 def fa_prefix_end(S: Num, tpc: int, lead: MaybeNum) -> Num:
     """How far one full-attention group is resident from S, by the manager's own word: its
     first scan runs left to right from S, so its ``lead`` HITs end at ``(S // tpc + lead) *
-    tpc``. A group the episode never scanned (``lead`` unknown) gives S."""
-    return cases([(unknown(lead), S)], lambda: (S // tpc + cast("Num", lead)) * tpc)
+    tpc``. A group the episode never scanned (``lead`` unknown) gives S, and so does a run
+    that ends less than one chunk past S: vLLM's lookup then loads nothing ("We can only
+    load less than a chunk, so skip", ``_lookup_complete_chunks``), which a local hit that
+    ends inside a chunk can meet (``blocks_per_chunk`` > 1)."""
+
+    def end() -> Num:
+        return (S // tpc + cast("Num", lead)) * tpc
+
+    return cases([(unknown(lead), S), (lambda: lt(end(), S + tpc), S)], end)
 
 
 @overload
@@ -255,12 +262,22 @@ def standing_boundaries(
     return cast("list[int] | list[Expr]", out)  # of ``ceiling``'s kind, every one
 
 
-def expected_boundary(S: Num, chain_best: MaybeNum, standing: Sequence[Num]) -> MaybeNum:
+def expected_boundary(
+    S: Num, chain_best: MaybeNum, standing: Sequence[Num], groups: Sequence[Group]
+) -> MaybeNum:
     """E: the largest intended boundary in reach. ``chain_best``: the largest of the chain's
     boundaries `in_reach` (unknown if none); ``standing``: `standing_boundaries`. Unknown
-    when nothing is above S: a cold episode."""
+    when nothing is above S: a cold episode; and when the largest lies less than one chunk
+    of some windowed group past S: vLLM's lookup then loads nothing at all (it checks each
+    group's hit against the group's own chunk, ``_lookup_complete_chunks``), which a local
+    hit inside a chunk can meet (``blocks_per_chunk`` > 1; the full-attention groups' side
+    of the same check is in `fa_prefix_end` and `keytrace.judge.rules.lookup_cap`)."""
     above = [cases([(gt(b, S), b)], None) for b in standing]
-    return greatest_known(chain_best, *above)
+    E = greatest_known(chain_best, *above)
+    step = max((g.tpc for g in groups if not g.full_attention), default=0)
+    if not step:
+        return E
+    return cases([(lt(E, S + step), None)], E)
 
 
 # ------------------------------------------------------------------ needed chunks

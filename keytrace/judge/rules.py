@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
-from keytrace.judge.ops import MaybeNum, Num, Truth, greatest, is_expr, least, lit
+from keytrace.judge.ops import MaybeNum, Num, Truth, cases, greatest, is_expr, least, lit, lt
 
 if TYPE_CHECKING:
     from polars import Expr
@@ -218,11 +218,33 @@ def lookup_cap(
         cap = least(cap, local + max_load)
     if trim and not trim_first:
         cap = cap - 1
+    short = sub_chunk_cap(groups, cap, local, max_load is not None)
     lookahead = max((g.lookahead for g in groups), default=0)
     if lookahead:
         cap = least(cap, num_tokens - lookahead)
     u = unit(groups)
-    return greatest(0, cap // u * u)
+    return cases([(short, 0)], greatest(0, cap // u * u))
+
+
+def sub_chunk_cap(groups: Sequence[Group], cap: Num, local: Num, capped: bool) -> Truth:
+    """vLLM's lookup loads nothing when its cap (``cap``: before any rounding) leaves less
+    than one chunk of a full-attention group past the local tokens (``if
+    max_hit_size_tokens - num_computed_tokens < tokens_per_chunk: return 0`` in
+    ``_lookup_complete_chunks``; with a request's ``max_load_tokens``, ``capped``, the cap is
+    first rounded down to that group's chunk). Only a local hit that ends inside a chunk
+    can meet it: with ``blocks_per_chunk`` > 1 the GPU prefix cache hits at block
+    granularity, so ``local`` need not be a chunk boundary."""
+    short: list[Truth] = []
+    for g in groups:
+        if g.full_attention:
+            reach = cap // g.tpc * g.tpc if capped else cap
+            short.append(lt(reach - local, g.tpc))
+    if not short:
+        return False
+    out = short[0]
+    for t in short[1:]:
+        out = out | t
+    return out
 
 
 @overload

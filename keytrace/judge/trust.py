@@ -18,11 +18,11 @@ A digest is *verified* when some run checked shortfalls on it and none disagreed
 trusted as before, by whether its release was one keytrace's CI ran (``vllm_verified``).
 
 A digest says which code ran, not which model: each run records the `features` its
-workloads exercised (``covers``: ``recurrent``, ``recurrent+dcp``, ...), and a trace that
-needs one is verified only by a run that covered it. A trace whose configuration holds
-what no rule describes (`uncovered`: a recurrent group with partial tails, another
-retention interval or a drafter) gets no verdict at all, whatever its digest: the trace is kept and its facts are
-shown, nothing is judged.
+workloads exercised (``covers``: ``recurrent``, ``recurrent+dcp``, ``retention``, ...),
+and a trace that needs one is verified only by a run that covered it. A trace whose
+configuration holds what no rule describes (`uncovered`: a recurrent group with partial
+tails, another retention interval or a drafter) gets no verdict at all, whatever its
+digest: the trace is kept and its facts are shown, nothing is judged.
 
 The status is looked up when a trace is judged, not written into the header: a header is
 the same bytes for every process of one configuration (the reader refuses mixed parts),
@@ -74,8 +74,14 @@ def _recurrent_groups(header: Mapping[str, Any]) -> list[str]:
 ATTENTION = "attention"
 """The feature of every trace without a recurrent group; a run recorded before runs said
 what they covered (``covers`` empty) covered exactly this."""
+RETENTION = "retention"
+"""A positive ``retention_interval``: sliding-window tails every that many tokens too."""
+DENSE = "retention-dense"
+"""A dense ``retention_interval`` (None): every block of every window kept."""
 FEATURE_TEXT = {
     ATTENTION: "attention groups",
+    RETENTION: "a retention interval",
+    DENSE: "dense retention",
     "recurrent": "recurrent state groups",
     "recurrent+lookahead": "recurrent state groups under lookahead hashes",
     "recurrent+dcp": "recurrent state groups under decode context parallelism",
@@ -86,14 +92,24 @@ def _dcp(header: Mapping[str, Any]) -> int:
     return int(header.get("dcp_world_size") or 1)
 
 
+def _retention_feature(header: Mapping[str, Any]) -> tuple[str, ...]:
+    """`RETENTION` or `DENSE` for a trace recorded under a retention interval other than
+    vLLM's default 0 (a header without the key is the default)."""
+    if "retention_interval" in header and header["retention_interval"] is None:
+        return (DENSE,)
+    return (RETENTION,) if int(header.get("retention_interval") or 0) else ()
+
+
 def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     """What a trace needs the oracle to have run on before its verdicts count as verified
     (`Verification.covers`): ``attention`` for a trace without a recurrent state group,
-    ``recurrent`` for one with, ``recurrent+lookahead`` too when its block hashes look
-    ahead (a drafter, 0.34.0), and ``recurrent+dcp`` too under decode context parallelism
-    (full-attention chunks DCP times a recurrent one, states kept at the hash unit)."""
+    with `RETENTION` (a positive retention interval) or `DENSE` (dense retention) when it
+    was recorded under one; ``recurrent`` for one with a recurrent group,
+    ``recurrent+lookahead`` too when its block hashes look ahead (a drafter, 0.34.0), and
+    ``recurrent+dcp`` too under decode context parallelism (full-attention chunks DCP
+    times a recurrent one, states kept at the hash unit)."""
     if not _recurrent_groups(header):
-        return (ATTENTION,)
+        return (ATTENTION, *_retention_feature(header))
     needs = ["recurrent"]
     if int(header.get("num_hash_lookahead_tokens") or 0):
         needs.append("recurrent+lookahead")
@@ -116,7 +132,17 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     keep partial tails off under it, even with a hash unit below the block: the same
     rules hold, the oracle verified DCP 2 and 4, `features` ``recurrent+dcp``). Any of
     the others changes where vLLM keeps and looks up states in ways no rule here
-    describes yet."""
+    describes yet.
+
+    A retention interval other than 0 is judged for windowed groups (their tails stand at
+    every multiple, or every chunk boundary when dense: `features` says which oracle runs
+    verify that), never for recurrent ones: ``MambaManager.reachable_block_mask`` keeps a
+    state at a multiple of the interval (dense: at every block) only where the request
+    computed one, at the end of one of its prefill steps, so which multiples hold a state
+    depends on how each request was scheduled. keytrace's standing boundaries would
+    expect one at every multiple and call the rest mismatches (``not_keyable``,
+    ``no_checkpoint``); the oracle agrees with those (nothing was stored), so it cannot
+    tell them from real ones (docs/diff.md, "Retention intervals")."""
     recurrent = _recurrent_groups(header)
     if not recurrent:
         return ()
@@ -343,7 +369,9 @@ def trust_line(st: RulesStatus | None) -> str | None:
 
 __all__ = [
     "ATTENTION",
+    "DENSE",
     "FEATURE_TEXT",
+    "RETENTION",
     "VERIFIED_FILE",
     "RulesStatus",
     "RulesTrust",

@@ -120,7 +120,7 @@ class Judge:
         def best(top: Any) -> Any:
             chain_best = max((b for b in boundaries if d.in_reach(b, S, top)), default=None)
             standing = d.standing_boundaries(top, self.groups, self.retention)
-            return d.expected_boundary(S, chain_best, standing)
+            return d.expected_boundary(S, chain_best, standing, self.groups)
 
         E_free = None
         if ep.load_cap is not None:

@@ -146,7 +146,15 @@ def test_doctor_verify_runs_the_dcp_layouts(
     from keytrace.vllm.lab.verify import DCP_LAYOUTS, verify
 
     monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    out = verify(layouts=False, recurrent=False, dcp=True, seeds=1, keep=False, min_episodes=1)
+    out = verify(
+        layouts=False,
+        recurrent=False,
+        dcp=True,
+        retention=False,
+        seeds=1,
+        keep=False,
+        min_episodes=1,
+    )
     assert out.episodes >= 50 and out.disagreements == [], out.disagreements
     assert sum(r.episodes.get("mismatch", 0) for r in out.runs) > 0  # states that end no chunk
     mtp = [g for g, *_ in DCP_LAYOUTS if g == "recurrent_mtp"]

@@ -159,7 +159,7 @@ def test_the_oracle_and_the_alarm_agree_with_the_differ_on_recurrent_traffic(
     from keytrace.vllm.lab.verify import RECURRENT_LAYOUTS, verify
 
     monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path / "cache"))
-    out = verify(layouts=False, dcp=False, seeds=1, keep=False, min_episodes=1)
+    out = verify(layouts=False, dcp=False, retention=False, seeds=1, keep=False, min_episodes=1)
     assert out.episodes >= 30 and out.disagreements == [], out.disagreements
     mtp = [g for g, *_ in RECURRENT_LAYOUTS if g == "recurrent_mtp"]
     if (vllm_info().version or "").startswith(("0.31", "0.32", "0.33")):

@@ -108,13 +108,15 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
         DRAFTERS,
         LAYOUTS,
         RECURRENT_LAYOUTS,
+        RETENTION_LAYOUTS,
         first_pass,
         plan,
     )
 
     specs = list(plan())
-    first = specs[: first_pass(DRAFTERS, recurrent=True, layouts=True)]
-    assert {(s.drafter, s.geometry, s.tiers) for s in first if "recurrent" not in s.geometry} == {
+    first = specs[: first_pass(DRAFTERS, recurrent=True, layouts=True, retention=True)]
+    plain = [s for s in first if "recurrent" not in s.geometry and s.retention_interval == 0]
+    assert {(s.drafter, s.geometry, s.tiers) for s in plain} == {
         (d, g, t) for d in DRAFTERS for g, t, _ in LAYOUTS
     }
     recurrent = [s for s in first if s.geometry.startswith("recurrent") and not s.dcp]
@@ -125,11 +127,22 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
     assert [(s.geometry, s.tiers, s.blocks_per_chunk, s.dcp, s.prefix_match_unit) for s in dcp] == [
         (g, t, bpc, n, unit) for g, t, _, bpc, n, unit in DCP_LAYOUTS
     ]
+    # every retention layout once, with its interval (dense: None) and its own settings
+    kept = [s for s in first if s.retention_interval != 0]
+    assert [
+        (s.geometry, s.tiers, s.cpu_chunks, s.blocks_per_chunk, s.retention_interval, s.drafter)
+        for s in kept
+    ] == list(RETENTION_LAYOUTS)
+    assert None in {s.retention_interval for s in kept} and len(first) == len(
+        plain + recurrent + dcp + kept
+    )
     assert len({s.seed for s in specs}) == len(specs)  # every workload its own traffic
-    lookahead = list(plan(drafters=DRAFTERS[1:], recurrent=False))
+    lookahead = list(plan(drafters=DRAFTERS[1:], recurrent=False, retention=False))
     assert {s.drafter for s in lookahead} == set(DRAFTERS[1:])
-    only = list(plan(layouts=False))
+    only = list(plan(layouts=False, retention=False))
     assert only and {s.geometry for s in only} == {"recurrent", "recurrent_mtp"}
+    retention = list(plan(layouts=False, recurrent=False))
+    assert retention and all(s.retention_interval != 0 for s in retention)
 
 
 def test_a_workload_vllm_fails_on_is_skipped_with_where_not_a_crash(

@@ -321,7 +321,7 @@ def test_F_E_and_shortfall_tokens_give_one_answer(
     def numbers(c: dict[str, Any]) -> Any:
         F = d.resident_prefix(c["S"], groups, lambda gid: c[f"lead{gid}"])
         top = d.match_ceiling(c["N"], F)
-        E = d.expected_boundary(c["S"], c["chain"], d.standing_boundaries(top, groups, 48))
+        E = d.expected_boundary(c["S"], c["chain"], d.standing_boundaries(top, groups, 48), groups)
         gpu, offload = d.served(c["S"], c["N"], c["A"], c["X"])
         return F, E, cases([(known(E), lambda: d.short_of_E(E, gpu, offload))], None)
 
@@ -635,3 +635,26 @@ def test_a_recurrent_model_keeps_a_junction_only_where_the_request_computed_thro
         got = request_boundaries(episodes, groups).collect()
         junctions = {(r, b) for r, b in zip(got["req_id"], got["b"], strict=True) if b != 640}
         assert junctions == kept, groups
+
+
+def test_a_hit_under_one_chunk_past_a_local_hit_inside_a_chunk_is_nothing() -> None:
+    # vLLM's lookup loads nothing when a group's hit past S is under one of its chunks
+    # (_lookup_complete_chunks); only S inside a chunk (blocks_per_chunk > 1) can meet it
+    fa = Group(0, 128, None, kind="full_attention")
+    swa = Group(1, 128, 1, sliding_window=64)
+    # F: a full-attention run that ends less than a chunk past S counts as none
+    assert d.fa_prefix_end(704, 128, 1) == 704  # [640, 768): 64 past S
+    assert d.fa_prefix_end(704, 128, 2) == 896
+    assert d.fa_prefix_end(640, 128, 1) == 768  # S a chunk boundary: as before
+    assert d.fa_prefix_end(704, 128, None) == 704
+    # E: the largest intended boundary, unless it lies under a window chunk past S
+    assert d.expected_boundary(704, 768, [], [fa, swa]) is None
+    assert d.expected_boundary(640, 768, [], [fa, swa]) == 768
+    assert d.expected_boundary(704, None, [768], [fa, swa]) is None
+    assert d.expected_boundary(704, 768, [], [fa]) == 768  # no window group: F decides
+    frame = pl.DataFrame({"S": [704, 640], "lead": [1, 1], "b": [768, 768]})
+    got = frame.select(
+        F=d.fa_prefix_end(pl.col("S"), 128, pl.col("lead")),
+        E=d.expected_boundary(pl.col("S"), pl.col("b"), [], [fa, swa]),
+    )
+    assert got.rows() == [(704, None), (768, 768)]

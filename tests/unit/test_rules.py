@@ -338,3 +338,17 @@ def test_the_chunk_max_offload_tokens_withholds() -> None:
     # a cap past the prompt's last complete chunk withholds nothing
     assert withheld_chunk(fa, 18_877, 18_877) is None
     assert withheld_chunk(fa, 0, 18_877) == 0
+
+
+def test_a_cap_under_one_full_attention_chunk_past_a_local_hit_loads_nothing() -> None:
+    # two blocks per chunk (FA chunk 128, SWA 32): the GPU prefix cache hit S = 704 ends
+    # inside FA chunk 5. vLLM returns 0 when min(cap, keys) - S < 128: an 800-token
+    # request's cap 799 is 95 past S
+    groups = [Group(0, 128, None, kind="full_attention"), Group(1, 32, 1, 32)]
+    assert lookup_cap(groups, 800, 704) == 0
+    assert lookup_cap(groups, 1_000, 704) == 896
+    assert lookup_cap(groups, 800, 640) == 768  # S a chunk boundary: as before
+    # a request's max_load_tokens rounds the cap down to the chunk first (0.33.0: after
+    # the recomputed token): 704 + 200 - 1 = 903 -> 896, 192 past S; 704 + 150 -> 768
+    assert lookup_cap(groups, 2_000, 704, None, 200) == 896
+    assert lookup_cap(groups, 2_000, 704, None, 150) == 0

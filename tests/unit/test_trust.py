@@ -230,3 +230,46 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     # a trace without a digest from a release: runs before coverage covered no recurrent
     old = trust.trace_rules({**header, "vllm_verified": True})
     assert old is not None and old.trust is RulesTrust.UNVERIFIED
+
+
+def test_a_retention_interval_needs_an_oracle_run_that_covered_one() -> None:
+    # Sliding-window tails every N tokens (N > 0), or at every chunk boundary (dense): the
+    # standing boundaries are judged, and only runs that exercised them verify them
+    from keytrace.analysis.geometry import HYBRID, RECURRENT, synthetic_header
+
+    plain = synthetic_header(HYBRID)
+    periodic = synthetic_header(HYBRID.with_(retention_interval=128))
+    dense = synthetic_header(HYBRID.with_(retention_interval=None))
+    assert trust.features(plain) == ("attention",)
+    assert trust.features({k: v for k, v in plain.items() if k != "retention_interval"}) == (
+        "attention",
+    )
+    assert trust.features(periodic) == ("attention", "retention")
+    assert trust.features(dense) == ("attention", "retention-dense")
+    assert trust.uncovered(periodic) == () and trust.uncovered(dense) == ()
+    # runs of attention layouts at retention 0 (and runs from before coverage was said)
+    # verify the plain trace only
+    trust.record_run("d", GOOD)
+    trust.record_run("d", Verification("0.33.0", 50, 0, "t", covers=("attention",)))
+    assert trust.trace_rules({**plain, "rules_digest": "d"}).trust is RulesTrust.VERIFIED  # type: ignore[union-attr]
+    for header, text in ((periodic, "a retention interval"), (dense, "dense retention")):
+        st = trust.trace_rules({**header, "rules_digest": "d"})
+        assert st is not None and st.trust is RulesTrust.UNVERIFIED
+        line = trust.trust_line(st)
+        assert line is not None and f"for {text}" in line
+        assert st.as_json()["needs"] == list(trust.features(header))
+    # a run that covered a positive interval verifies those traces, not dense ones
+    trust.record_run("d", Verification("0.33.0", 120, 0, "t", covers=("attention", "retention")))
+    assert trust.trace_rules({**periodic, "rules_digest": "d"}).trust is RulesTrust.VERIFIED  # type: ignore[union-attr]
+    assert trust.trace_rules({**dense, "rules_digest": "d"}).trust is RulesTrust.UNVERIFIED  # type: ignore[union-attr]
+    trust.record_run(
+        "d", Verification("0.33.0", 120, 0, "t", covers=("attention", "retention-dense"))
+    )
+    assert trust.trace_rules({**dense, "rules_digest": "d"}).trust is RulesTrust.VERIFIED  # type: ignore[union-attr]
+    # a release's CI runs (no digest) said nothing of retention: unverified
+    old = trust.trace_rules({**periodic, "vllm_verified": True})
+    assert old is not None and old.trust is RulesTrust.UNVERIFIED
+    # a recurrent group under a retention interval stays unjudged, whatever was verified
+    rec = synthetic_header(RECURRENT.with_(retention_interval=128))
+    assert "retention interval 128" in trust.uncovered(rec)[0]
+    assert trust.trace_rules({**rec, "rules_digest": "d"}).trust is RulesTrust.UNCOVERED  # type: ignore[union-attr]

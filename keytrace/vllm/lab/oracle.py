@@ -7,7 +7,9 @@ real scheduler whose real CPU manager holds, stored and settled,
 - the full-attention chunks up to the episode's expected boundary E (which were resident:
   E never exceeds the resident full-attention prefix), and no further: the differ's claim
   is about E, and a lookup allowed past it could reach some other boundary (another
-  engine's, say) and say nothing about E, and
+  engine's, say) and say nothing about E (where E falls inside a full-attention chunk, as
+  a retention interval that is no multiple of the chunk puts it, that chunk too: a hit at
+  E loads its first tokens), and
 - every windowed-group key any request *offered* before the episode (on its engine before
   its sequence number, on other engines before its wall-clock time).
 
@@ -137,9 +139,7 @@ def check(
     when = _episode_times(trace)
     store = _offers(trace)
     probes = _recorded_keys(trace)
-    full_attention = {
-        g["group_id"] for g in trace.header["groups"] if g.get("window_chunks") is None
-    }
+    full_attention = _full_attention_chunks(trace)
     tier_state = _tier_state(trace, todo) if frames.is_tiered(trace) else None
     tier_geo = None
     if tier_state is not None:
@@ -165,7 +165,7 @@ def check(
                 ((pl.col("inst") == v.instance_id) & (pl.col("seq") < v.episode))
                 | ((pl.col("inst") != v.instance_id) & (pl.col("ts") < t))
             )
-            & (~pl.col("gid").is_in(list(full_attention)) | (pl.col("end_token") <= fa_limit))
+            & _below(full_attention, fa_limit)
         ).unique("key")
         resident = list(zip(before["key"].to_list(), before["end_token"].to_list(), strict=True))
         prompt = list(token_ids[v.req_id])
@@ -187,6 +187,27 @@ def check(
         if progress is not None:
             progress("isolated lookups", i + 1, len(todo))
     return cases
+
+
+def _full_attention_chunks(trace: Trace) -> dict[int, int]:
+    """The trace's full-attention groups: group id -> tokens per chunk."""
+    return {
+        int(g["group_id"]): int(g["tokens_per_chunk"])
+        for g in trace.header["groups"]
+        if g.get("offloaded") and g.get("window_chunks") is None
+    }
+
+
+def _below(full_attention: Mapping[int, int], limit: int | pl.Expr) -> pl.Expr:
+    """Keep a key unless it is a full-attention chunk wholly past ``limit`` (E): the chunks
+    a hit at E loads, and no further. A chunk holding E inside it is kept: E need not be a
+    full-attention chunk boundary (a retention interval of 192 tokens over a chunk of 128
+    keeps window tails at 192; vLLM's lookup then stops the hit inside the full-attention
+    chunk it found, and loads that chunk's first tokens)."""
+    keep = ~pl.col("gid").is_in(list(full_attention))
+    for gid, tpc in full_attention.items():
+        keep = keep | ((pl.col("gid") == gid) & (pl.col("end_token") - tpc < limit))
+    return keep
 
 
 def _ample(trace: Trace) -> Geometry:
@@ -274,7 +295,6 @@ def _tier_state(
     )
     # full attention only up to E, as for the first isolated lookup: allowed past it, the
     # lookup could aim at another boundary and say nothing about E
-    full = [g["group_id"] for g in trace.header["groups"] if g.get("window_chunks") is None]
     limit = pl.DataFrame(
         [(v.instance_id, v.episode, v.E) for v in todo],
         schema={"inst": pl.Int64, "s": pl.Int64, "E": pl.Int64},
@@ -285,7 +305,7 @@ def _tier_state(
         .join(per_episode, on=["inst", "s"])
         .with_columns(key_gid(pl.col("key")).alias("gid"))
         .join(limit, on=["inst", "s"])
-        .filter(~pl.col("gid").is_in(full) | (pl.col("end_token") <= pl.col("E")))
+        .filter(_below(_full_attention_chunks(trace), pl.col("E")))
         .drop("E")
         .unique(["inst", "s", "key"])
         .with_row_index("pid")

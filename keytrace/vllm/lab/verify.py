@@ -6,7 +6,8 @@ commit on main) that changes that arithmetic makes them silently wrong. The orac
 scheduler) is the arbiter. This module runs it on seeded workloads through the installed
 vLLM, as many as a time budget allows, in an order that covers the switches first (each
 geometry, a CPU and a tiered manager, no drafter, EAGLE and MTP lookahead, recurrent state
-groups in chunks of one and two blocks, and under decode context parallelism), and keeps the
+groups in chunks of one and two blocks and under decode context parallelism, retention
+intervals), and keeps the
 outcome under the installed code's rules digest (`keytrace.vllm.hook.rulecode`): the
 header of every trace recorded on that code then says whether its verdicts were verified,
 and ``keytrace diff`` refuses AGREE on code where the oracle disagreed.
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keytrace.analysis.geometry import Drafter, builtin
+from keytrace.analysis.geometry import Drafter, builtin, retention_text
 from keytrace.judge.trust import Verification, features, record_run, uncovered
 from keytrace.vllm.hook import rulecode
 from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
@@ -83,6 +84,26 @@ while the connector keeps partial tails off (DCP); and the MTP drafter (lookahea
 on vLLM 0.34.0; not judged on 0.33.0, skipped). Run with the recurrent layouts
 unless asked apart (`plan`'s ``dcp``)."""
 
+RETENTION_LAYOUTS: tuple[
+    tuple[str, tuple[str, ...], int | None, int | None, int | None, Drafter | None], ...
+] = (
+    ("hybrid", (), 16, None, 128, None),
+    ("hybrid", (), 16, None, None, None),
+    ("small", (), 24, None, 128, None),
+    ("small", ("fs",), 14, None, None, None),
+    ("hybrid", (), 16, 2, 192, None),
+    ("dsv4", (), None, None, 512, None),
+    ("hybrid", (), 16, None, 128, Drafter("mtp", 2, 3)),
+)
+"""(geometry, secondary tiers, CPU chunks, blocks per chunk, retention interval, drafter):
+sliding-window layouts under vLLM's ``prefix_cache_retention_interval``, a positive interval
+(tails every that many tokens) and dense (None: every block kept), on a CPU tier that
+evicts: without and with an EAGLE/MTP group (legacy hashes: its tails shifted for the
+peek), under a tiered manager, an interval that is no multiple of the full-attention chunk
+(two blocks per chunk: chunk 128, interval 192), DeepSeek-V4's five groups, and an MTP
+drafter's lookahead hashes (vLLM 0.34.0). Recurrent groups under a retention interval are
+not judged (`keytrace.judge.trust.uncovered`): none here."""
+
 
 def plan(
     seeds: int = 3,
@@ -90,10 +111,12 @@ def plan(
     recurrent: bool = True,
     layouts: bool = True,
     dcp: bool | None = None,
+    retention: bool = True,
 ) -> Iterator[WorkloadSpec]:
     """The workloads `verify` runs, covering every layout and drafter (``layouts``),
-    every recurrent layout (``recurrent``) and every DCP layout (``dcp``; None: with the
-    recurrent ones) once before any repeats with another seed."""
+    every recurrent layout (``recurrent``), every DCP layout (``dcp``; None: with the
+    recurrent ones) and every retention layout (``retention``) once before any repeats
+    with another seed."""
     dcp = recurrent if dcp is None else dcp
     for seed in range(seeds):
         for i, drafter in enumerate(drafters if layouts else ()):
@@ -131,10 +154,27 @@ def plan(
                 dcp=size,
                 prefix_match_unit=unit,
             )
+        for j, (geometry, tiers, cpu_chunks, bpc_or_none, interval, drafter) in enumerate(
+            RETENTION_LAYOUTS if retention else ()
+        ):
+            yield WorkloadSpec(
+                geometry=geometry,
+                seed=1000 * seed + 700 + j,
+                conversations=10,
+                tiers=tiers,
+                cpu_chunks=cpu_chunks,
+                blocks_per_chunk=bpc_or_none,
+                retention_interval=interval,
+                drafter=drafter,
+            )
 
 
 def first_pass(
-    drafters: tuple[Drafter | None, ...], recurrent: bool, layouts: bool, dcp: bool | None = None
+    drafters: tuple[Drafter | None, ...],
+    recurrent: bool,
+    layouts: bool,
+    dcp: bool | None = None,
+    retention: bool = True,
 ) -> int:
     """How many of `plan`'s workloads cover each layout once."""
     dcp = recurrent if dcp is None else dcp
@@ -142,6 +182,7 @@ def first_pass(
         len(drafters) * len(LAYOUTS) * layouts
         + len(RECURRENT_LAYOUTS) * recurrent
         + len(DCP_LAYOUTS) * dcp
+        + len(RETENTION_LAYOUTS) * retention
     )
 
 
@@ -194,6 +235,7 @@ def verify(
     drafters: tuple[Drafter | None, ...] = DRAFTERS,
     recurrent: bool = True,
     layouts: bool = True,
+    retention: bool = True,
     seeds: int = 3,
     dcp: bool | None = None,
 ) -> VerifyOutcome:
@@ -205,14 +247,24 @@ def verify(
     run (default: none, EAGLE, MTP with 1, 2, 3 tokens); ``recurrent``: also the
     recurrent layouts; ``layouts``: the attention layouts (False: recurrent only);
     ``dcp``: the recurrent layouts under decode context parallelism (None: with
-    ``recurrent``); ``seeds``: how many rounds of every layout the plan holds."""
+    ``recurrent``); ``retention``: also the retention layouts (`RETENTION_LAYOUTS`);
+    ``seeds``: how many rounds of every layout the plan holds."""
     from keytrace.vllm.hook.support import vllm_info
 
     digest = rulecode.rules_digest()
     out = VerifyOutcome(digest=digest, vllm=vllm_info().version or "?")
     t0 = time.monotonic()
-    specs = list(plan(seeds, drafters=drafters, recurrent=recurrent, layouts=layouts, dcp=dcp))
-    once = first_pass(drafters, recurrent, layouts, dcp)
+    specs = list(
+        plan(
+            seeds,
+            drafters=drafters,
+            recurrent=recurrent,
+            layouts=layouts,
+            dcp=dcp,
+            retention=retention,
+        )
+    )
+    once = first_pass(drafters, recurrent, layouts, dcp, retention)
     for n, spec in enumerate(specs):
         elapsed = time.monotonic() - t0
         if elapsed >= budget_seconds or (n >= once and out.episodes >= min_episodes):
@@ -244,7 +296,9 @@ def _name(spec: WorkloadSpec) -> str:
     bpc = f" bpc {spec.blocks_per_chunk}" if spec.blocks_per_chunk else ""
     dcp = f" dcp {spec.dcp}" if spec.dcp and spec.dcp > 1 else ""
     unit = f" hash {spec.prefix_match_unit}" if spec.prefix_match_unit else ""
-    return f"{spec.geometry}{bpc}{dcp}{unit} {tiers} {drafter} seed {spec.seed}"
+    kept = spec.retention_interval
+    retention = f" retention {retention_text(kept)}" if kept != 0 else ""
+    return f"{spec.geometry}{bpc}{dcp}{unit} {tiers} {drafter}{retention} seed {spec.seed}"
 
 
 def _alarm_lines(record: logging.LogRecord) -> bool:
@@ -310,6 +364,7 @@ __all__ = [
     "DRAFTERS",
     "LAYOUTS",
     "RECURRENT_LAYOUTS",
+    "RETENTION_LAYOUTS",
     "VerifyOutcome",
     "WorkloadRun",
     "first_pass",

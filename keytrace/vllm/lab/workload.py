@@ -75,6 +75,7 @@ class WorkloadSpec:
     blocks_per_chunk: int | None = None  # default: the built-in geometry's
     dcp: int | None = None  # decode context parallel size; default the geometry's (1)
     prefix_match_unit: int | None = None  # vLLM's --prefix-match-unit; default none
+    retention_interval: int | None = 0  # vLLM's prefix_cache_retention_interval (None: dense)
 
 
 @dataclass
@@ -138,6 +139,8 @@ def workload_geometry(spec: WorkloadSpec) -> Geometry:
         geo = geo.with_(dcp=spec.dcp)
     if spec.prefix_match_unit is not None:
         geo = geo.with_(prefix_match_unit=spec.prefix_match_unit)
+    if spec.retention_interval != geo.retention_interval:
+        geo = geo.with_(retention_interval=spec.retention_interval)
     a = _unit(geo)
     budget = spec.budget or geo.max_num_batched_tokens
 
