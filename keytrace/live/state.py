@@ -180,8 +180,16 @@ class KeyStore:
         limit = (seq, event) if event in LIMIT_EVENTS else None
         offered_ts = call.ts if event in OFFER_EVENTS else None
         rejected = event is StoreEvent.REJECTED
+        # `touch` inlined: this loop runs once per stored key, the alarm's per-key work
+        records, tag, cap = self._keys, st.tag, self.max_records
         for key in keys:
-            rec = self.touch(st, key)
+            tagged = key + tag
+            rec = records.pop(tagged, None)
+            if rec is None:
+                rec = KeyRecord()
+                if len(records) >= cap:
+                    self._forget()
+            records[tagged] = rec
             rec.limit = limit
             if attr is not None:
                 setattr(rec, attr, seq)
