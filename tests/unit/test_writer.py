@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
@@ -22,6 +23,15 @@ from keytrace.format.writer import TraceWriter, call_columns
 from tests.factories import TINY, new_builder
 
 HEADER = {"vllm_version": "0.33.0", "groups": [], "blocks_per_chunk": 1}
+
+
+def _wait_until(done: Callable[[], bool], guard_s: float = 120.0) -> None:
+    """Poll until the writer's thread did what the test waits for. ``guard_s`` only keeps a
+    broken writer from hanging the suite: it is not a timing claim (a part closes in
+    milliseconds on an idle machine; under CI's load it once took over 10 s)."""
+    deadline = time.monotonic() + guard_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _step_row(w: TraceWriter, seq: int, req: str = "r") -> tuple[object, ...]:
@@ -137,18 +147,14 @@ def test_rotation_by_rows_and_by_time(tmp_path: Path) -> None:
     for i in range(35):
         w.append("step", 1, (*w.common(i, 0, 0), "r", 0, 1, 1, 1, False, False, False))
         time.sleep(0.001)
-    deadline = time.time() + 10
-    while w.stats.parts_written < 3 and time.time() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: w.stats.parts_written >= 3)
     assert w.stats.parts_written >= 3  # rotated by the row bound while running
     w.close()
     assert open_trace(str(tmp_path / "rows")).rows("step") == 35
 
     w2 = TraceWriter(tmp_path / "time", HEADER, max_rows=10**9, max_seconds=0.2)
     w2.append("step", 1, _step_row(w2, 0))
-    deadline = time.time() + 10
-    while w2.stats.parts_written < 1 and time.time() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: w2.stats.parts_written >= 1)
     assert w2.stats.parts_written == 1  # the time bound closed a part without close()
     w2.close()
 
@@ -159,15 +165,11 @@ def test_a_quiet_writer_closes_its_part(tmp_path: Path) -> None:
     w = TraceWriter(tmp_path / "idle", HEADER, max_rows=10**9, max_seconds=3600, idle_seconds=0.2)
     for i in range(3):
         w.append("step", 1, _step_row(w, i))
-    deadline = time.time() + 10
-    while w.stats.parts_written < 1 and time.time() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: w.stats.parts_written >= 1)
     assert w.stats.parts_written == 1
     assert open_trace(str(tmp_path / "idle")).rows("step") == 3
     w.append("step", 1, _step_row(w, 3))  # a later row goes to a later part
-    deadline = time.time() + 10
-    while w.stats.parts_written < 2 and time.time() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: w.stats.parts_written >= 2)
     assert w.stats.parts_written == 2
     w.close()
     assert open_trace(str(tmp_path / "idle")).rows("step") == 4
