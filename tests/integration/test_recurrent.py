@@ -115,6 +115,8 @@ def test_partial_tails_are_recorded_at_their_boundary_and_not_judged(
     header = trace.header
     assert header["supports_partial_tail"] is True and header["tokens_per_hash"] == 16
     assert header["recurrent"]["partial_tail_block_size"] == 64
+    # vLLM 0.33.0's inline partial search: the window starts at the complete hit
+    assert header["recurrent"]["partial_anchor"] == "complete"
     assert geometry_from_header(header).prefix_match_unit == 16  # replay rebuilds it
     stores = trace.collect("store").to_dicts()
     at_688 = {(s["group_id"], s["event"]) for s in stores if s["end_token"] == 688}
