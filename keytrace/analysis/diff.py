@@ -898,6 +898,8 @@ def _explain_shortfalls(
                 "key",
                 pl.col("result").alias("lookup_result"),
                 "cause",
+                # a key at a partial tail is the chunk of h tokens ending at it
+                *(["tpc"] if partial else []),
             ).alias("needed")
         )
     )

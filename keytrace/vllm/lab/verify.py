@@ -83,6 +83,21 @@ while the connector keeps partial tails off (DCP); and the MTP drafter (lookahea
 on vLLM 0.34.0; not judged on 0.33.0, skipped). Run with the recurrent layouts
 unless asked apart (`plan`'s ``dcp``)."""
 
+PARTIAL_LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None, int], ...] = (
+    ("recurrent", (), 30, 16),
+    ("recurrent", (), 20, 16),
+    ("recurrent", (), 60, 32),
+    ("recurrent_mtp", (), 40, 16),
+)
+"""(geometry, secondary tiers, CPU chunks, prefix match unit): recurrent state groups with
+partial tails on (chunks of one block, a hash unit below it: vLLM stores every group's key
+at a producer's tail inside a block and probes the hash boundaries past the complete hit),
+on a CPU tier that evicts (two sizes), hash units of a quarter and of half the 64-token
+block, and the MTP drafter (lookahead hashes on vLLM 0.34.0; on 0.33.0 a drafter's legacy
+hashes are not judged: skipped). No tiered manager: vLLM's CPU primary fails an assertion
+on partial tails there (docs/findings.md), and keytrace does not judge it
+(`keytrace.judge.trust.uncovered`). Run only when asked (`plan`'s ``partial``)."""
+
 
 def plan(
     seeds: int = 3,
@@ -90,10 +105,12 @@ def plan(
     recurrent: bool = True,
     layouts: bool = True,
     dcp: bool | None = None,
+    partial: bool = False,
 ) -> Iterator[WorkloadSpec]:
     """The workloads `verify` runs, covering every layout and drafter (``layouts``),
-    every recurrent layout (``recurrent``) and every DCP layout (``dcp``; None: with the
-    recurrent ones) once before any repeats with another seed."""
+    every recurrent layout (``recurrent``), every DCP layout (``dcp``; None: with the
+    recurrent ones) and, when asked, every partial-tail layout (``partial``) once before
+    any repeats with another seed."""
     dcp = recurrent if dcp is None else dcp
     for seed in range(seeds):
         for i, drafter in enumerate(drafters if layouts else ()):
@@ -131,10 +148,24 @@ def plan(
                 dcp=size,
                 prefix_match_unit=unit,
             )
+        for j, (geometry, tiers, cpu_chunks, unit) in enumerate(PARTIAL_LAYOUTS if partial else ()):
+            yield WorkloadSpec(
+                geometry=geometry,
+                seed=1000 * seed + 700 + j,
+                conversations=10,
+                tiers=tiers,
+                cpu_chunks=cpu_chunks,
+                blocks_per_chunk=1,
+                prefix_match_unit=unit,
+            )
 
 
 def first_pass(
-    drafters: tuple[Drafter | None, ...], recurrent: bool, layouts: bool, dcp: bool | None = None
+    drafters: tuple[Drafter | None, ...],
+    recurrent: bool,
+    layouts: bool,
+    dcp: bool | None = None,
+    partial: bool = False,
 ) -> int:
     """How many of `plan`'s workloads cover each layout once."""
     dcp = recurrent if dcp is None else dcp
@@ -142,6 +173,7 @@ def first_pass(
         len(drafters) * len(LAYOUTS) * layouts
         + len(RECURRENT_LAYOUTS) * recurrent
         + len(DCP_LAYOUTS) * dcp
+        + len(PARTIAL_LAYOUTS) * partial
     )
 
 
@@ -196,6 +228,7 @@ def verify(
     layouts: bool = True,
     seeds: int = 3,
     dcp: bool | None = None,
+    partial: bool = False,
 ) -> VerifyOutcome:
     """Run the oracle (and the alarm) on `plan`'s workloads through the installed vLLM
     until ``min_episodes`` shortfalls were checked after every layout and drafter ran once,
@@ -205,14 +238,19 @@ def verify(
     run (default: none, EAGLE, MTP with 1, 2, 3 tokens); ``recurrent``: also the
     recurrent layouts; ``layouts``: the attention layouts (False: recurrent only);
     ``dcp``: the recurrent layouts under decode context parallelism (None: with
-    ``recurrent``); ``seeds``: how many rounds of every layout the plan holds."""
+    ``recurrent``); ``partial``: the partial-tail layouts; ``seeds``: how many rounds of
+    every layout the plan holds."""
     from keytrace.vllm.hook.support import vllm_info
 
     digest = rulecode.rules_digest()
     out = VerifyOutcome(digest=digest, vllm=vllm_info().version or "?")
     t0 = time.monotonic()
-    specs = list(plan(seeds, drafters=drafters, recurrent=recurrent, layouts=layouts, dcp=dcp))
-    once = first_pass(drafters, recurrent, layouts, dcp)
+    specs = list(
+        plan(
+            seeds, drafters=drafters, recurrent=recurrent, layouts=layouts, dcp=dcp, partial=partial
+        )
+    )
+    once = first_pass(drafters, recurrent, layouts, dcp, partial)
     for n, spec in enumerate(specs):
         elapsed = time.monotonic() - t0
         if elapsed >= budget_seconds or (n >= once and out.episodes >= min_episodes):
@@ -309,6 +347,7 @@ __all__ = [
     "DCP_LAYOUTS",
     "DRAFTERS",
     "LAYOUTS",
+    "PARTIAL_LAYOUTS",
     "RECURRENT_LAYOUTS",
     "VerifyOutcome",
     "WorkloadRun",
