@@ -416,6 +416,10 @@ class Judge:
             if partial and term[1] == E:
                 end = E
             term_cause = self.cause(at, term[2], bind_gid, end, term[3])
+        elif self.partial_bs and term is not None and term[2] and bind_gid is not None:
+            # the binding scan ended at a probe of another tail (no chunk): the differ
+            # reads its key's cause with no chunk end, and so does the alarm
+            term_cause = self.cause(at, term[2], bind_gid, None, term[3])
         rule = [c for _, c in causes if c in d.RULE_CAUSES]
         candidates = d.candidates_of(causes, bind_gid)
         decisive = d.decisive(candidates)
@@ -454,7 +458,12 @@ class Judge:
         )
 
     def cause(
-        self, at: _Moment, key: bytes, gid: int, token_end: int, result: LookupResult | None
+        self,
+        at: _Moment,
+        key: bytes,
+        gid: int,
+        token_end: int | None,
+        result: LookupResult | None,
     ) -> Cause:
         """`keytrace.judge.definitions.cause` of one key at an episode, from its record
         (``result``: the episode's own lookup result for it)."""

@@ -107,6 +107,8 @@ def test_on_0_34_a_resend_that_hits_its_partial_tail_agrees() -> None:
         (1, 30, 16),
         # a shortfall at a tail whose probe found group 0's key and missed group 2's
         (4, 30, 16),
+        # a complete E whose binding scan ended at a probe of another tail (no chunk)
+        (5, 30, 16),
         # the oracle's plan, seed 1702: a shortfall at a tail (E 928) whose block start was
         # the episode's GPU prefix (S 896), which the isolated lookup must stand in for
         (1702, 60, 32),
