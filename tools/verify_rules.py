@@ -5,7 +5,7 @@
     PYTHONPATH=$(python tools/vllm_sdist.py --version 0.34.0 --sources | head -1) python tools/verify_rules.py run --out v034.json
 
     # only the layouts of one kind: --lookahead-only, --recurrent-only, --dcp-only,
-    # --retention-only
+    # --retention-only, --partial-only (not part of a plain run)
     python tools/verify_rules.py run --dcp-only --out v033-dcp.json
 
     # fold the runs into the file keytrace ships (keytrace/judge/verified_rules.json)
@@ -41,6 +41,7 @@ def run(
     retention_only: bool,
     seeds: int,
     dcp_only: bool = False,
+    partial_only: bool = False,
 ) -> int:
     from keytrace.vllm.hook import rulecode
     from keytrace.vllm.lab.verify import DRAFTERS, verify
@@ -57,11 +58,12 @@ def run(
         progress=progress,
         keep=False,
         drafters=drafters,
-        recurrent=not (lookahead_only or dcp_only or retention_only),
-        layouts=not (recurrent_only or dcp_only or retention_only),
-        retention=not (lookahead_only or recurrent_only or dcp_only),
+        recurrent=not (lookahead_only or dcp_only or retention_only or partial_only),
+        layouts=not (recurrent_only or dcp_only or retention_only or partial_only),
+        retention=not (lookahead_only or recurrent_only or dcp_only or partial_only),
         seeds=seeds,
-        dcp=dcp_only or None,
+        dcp=False if partial_only else dcp_only or None,
+        partial=partial_only,
     )
     doc = asdict(out)
     doc["code_digests"] = dict(rulecode.code_digests())
@@ -74,6 +76,8 @@ def run(
         if dcp_only
         else " --retention-only"
         if retention_only
+        else " --partial-only"
+        if partial_only
         else ""
     )
     doc["how"] = "CI oracle: tools/verify_rules.py run" + only
@@ -153,6 +157,11 @@ def main() -> int:
         action="store_true",
         help="only workloads with a retention interval (positive or dense)",
     )
+    only.add_argument(
+        "--partial-only",
+        action="store_true",
+        help="only workloads with recurrent groups and partial tails (a hash unit below the block)",
+    )
     s = sub.add_parser("ship", help="fold run outputs into keytrace/judge/verified_rules.json")
     s.add_argument("paths", nargs="+")
     a = ap.parse_args()
@@ -166,6 +175,7 @@ def main() -> int:
             a.retention_only,
             a.seeds,
             a.dcp_only,
+            a.partial_only,
         )
     return ship(a.paths)
 

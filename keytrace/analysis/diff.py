@@ -21,7 +21,7 @@ from typing import Any
 
 import polars as pl
 
-from keytrace.analysis import frames, lost, partition, scans, unknown
+from keytrace.analysis import frames, lost, partial_tails, partition, scans, unknown
 from keytrace.analysis.boundaries import anchor, chain, shared_boundaries, shared_writes
 from keytrace.analysis.chunkmap import chunk_maps
 from keytrace.analysis.history import causes, crowding, durable, gid_in
@@ -621,6 +621,8 @@ def _chains(
     a tier this one shares join each episode's ``boundaries`` (`shared_boundaries`)."""
     lookups = frames.lookup_keys(trace, anchor(groups).gid)
     own = frames.collect(chain(lookups, offers))
+    if partial_tails.enabled(trace.header):
+        own = partial_tails.with_chains(own, trace, trace.header)
     if writes is None or shared is None or writes.height == 0:
         return own
     extra = frames.collect(shared_boundaries(lookups, frames.episodes(trace), writes, shared))
@@ -679,12 +681,12 @@ def _episodes(
         pl.col("max_load").is_not_null() | pl.col("skip").fill_null(False)
     ).with_columns(as_expr(d.free_ceiling(pl.col("L"), pl.col("F"), pl.col("L_free"))).alias("top"))
     E_free = _expected_boundary(free, groups, trace.header).rename({"E": "E_free"})
-    out = (
-        out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left")
-        .join(E_free, on=KEY, how="left")
-        .join(runs.lazy(), on=KEY, how="left")
-        .join(limits.lazy(), on=KEY, how="left")
+    out = out.join(_expected_boundary(out, groups, trace.header), on=KEY, how="left").join(
+        E_free, on=KEY, how="left"
     )
+    if partial_tails.enabled(trace.header):
+        out = partial_tails.with_expected(out, trace.header)
+    out = out.join(runs.lazy(), on=KEY, how="left").join(limits.lazy(), on=KEY, how="left")
     return (
         out.with_columns(base_verdict().alias("verdict"))
         .with_columns(
@@ -846,9 +848,12 @@ def _explain_shortfalls(
     )
     tph = int(trace.header.get("tokens_per_hash") or 1)
     unqueried, proofs = _recorded(view, keys)
-    needed = _needed(sf, groups, tph, proofs, frames.is_tiered(trace)).join(
-        bind.select(*KEY, "bind_gid"), on=KEY, how="left"
-    )
+    needed = _needed(sf, groups, tph, proofs, frames.is_tiered(trace))
+    partial = partial_tails.enabled(trace.header)
+    if partial:  # a partial E: the probe at E binds, and needs the groups' keys at E
+        bind = partial_tails.binding(view, sf, bind, trace.header)
+        needed = partial_tails.complete_needed(needed, sf, groups, trace.header)
+    needed = needed.join(bind.select(*KEY, "bind_gid"), on=KEY, how="left")
     ranges = needed.group_by(*KEY, "gid").agg(
         pl.col("chunk").min().alias("lo"), (pl.col("chunk").max() + 1).alias("hi")
     )
@@ -861,6 +866,8 @@ def _explain_shortfalls(
     needed = needed.join(seen, on=[*KEY, "gid", "chunk"], how="left").with_columns(
         (pl.col("gid") == pl.col("bind_gid")).fill_null(False).alias("binding")
     )
+    if partial:
+        needed = partial_tails.with_keys(view, needed, sf, groups, trace.header)
     bind = _terminal_within_needed(bind, needed)
     needed = _with_unqueried(needed, unqueried)
     fleet = others.fleet if others is not None else None
@@ -891,6 +898,8 @@ def _explain_shortfalls(
                 "key",
                 pl.col("result").alias("lookup_result"),
                 "cause",
+                # a key at a partial tail is the chunk of h tokens ending at it
+                *(["tpc"] if partial else []),
             ).alias("needed")
         )
     )

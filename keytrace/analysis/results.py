@@ -409,18 +409,23 @@ class _ShortfallDetail(Mapping[int, EpisodeVerdict]):
         d = self._explained.row(self._positions[i], named=True)
         base = verdict_from_row(self._rows.row(i, named=True))
         g = self._by_gid[d["bind_gid"]] if d["bind_gid"] is not None else None
+        needed = [self._needed_chunk(c) for c in d["needed"] or []]
+        # a partial tail's key is listed as the chunk of h tokens ending at it
+        tails = {
+            n.chunk: n.token_end - n.token_start for n in needed if n.group_id == d["bind_gid"]
+        }
         return dataclasses.replace(
             base,
             binding_group=d["bind_gid"],
             binding_label=g.label if g else None,
-            terminal=_terminal(d, g),
-            needed=[self._needed_chunk(c) for c in d["needed"] or []],
+            terminal=_terminal(d, g, tails.get(d["term_chunk"])),
+            needed=needed,
             stored_chunks=self._stored.get((d["inst"], d["s"]), []),
             reason=reason(base.verdict, d["decisive"] or [], d["term_result"]),
         )
 
     def _needed_chunk(self, c: dict[str, Any]) -> NeededChunk:
-        tpc = self._by_gid[c["group_id"]].tpc
+        tpc = c.get("tpc") or self._by_gid[c["group_id"]].tpc
         return NeededChunk(
             group_id=c["group_id"],
             chunk=c["chunk"],
@@ -479,15 +484,18 @@ def _plain_reason(reported: pl.DataFrame) -> pl.Expr:
     )
 
 
-def _terminal(d: dict[str, Any], g: Group | None) -> TerminalKey | None:
+def _terminal(d: dict[str, Any], g: Group | None, tpc: int | None = None) -> TerminalKey | None:
+    """The terminal key of a shortfall's detail row; ``tpc``: its chunk's tokens where its
+    needed chunk says (a partial tail's key: the hash unit), else the group's."""
     if d["term_key"] is None or g is None:
         return None
     ch = d["term_chunk"]
+    tpc = tpc or g.tpc
     return TerminalKey(
         group_id=g.gid,
         chunk=ch,
-        token_start=None if ch is None else ch * g.tpc,
-        token_end=None if ch is None else (ch + 1) * g.tpc,
+        token_start=None if ch is None else ch * tpc,
+        token_end=None if ch is None else (ch + 1) * tpc,
         key=hex_key(d["term_key"]) or "",
         result=str(d["term_result"]),
         cause=d["term_cause"] or "not_looked_up",

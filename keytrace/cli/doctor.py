@@ -38,8 +38,9 @@ from keytrace.report.text import render_doctor, render_verify
     is_flag=True,
     help="Run the isolated-lookup oracle on the installed vLLM (seeded workloads through "
     "its real scheduler: each geometry, a CPU and a tiered manager, no drafter, EAGLE and "
-    "MTP lookahead, recurrent state groups with and without an MTP drafter and under "
-    "decode context parallelism, retention intervals, positive and dense) and keep the "
+    "MTP lookahead, recurrent state groups with and without an MTP drafter, under "
+    "decode context parallelism and with partial tails, retention intervals, positive and "
+    "dense) and keep the "
     "outcome for this code: traces recorded on it are then "
     "judged as verified, or, on a disagreement, get no AGREE. Needs the CPU lab.",
 )
@@ -125,6 +126,7 @@ def _verify(
         min_episodes=episodes,
         max_workloads=workloads,
         progress=progress_printer() if show else None,
+        partial=True,  # the partial-tail layouts too: a trace with them needs such a run
     )
     if as_json:
         write_json(out, sys.stdout)

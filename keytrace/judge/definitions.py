@@ -434,8 +434,8 @@ class KeyFacts:
     """The same block hash completed under another group id before ``s``."""
     own_first_prepared: MaybeNum
     """When this group id first reached the store path on the instance (any key)."""
-    token_end: Num
-    """The token the key's chunk ends at."""
+    token_end: MaybeNum
+    """The token the key's chunk ends at (unknown: a key with no chunk, a partial tail's probe)."""
     keyable_end: MaybeNum
     """How far the earlier requests on the episode's chain reached (None: no chain)."""
     durable: Truth = False

@@ -271,6 +271,24 @@ def trim_first_of(header: dict[str, Any]) -> bool:
     return bool(header.get("lookup_trims_before_caps", False))
 
 
+PARTIAL_ANCHOR_COMPLETE = "complete"
+"""The partial-tail window starts at the complete-chunk hit C, which needs an aligned
+recurrent state (vLLM 0.33.0: the search inline in ``_lookup``)."""
+PARTIAL_ANCHOR_FA = "fa_prefix"
+"""The partial-tail window starts at max(C, the full-attention hit boundary), and skips the
+aligned boundaries at or below that anchor (vLLM 0.34.0: ``_lookup_partial_tail_hit``)."""
+
+
+def partial_anchor_of(header: Mapping[str, Any]) -> str:
+    """The trace's ``recurrent.partial_anchor``: where vLLM's lookup anchors its partial-tail
+    window (`PARTIAL_ANCHOR_COMPLETE`, `PARTIAL_ANCHOR_FA`). A header without it (every
+    trace recorded before keytrace read it) is read as the older code,
+    `PARTIAL_ANCHOR_COMPLETE`; only traces with partial tails on depend on it."""
+    rec = header.get("recurrent") or {}
+    value = rec.get("partial_anchor")
+    return PARTIAL_ANCHOR_FA if value == PARTIAL_ANCHOR_FA else PARTIAL_ANCHOR_COMPLETE
+
+
 LIMIT_KEYS = ("max_load_tokens", "max_offload_tokens")
 """The integer ``kv_transfer_params`` keys vLLM's OffloadingConnector reads per request
 (``RequestOffloadState.__post_init__``): a cap on the tokens loaded from the offload tier,

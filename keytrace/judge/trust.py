@@ -85,6 +85,7 @@ FEATURE_TEXT = {
     "recurrent": "recurrent state groups",
     "recurrent+lookahead": "recurrent state groups under lookahead hashes",
     "recurrent+dcp": "recurrent state groups under decode context parallelism",
+    "recurrent+partial": "recurrent state groups with partial tails",
 }
 
 
@@ -105,9 +106,10 @@ def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     (`Verification.covers`): ``attention`` for a trace without a recurrent state group,
     with `RETENTION` (a positive retention interval) or `DENSE` (dense retention) when it
     was recorded under one; ``recurrent`` for one with a recurrent group,
-    ``recurrent+lookahead`` too when its block hashes look ahead (a drafter, 0.34.0), and
+    ``recurrent+lookahead`` too when its block hashes look ahead (a drafter, 0.34.0),
     ``recurrent+dcp`` too under decode context parallelism (full-attention chunks DCP
-    times a recurrent one, states kept at the hash unit)."""
+    times a recurrent one, states kept at the hash unit), and ``recurrent+partial`` with
+    partial tails (a hash unit below the block: `keytrace.judge.partial`)."""
     if not _recurrent_groups(header):
         return (ATTENTION, *_retention_feature(header))
     needs = ["recurrent"]
@@ -115,6 +117,8 @@ def features(header: Mapping[str, Any]) -> tuple[str, ...]:
         needs.append("recurrent+lookahead")
     if _dcp(header) > 1:
         needs.append("recurrent+dcp")
+    if header.get("supports_partial_tail"):
+        needs.append("recurrent+partial")
     return tuple(needs)
 
 
@@ -124,8 +128,10 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     live alarm and the reporters all ask here.
 
     Recurrent state groups are judged with a window of one chunk and states kept where a
-    request computed them (`keytrace.judge.definitions.junction_kept`), on the setting
-    the oracle verified: no partial tails, retention interval 0, and no speculative
+    request computed them (`keytrace.judge.definitions.junction_kept`), with partial tails
+    by `keytrace.judge.partial` where the header says where the lookup anchors its window
+    (``recurrent.partial_anchor``; `features` ``recurrent+partial``), on the setting the
+    oracle verified: retention interval 0, and no speculative
     drafter unless its block hashes look ahead (``num_hash_lookahead_tokens`` > 0, vLLM
     0.34.0: no EAGLE block drop); with or without decode context parallelism (vLLM
     0.33.0 and 0.34.0 scale the full-attention chunk by it and not the recurrent one, and
@@ -147,8 +153,15 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     if not recurrent:
         return ()
     why = []
-    if header.get("supports_partial_tail"):
-        why.append("partial tails (a hash unit below the block)")
+    if header.get("supports_partial_tail") and not (header.get("recurrent") or {}).get(
+        "partial_anchor"
+    ):
+        # recorded before keytrace read where the lookup anchors its window: the rules
+        # differ by it (0.33.0 / 0.34.0), and the header does not say which
+        why.append("partial tails (a hash unit below the block) recorded without their anchor rule")
+    elif header.get("supports_partial_tail") and header.get("secondary_tiers"):
+        # vLLM's CPU primary fails an assertion on them (docs/findings.md): not verified
+        why.append("partial tails on a tiered manager")
     retention = header.get("retention_interval", 0)
     if retention != 0:
         dense = "dense (None)" if retention is None else str(retention)

@@ -34,7 +34,13 @@ from typing import Any
 
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import FINDINGS, SHORTFALLS, Verdict
-from keytrace.judge.rules import groups_from_header, retention_of, trim_first_of
+from keytrace.judge.partial import partial_block, partial_tails_on
+from keytrace.judge.rules import (
+    groups_from_header,
+    partial_anchor_of,
+    retention_of,
+    trim_first_of,
+)
 from keytrace.live import warnings
 from keytrace.live.judge import Judge
 from keytrace.live.judged import Judged
@@ -85,6 +91,9 @@ class Alarm:
             trim_first_of(dict(header)),
             header.get("secondary_tiers") or (),
         )
+        if partial_tails_on(header):
+            self.judge.partial_bs = partial_block(header)
+            self.judge.partial_rule = partial_anchor_of(dict(header))
         self._inst: dict[int, InstanceState] = {}
         # counters, read by the Prometheus collector and the tests
         self.episodes: Counter[tuple[str, str]] = Counter()  # (engine, verdict)

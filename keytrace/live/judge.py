@@ -15,12 +15,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keytrace.format.keys import chunk_ending_at
+from keytrace.format.keys import chunk_ending_at, gid_tail, key_hash
 from keytrace.format.schema import LookupResult
 from keytrace.judge import definitions as d
+from keytrace.judge import partial as pt
 from keytrace.judge.definitions import UNSEEN, Cause, Limit, Verdict
 from keytrace.judge.ops import plain_of
-from keytrace.judge.rules import Group, excluded_tiers, lookup_cap, needed_range
+from keytrace.judge.rules import (
+    PARTIAL_ANCHOR_COMPLETE,
+    Group,
+    excluded_tiers,
+    lookup_cap,
+    needed_range,
+)
 from keytrace.live.judged import Judged
 from keytrace.live.state import InstanceState, KeyStore
 from keytrace.record.events import Episode, Scan
@@ -46,13 +53,15 @@ class _Moment:
 @dataclass
 class _Needed:
     """One needed chunk of a shortfall: its group and chunk, its key (looked up or
-    listed), the episode's lookup result and call for it (None: never looked up)."""
+    listed), the episode's lookup result and call for it (None: never looked up).
+    ``end``: where its key's tokens end, for a partial tail's key (None: the chunk's)."""
 
     gid: int
     chunk: int
     key: bytes | None
     result: LookupResult | None
     seq: int | None
+    end: int | None = None
 
 
 class Judge:
@@ -85,6 +94,10 @@ class Judge:
         """The header's ``secondary_tiers`` (medium and locality: what a request's
         ``kv_load_tiers`` matches)."""
         self._excluded: dict[str, frozenset[int]] = {}
+        self.partial_bs = 0
+        """The partial-tail block (`keytrace.judge.partial.partial_block`; 0: partial tails
+        off) and the lookup's anchor rule (`keytrace.judge.rules.partial_anchor_of`)."""
+        self.partial_rule = PARTIAL_ANCHOR_COMPLETE
         """The trace's `keytrace.judge.rules.trim_first_of` (where vLLM's lookup cap takes
         off the recomputed token)."""
 
@@ -126,7 +139,44 @@ class Judge:
         if ep.load_cap is not None:
             free = lookup_cap(self.groups, ep.tokens, S, ep.max_new, None, self.trim_first)
             E_free = best(d.free_ceiling(L, F, free))
-        return best(top), chain_P, E_free
+        E = best(top)
+        if self.partial_bs:
+            E, E_free = self._partial_expected(st, ep, E, E_free, L, F)
+        return E, chain_P, E_free
+
+    def _partial_expected(
+        self,
+        st: InstanceState,
+        ep: Episode,
+        E: int | None,
+        E_free: int | None,
+        L: int,
+        F: int | None,
+    ) -> tuple[int | None, int | None]:
+        """E and E_free raised to the episode's partial E (`keytrace.judge.partial`; the
+        differ: `keytrace.analysis.partial_tails.with_expected`)."""
+        bs, S = self.partial_bs, ep.local
+        probed = [
+            k
+            for sc in ep.scans
+            for k, end in zip(sc.keys, sc.ends, strict=True)
+            if end is not None and pt.is_partial(end, bs)
+        ]
+        tails = st.book.intended_tails(probed, ep.seq)
+        if not tails:
+            return E, E_free
+        top = d.match_ceiling(L, F)
+        L_p = pt.partial_cap(ep.prompt, ep.hashes, self.tph, S, ep.max_new, ep.load_cap)
+        E = plain_of(
+            pt.expected_with_partial(E, pt.expected_partial(sorted(tails), S, top, L_p, bs))
+        )
+        if ep.load_cap is not None:
+            free = lookup_cap(self.groups, ep.tokens, S, ep.max_new, None, self.trim_first)
+            L_p_free = pt.partial_cap(ep.prompt, ep.hashes, self.tph, S, ep.max_new, None)
+            free_top = plain_of(d.free_ceiling(L, F, free))
+            E_p_free = pt.expected_partial(sorted(tails), S, free_top, L_p_free, bs)
+            E_free = plain_of(pt.expected_with_partial(E_free, E_p_free))
+        return E, E_free
 
     def stored_limit(self, st: InstanceState, ep: Episode) -> Limit | None:
         """The limit that kept a key the episode missed from the tier: the first scan whose
@@ -245,18 +295,85 @@ class Judge:
                     out.append(_Needed(gid, chunk, listed.get(chunk), None, None))
         return out
 
+    def _probe_at(self, ep: Episode, E: int) -> list[tuple[int, bytes, LookupResult, int]]:
+        """The episode's calls at boundary E (gid, key, result, seq), in call order: the
+        probe of a partial E (the differ: `keytrace.analysis.partial_tails._probes_at_E`)."""
+        calls = [
+            (sc.gid, key, result, seq)
+            for sc in ep.scans
+            for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True)
+            if end == E
+        ]
+        return sorted(calls, key=lambda c: c[3])
+
+    def _partial_binding(
+        self, ep: Episode, E: int, bind_gid: int | None, term: Any
+    ) -> tuple[int | None, Any]:
+        """The probe at a partial E binds where it has a terminal call
+        (`keytrace.judge.partial.probe_terminal`); else the scans' binding stands."""
+        calls = self._probe_at(ep, E)
+        i = pt.probe_terminal([str(c[2]) for c in calls])
+        if i is None:
+            return bind_gid, term
+        gid, key, result, seq = calls[i]
+        return gid, (seq, E, key, result)
+
+    def _partial_needed(self, ep: Episode, S: int, E: int, needed: list[_Needed]) -> list[_Needed]:
+        """What a hit at a partial E needs (`keytrace.judge.partial.partial_needed`): the
+        full-attention chunks `_needed` lists, a recurrent group's state at E's block start
+        on vLLM 0.33.0, and every group's key at E (asked by the probe, or derived from the
+        block hash its keys share), in (group, chunk) order as the differ sorts them."""
+        bs = self.partial_bs
+        chunks, _ = pt.partial_needed(self.groups, self.partial_rule, S, E, bs)
+        out = [n for n in needed if not self.by_gid[n.gid].recurrent]
+        for gid, rng in chunks.items():
+            if not self.by_gid[gid].recurrent:
+                continue
+            for chunk in rng:
+                seen = None
+                for sc in ep.scans:
+                    if sc.gid != gid:
+                        continue
+                    for seq, end, key, result in zip(
+                        sc.seqs, sc.ends, sc.keys, sc.results, strict=True
+                    ):
+                        if chunk_ending_at(end, bs) == chunk:
+                            seen = (seq, key, result)
+                if seen is not None:
+                    out.append(_Needed(gid, chunk, seen[1], seen[2], seen[0]))
+                else:
+                    listed = ep.unqueried.get(gid, {}).get(chunk)
+                    out.append(_Needed(gid, chunk, listed, None, None))
+        calls = self._probe_at(ep, E)
+        asked = {c[0]: c for c in calls}
+        base = key_hash(bytes(calls[0][1])) if calls else None
+        at = E // self.tph - 1
+        for g in self.groups:
+            if g.gid in asked:
+                _gid, key, result, seq = asked[g.gid]
+                out.append(_Needed(g.gid, at, key, result, seq, E))
+            else:
+                derived = bytes(base) + gid_tail(g.gid) if base is not None else None
+                out.append(_Needed(g.gid, at, derived, None, None, E))
+        return sorted(out, key=lambda n: (n.gid, n.chunk))
+
     def _shortfall(
         self, st: InstanceState, ep: Episode, E: int, chain_P: int | None, forgotten: bool
     ) -> Judged:
         S, s = ep.local, ep.seq
         bind_gid, term = self._binding(ep.scans)
+        partial = bool(self.partial_bs) and pt.is_partial(E, self.partial_bs)
+        if partial:
+            bind_gid, term = self._partial_binding(ep, E, bind_gid, term)
         needed = self._needed(ep, S, E)
+        if partial:
+            needed = self._partial_needed(ep, S, E, needed)
         inside = [n for n in needed if d.terminal_candidate(n.gid == bind_gid, n.result)]
         if inside:
             first = min(inside, key=lambda n: d.terminal_rank(n.result, n.seq or 0))
             term = (
                 first.seq or 0,
-                (first.chunk + 1) * self.by_gid[first.gid].tpc,
+                first.end or (first.chunk + 1) * self.by_gid[first.gid].tpc,
                 first.key or b"",
                 first.result,
             )  # type: ignore[assignment]
@@ -264,6 +381,8 @@ class Judge:
         if term is not None and bind_gid is not None and term[1] is not None:
             g = self.by_gid.get(bind_gid)
             term_chunk = chunk_ending_at(term[1], g.tpc) if g is not None else None
+            if partial and term[1] == E:  # a key at the tail: its chunk of h tokens
+                term_chunk = E // self.tph - 1
         total = d.needed_total(len(needed), S, E, self.groups, self.tiered)
         at = _Moment(
             st,
@@ -279,7 +398,7 @@ class Judge:
         causes: list[tuple[int, Cause]] = []
         for n in needed:
             tpc = self.by_gid[n.gid].tpc
-            end = (n.chunk + 1) * tpc
+            end = n.end or (n.chunk + 1) * tpc
             key_cause = self.cause(at, n.key, n.gid, end, n.result) if n.key else None
             # the alarm sees no other request's records: no key is settled as unoffered
             recurrent = self.by_gid[n.gid].recurrent
@@ -294,7 +413,13 @@ class Judge:
         term_cause = None
         if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
             end = (term_chunk + 1) * self.by_gid[bind_gid].tpc
+            if partial and term[1] == E:
+                end = E
             term_cause = self.cause(at, term[2], bind_gid, end, term[3])
+        elif self.partial_bs and term is not None and term[2] and bind_gid is not None:
+            # the binding scan ended at a probe of another tail (no chunk): the differ
+            # reads its key's cause with no chunk end, and so does the alarm
+            term_cause = self.cause(at, term[2], bind_gid, None, term[3])
         rule = [c for _, c in causes if c in d.RULE_CAUSES]
         candidates = d.candidates_of(causes, bind_gid)
         decisive = d.decisive(candidates)
@@ -333,7 +458,12 @@ class Judge:
         )
 
     def cause(
-        self, at: _Moment, key: bytes, gid: int, token_end: int, result: LookupResult | None
+        self,
+        at: _Moment,
+        key: bytes,
+        gid: int,
+        token_end: int | None,
+        result: LookupResult | None,
     ) -> Cause:
         """`keytrace.judge.definitions.cause` of one key at an episode, from its record
         (``result``: the episode's own lookup result for it)."""

@@ -62,6 +62,12 @@ class ChainBook:
         self.shared_written: dict[bytes, int] = {}
         """Anchor key -> the first sequence number its write-through to a shared tier
         completed (`written`); at most ``max_offers``, the oldest forgotten first."""
+        self.partial_bs = 0
+        """The partial-tail block (`keytrace.judge.partial.partial_block`; 0: partial tails
+        off, and no tail is noted)."""
+        self.tails: dict[bytes, tuple[int, int]] = {}
+        """Partial-tail key -> (its tail T, the first sequence number it was offered): every
+        request's, at most ``max_offers``, the oldest forgotten first (`intended_tails`)."""
         _BOOKS.add(self)
 
     @property
@@ -130,6 +136,8 @@ class ChainBook:
     ) -> None:
         """A store call of ``req_id`` offered ``keys`` (any offer event): note each
         boundary whose anchor key is among them, once, with the first such call."""
+        if self.partial_bs:
+            self._tails(keys, ends, seq)
         chunks = self.bounds.get(req_id) if req_id is not None else None
         if not chunks or self.anchor is None:
             return
@@ -146,6 +154,30 @@ class ChainBook:
                 if key_tail(key) == self._tail:
                     self._note(bytes(key), req_id, b, seq)  # type: ignore[arg-type]
                     break
+
+    def _tails(self, keys: Sequence[bytes], ends: Sequence[int | None], seq: int) -> None:
+        """Note each partial-tail key among ``keys`` (an end inside a block:
+        `keytrace.judge.partial.offer_boundary`) with the first call that offered it."""
+        bs = self.partial_bs
+        for key, end in zip(keys, ends, strict=False):
+            if key is not None and end is not None and end % bs:
+                self.tails.setdefault(bytes(key), (end, seq))
+        if len(self.tails) > self.max_offers:
+            victims = list(itertools.islice(self.tails, self.max_offers // 10 + 1))
+            for key in victims:
+                self.tails.pop(key, None)
+            self.forgotten += len(victims)
+
+    def intended_tails(self, probed: Iterable[bytes], before: int) -> set[int]:
+        """The partial tails intended for an episode at sequence number ``before`` that
+        probed the keys ``probed``: those some request offered before it (docs/diff.md,
+        "Partial tails"; the differ: `keytrace.analysis.partial_tails.chains`)."""
+        out = set()
+        for key in probed:
+            found = self.tails.get(bytes(key))
+            if found is not None and found[1] < before:
+                out.add(found[0])
+        return out
 
     def _note(self, key: bytes, req_id: str, b: int, seq: int) -> None:
         entries = self.offers.setdefault(key, [])

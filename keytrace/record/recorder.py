@@ -45,6 +45,7 @@ from keytrace.format.writer import NullWriter, TraceWriter, call_columns
 from keytrace.judge import definitions as d
 from keytrace.judge.definitions import DURABLE_EVENTS
 from keytrace.judge.identity import shared_places
+from keytrace.judge.partial import partial_block, partial_tails_on
 from keytrace.judge.rules import (
     STORE_OFFERS,
     groups_from_header,
@@ -127,6 +128,8 @@ class Recorder:
         self.tph = int(header.get("tokens_per_hash") or 1)
         self.retention = retention_of(dict(header))
         self.book = ChainBook(self.groups)
+        if partial_tails_on(header):
+            self.book.partial_bs = partial_block(header)
         self.book.share(shared_places(dict(header)))
         """Which boundaries requests meant later lookups to hit (`keytrace.record.chain`)."""
         self.listener = listener

@@ -3,9 +3,10 @@
 vLLM offloads a recurrent group's state as one checkpoint where a request computed it
 (the core's boundary hand-offs in ``align`` cache mode: its last block boundary, a
 junction it computed through) and looks it up with a window of one chunk. keytrace judges
-that setting (hash unit = block, no decode context parallelism, retention 0, no drafter),
-verified by the oracle per release; partial tails and the rest are recorded and get no
-verdict (`keytrace.judge.trust.uncovered`).
+that setting (no decode context parallelism or with it, retention 0, no drafter or one
+with lookahead hashes, partial tails: tests/integration/test_partial_tails.py), verified by
+the oracle per release; the rest is recorded and gets no verdict
+(`keytrace.judge.trust.uncovered`).
 """
 
 from __future__ import annotations
@@ -96,25 +97,27 @@ def test_a_state_on_a_chunk_end_is_kept_and_served(
     assert capsys.readouterr().out.startswith("AGREE")
 
 
-def test_partial_tails_are_recorded_at_their_boundary_and_not_judged(
+def test_partial_tails_are_recorded_at_their_boundary_and_judged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With partial tails on, a resend of 700 tokens loads up to the last hash boundary
     before its last token, 688, past the last chunk end (640). The recorder writes the
     boundary's lookups and stores as rows at their position, for every group (no chunk:
-    688 ends none); keytrace has no rule for partial tails: no verdict, no alarm."""
+    688 ends none); keytrace judges it by the partial-tail rules (`keytrace.judge.partial`):
+    E = 688, a hit, on rules the oracle verified for partial tails."""
     from keytrace.analysis import frames
     from keytrace.analysis.geometry import geometry_from_header
 
     external, listeners = _prime_and_resend(PARTIAL, tmp_path / "t", 700, caplog)
     assert external == 688  # vLLM's own answer
-    assert listeners == [None]
-    said = [r for r in caplog.records if "does not judge this engine" in r.getMessage()]
-    assert len(said) == 1 and "partial tails" in said[0].getMessage()
+    assert listeners != [None]  # the live alarm judges the engine
+    assert not [r for r in caplog.records if "does not judge this engine" in r.getMessage()]
     trace = open_trace(str(tmp_path / "t"))
     header = trace.header
     assert header["supports_partial_tail"] is True and header["tokens_per_hash"] == 16
     assert header["recurrent"]["partial_tail_block_size"] == 64
+    # vLLM 0.33.0's inline partial search: the window starts at the complete hit
+    assert header["recurrent"]["partial_anchor"] == "complete"
     assert geometry_from_header(header).prefix_match_unit == 16  # replay rebuilds it
     stores = trace.collect("store").to_dicts()
     at_688 = {(s["group_id"], s["event"]) for s in stores if s["end_token"] == 688}
@@ -124,27 +127,27 @@ def test_partial_tails_are_recorded_at_their_boundary_and_not_judged(
     resend = max(row["s"] for row in rows)
     hits = {row["gid"] for row in rows if row["s"] == resend and row["end_token"] == 688}
     assert hits == {0, 1, 2, 3}  # each group's own lookup row, under its own id
-    assert main(["diff", str(tmp_path / "t")]) == 2
-    out = capsys.readouterr()
-    assert out.out.startswith("NO VERDICT: keytrace has no rules for what this trace holds")
-    assert "partial tails" in out.out and "MISMATCH" not in out.out and "AGREE" not in out.out
-    assert main(["diff", "--json", str(tmp_path / "t")]) == 2
+    assert main(["diff", "--json", "--all", str(tmp_path / "t")]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["verdict"] == "no_verdict" and report["first_mismatch"] is None
-    assert report["rules"]["trust"] == "uncovered"
-    assert main(["diff", "--by", "engine", str(tmp_path / "t")]) == 2
-    assert "AGREE" not in capsys.readouterr().out
+    assert report["rules"]["trust"] == "verified"
+    assert report["rules"]["needs"] == ["recurrent", "recurrent+partial"]
+    last = report["episodes"][-1]
+    assert (last["verdict"], last["E"], last["external_tokens"]) == ("hit", 688, 688)
+    assert main(["diff", str(tmp_path / "t")]) == 0
+    assert capsys.readouterr().out.startswith("AGREE")
 
 
 def test_the_lab_commands_say_no_verdict_where_no_rule_describes_the_geometry(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["sweep", "--geometry", "recurrent", "--lengths", "700", "--no-progress"]
-    assert main([*argv, "--prefix-match-unit", "16"]) == 2
+    assert main([*argv, "--retention-interval", "512"]) == 2
     out = capsys.readouterr()
     assert "no_verdict" in out.out and "mismatch" not in out.out
     assert "no verdict: geometry recurrent" in out.err
     assert main(argv) == 0  # the rules describe it: judged
+    assert " hit" in capsys.readouterr().out
+    assert main([*argv, "--prefix-match-unit", "16"]) == 0  # partial tails: judged too
     assert " hit" in capsys.readouterr().out
 
 

@@ -107,6 +107,7 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
         DCP_LAYOUTS,
         DRAFTERS,
         LAYOUTS,
+        PARTIAL_LAYOUTS,
         RECURRENT_LAYOUTS,
         RETENTION_LAYOUTS,
         first_pass,
@@ -143,6 +144,12 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
     assert only and {s.geometry for s in only} == {"recurrent", "recurrent_mtp"}
     retention = list(plan(layouts=False, recurrent=False))
     assert retention and all(s.retention_interval != 0 for s in retention)
+    assert not [s for s in only if s.prefix_match_unit and not s.dcp]  # partial: when asked
+    partial = list(plan(seeds=1, layouts=False, recurrent=False, retention=False, partial=True))
+    assert [(s.geometry, s.cpu_chunks, s.prefix_match_unit) for s in partial] == [
+        (g, cpu, unit) for g, tiers, cpu, unit in PARTIAL_LAYOUTS if not tiers
+    ]
+    assert all(s.blocks_per_chunk == 1 and not s.tiers for s in partial)
 
 
 def test_a_workload_vllm_fails_on_is_skipped_with_where_not_a_crash(

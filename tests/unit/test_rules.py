@@ -25,6 +25,7 @@ from keytrace.judge.rules import (
     lookup_cap,
     needed_chunks,
     needed_range,
+    partial_anchor_of,
     request_limits,
     store_boundary,
     trim_first_of,
@@ -267,6 +268,13 @@ def test_max_load_tokens_caps_the_lookup_as_each_release_orders_it() -> None:
     assert lookup_cap(fa, 18_877, 0, None, 1024) == lookup_cap(fa, 18_877, 0, None, 1024, True)
     assert trim_first_of({}) is False
     assert trim_first_of({"lookup_trims_before_caps": True}) is True
+
+
+def test_the_partial_anchor_reads_as_the_older_code_where_the_header_has_none() -> None:
+    assert partial_anchor_of({}) == "complete"  # every header before keytrace read it
+    assert partial_anchor_of({"recurrent": {"hash_block_size": 16}}) == "complete"
+    assert partial_anchor_of({"recurrent": {"partial_anchor": "complete"}}) == "complete"
+    assert partial_anchor_of({"recurrent": {"partial_anchor": "fa_prefix"}}) == "fa_prefix"
 
 
 def test_only_the_recognised_kv_transfer_params_are_read_as_vllm_validates_them() -> None:

@@ -214,6 +214,30 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     trust.record_run("d", Verification("0.33.0", 50, 0, "t", covers=("recurrent", "recurrent+dcp")))
     st = trust.trace_rules(dcp)
     assert st is not None and st.trust is RulesTrust.VERIFIED
+    # partial tails recorded with the lookup's anchor rule: judged (keytrace.judge.partial),
+    # and verified only by a run that covered them
+    for rule in ("complete", "fa_prefix"):
+        anchored = {
+            **partial,
+            "recurrent": {"partial_anchor": rule, "partial_tail_block_size": 64},
+            "rules_digest": "d",
+        }
+        assert trust.uncovered(anchored) == ()
+        assert trust.features(anchored) == ("recurrent", "recurrent+partial")
+        st = trust.trace_rules(anchored)
+        assert st is not None and st.trust is RulesTrust.UNVERIFIED
+        line = trust.trust_line(st)
+        assert line is not None and "for recurrent state groups with partial tails" in line
+    trust.record_run(
+        "d", Verification("0.33.0", 50, 0, "t", covers=("recurrent", "recurrent+partial"))
+    )
+    st = trust.trace_rules(anchored)
+    assert st is not None and st.trust is RulesTrust.VERIFIED
+    # ...and one recorded before keytrace read the anchor rule stays unjudged, as does one
+    # on a tiered manager (vLLM's CPU primary fails on partial tails: not verified)
+    assert "without their anchor rule" in trust.uncovered(partial)[0]
+    tiered = {**anchored, "secondary_tiers": [{"index": 1, "medium": "STORAGE"}]}
+    assert "partial tails on a tiered manager" in trust.uncovered(tiered)[0]
     # an attention trace needs a run of attention layouts: a recurrent-only run is none,
     # a run recorded before runs said what they covered is one
     trust.record_run("r", Verification("0.34.0", 50, 0, "t", covers=("recurrent",)))

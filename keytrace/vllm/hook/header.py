@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from keytrace.judge.rules import PARTIAL_ANCHOR_COMPLETE, PARTIAL_ANCHOR_FA
 from keytrace.vllm.hook.compat import vllm_version
 from keytrace.vllm.hook.rulecode import header_digest
 from keytrace.vllm.hook.support import vllm_info
@@ -138,6 +139,12 @@ def recurrent_fields(sched: Any, vllm_config: Any, kv_cache_config: Any) -> dict
       recurrent group is rounded down to (``resolve_mamba_align_size``);
     - ``partial_tail_block_size``: the scheduler's, 0 with partial tails off;
     - ``hash_block_size``: the KV-cache config's (the hash unit partial tails step by);
+    - ``partial_anchor``: where the lookup's partial-tail window starts
+      (`keytrace.judge.rules.partial_anchor_of`): ``complete`` where it searches inline
+      in ``_lookup`` from the complete-chunk hit, which needs an aligned recurrent state
+      (vLLM 0.33.0), ``fa_prefix`` where ``_lookup_partial_tail_hit`` anchors it on the
+      larger of that hit and the full-attention prefix the complete-chunk scan found
+      (0.34.0), read as that method's presence;
     - ``groups``: per recurrent group id (a string: JSON keys are), its spec's
       ``num_speculative_blocks``, ``num_prefill_checkpoint_blocks`` and
       ``prefill_checkpoint_alignment`` (they decide whether a prompt's last state is split
@@ -169,6 +176,9 @@ def recurrent_fields(sched: Any, vllm_config: Any, kv_cache_config: Any) -> dict
             "mamba_align_size": number(getattr(sched, "_mamba_align_size", None)),
             "partial_tail_block_size": number(getattr(sched, "_partial_tail_block_size", None)),
             "hash_block_size": number(getattr(kv_cache_config, "hash_block_size", None)),
+            "partial_anchor": PARTIAL_ANCHOR_FA
+            if callable(getattr(sched, "_lookup_partial_tail_hit", None))
+            else PARTIAL_ANCHOR_COMPLETE,
             "groups": groups,
         }
     }

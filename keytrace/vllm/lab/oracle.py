@@ -56,6 +56,7 @@ from keytrace.analysis.results import EpisodeVerdict
 from keytrace.format.keys import key_gid
 from keytrace.format.reader import Trace, open_trace
 from keytrace.judge.definitions import TIER_TIMING_CAUSES
+from keytrace.judge.partial import partial_tails_on
 
 ProgressFn = Callable[[str, int, int], None]
 AMPLE_CPU_CHUNKS = 2_000_000
@@ -141,6 +142,7 @@ def check(
     probes = _recorded_keys(trace)
     full_attention = _full_attention_chunks(trace)
     tier_state = _tier_state(trace, todo) if frames.is_tiered(trace) else None
+    partial = partial_tails_on(trace.header)
     tier_geo = None
     if tier_state is not None:
         from keytrace.vllm.lab.config import tiered
@@ -170,7 +172,12 @@ def check(
         resident = list(zip(before["key"].to_list(), before["end_token"].to_list(), strict=True))
         prompt = list(token_ids[v.req_id])
         tokens = prompt + [OUTPUT_TOKEN] * (n - len(prompt))
-        _local, external = isolated_lookup(geo, tokens, resident, expect=probes.get(v.req_id))
+        # with partial tails the GPU prefix's recurrent state anchors the window (vLLM
+        # 0.33.0): a fresh engine has none, so the request's own keys below S stand in
+        local = v.S if partial else 0
+        _local, external = isolated_lookup(
+            geo, tokens, resident, expect=probes.get(v.req_id), local_states=local
+        )
         tier_external = None
         if tier_state is not None and tier_geo is not None:
             primary, secondary = tier_state.get((v.instance_id, v.episode), ([], []))

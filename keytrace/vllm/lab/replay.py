@@ -222,6 +222,25 @@ def _local_keys(h: Any, rid: str, local: int) -> list[tuple[bytes, int | None]]:
     return out
 
 
+def _local_states(h: Any, rid: str, local: int) -> list[tuple[bytes, int | None]]:
+    """The request's keys a lookup from 0 needs to reach ``local`` as its GPU prefix did:
+    the full-attention chunks below it (`_local_keys`) and each recurrent group's state
+    ending at it (the GPU kept one there for the prefix hit)."""
+    if local <= 0:
+        return []
+    hashes = h.scheduler.requests[rid].block_hashes
+    out: list[tuple[bytes, int | None]] = []
+    for gid, g in enumerate(h.geometry.groups):
+        tpc = h.geometry.tokens_per_chunk(gid)
+        if g.recurrent and local % tpc == 0:
+            out.append((make_key(hashes[local // h.hash_block_size - 1], gid), local))
+        elif not g.has_window:
+            for c in range(local // tpc):
+                end = (c + 1) * tpc
+                out.append((make_key(hashes[end // h.hash_block_size - 1], gid), end))
+    return out
+
+
 def isolated_lookup(
     geometry: Geometry,
     token_ids: Sequence[int],
@@ -230,6 +249,7 @@ def isolated_lookup(
     expect: tuple[bytes, int] | None = None,
     secondary: Sequence[bytes] = (),
     pinned_local: int = 0,
+    local_states: int = 0,
     max_steps: int = 400,
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
@@ -246,7 +266,10 @@ def isolated_lookup(
     episode had that many tokens from the GPU prefix cache, which a fresh engine lacks;
     the request's full-attention chunks below it are placed in the primary and pinned
     there (the caller adds their slots to its capacity), as the GPU held them: found, and
-    never a promotion's victim.
+    never a promotion's victim. ``local_states``: the same for a plain CPU tier, where the
+    recorded episode's GPU prefix held recurrent states: the request's full-attention
+    chunks below it and its recurrent states at it are stored (not pinned: the tier is
+    ample), as a partial-tail lookup on vLLM 0.33.0 anchors its window on them.
 
     ``expect``: a recorded (key, end token) of this request; raises `TraceError` unless the
     request hashes to it here (other token ids, or a different ``PYTHONHASHSEED``, which
@@ -262,6 +285,7 @@ def isolated_lookup(
     with Harness(geometry, max_prompt_tokens=len(token_ids)) as h:
         rid = h.submit_tokens(list(token_ids), max_tokens=1, kv_transfer_params=kv_transfer_params)
         resident = list(resident) + _local_keys(h, rid, pinned_local)
+        resident += _local_states(h, rid, local_states)
         if resident:
             ctx = ReqContext(req_id="keytrace-isolation")
             for key, end in resident:

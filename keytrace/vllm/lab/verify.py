@@ -104,6 +104,21 @@ peek), under a tiered manager, an interval that is no multiple of the full-atten
 drafter's lookahead hashes (vLLM 0.34.0). Recurrent groups under a retention interval are
 not judged (`keytrace.judge.trust.uncovered`): none here."""
 
+PARTIAL_LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None, int], ...] = (
+    ("recurrent", (), 30, 16),
+    ("recurrent", (), 20, 16),
+    ("recurrent", (), 60, 32),
+    ("recurrent_mtp", (), 40, 16),
+)
+"""(geometry, secondary tiers, CPU chunks, prefix match unit): recurrent state groups with
+partial tails on (chunks of one block, a hash unit below it: vLLM stores every group's key
+at a producer's tail inside a block and probes the hash boundaries past the complete hit),
+on a CPU tier that evicts (two sizes), hash units of a quarter and of half the 64-token
+block, and the MTP drafter (lookahead hashes on vLLM 0.34.0; on 0.33.0 a drafter's legacy
+hashes are not judged: skipped). No tiered manager: vLLM's CPU primary fails an assertion
+on partial tails there (docs/findings.md), and keytrace does not judge it
+(`keytrace.judge.trust.uncovered`). Run only when asked (`plan`'s ``partial``)."""
+
 
 def plan(
     seeds: int = 3,
@@ -112,11 +127,12 @@ def plan(
     layouts: bool = True,
     dcp: bool | None = None,
     retention: bool = True,
+    partial: bool = False,
 ) -> Iterator[WorkloadSpec]:
     """The workloads `verify` runs, covering every layout and drafter (``layouts``),
     every recurrent layout (``recurrent``), every DCP layout (``dcp``; None: with the
-    recurrent ones) and every retention layout (``retention``) once before any repeats
-    with another seed."""
+    recurrent ones), every retention layout (``retention``) and, when asked, every
+    partial-tail layout (``partial``) once before any repeats with another seed."""
     dcp = recurrent if dcp is None else dcp
     for seed in range(seeds):
         for i, drafter in enumerate(drafters if layouts else ()):
@@ -167,6 +183,16 @@ def plan(
                 retention_interval=interval,
                 drafter=drafter,
             )
+        for j, (geometry, tiers, cpu_chunks, unit) in enumerate(PARTIAL_LAYOUTS if partial else ()):
+            yield WorkloadSpec(
+                geometry=geometry,
+                seed=1000 * seed + 800 + j,
+                conversations=10,
+                tiers=tiers,
+                cpu_chunks=cpu_chunks,
+                blocks_per_chunk=1,
+                prefix_match_unit=unit,
+            )
 
 
 def first_pass(
@@ -175,6 +201,7 @@ def first_pass(
     layouts: bool,
     dcp: bool | None = None,
     retention: bool = True,
+    partial: bool = False,
 ) -> int:
     """How many of `plan`'s workloads cover each layout once."""
     dcp = recurrent if dcp is None else dcp
@@ -183,6 +210,7 @@ def first_pass(
         + len(RECURRENT_LAYOUTS) * recurrent
         + len(DCP_LAYOUTS) * dcp
         + len(RETENTION_LAYOUTS) * retention
+        + len(PARTIAL_LAYOUTS) * partial
     )
 
 
@@ -238,6 +266,7 @@ def verify(
     retention: bool = True,
     seeds: int = 3,
     dcp: bool | None = None,
+    partial: bool = False,
 ) -> VerifyOutcome:
     """Run the oracle (and the alarm) on `plan`'s workloads through the installed vLLM
     until ``min_episodes`` shortfalls were checked after every layout and drafter ran once,
@@ -248,7 +277,8 @@ def verify(
     recurrent layouts; ``layouts``: the attention layouts (False: recurrent only);
     ``dcp``: the recurrent layouts under decode context parallelism (None: with
     ``recurrent``); ``retention``: also the retention layouts (`RETENTION_LAYOUTS`);
-    ``seeds``: how many rounds of every layout the plan holds."""
+    ``partial``: the partial-tail layouts; ``seeds``: how many rounds of every layout the
+    plan holds."""
     from keytrace.vllm.hook.support import vllm_info
 
     digest = rulecode.rules_digest()
@@ -262,9 +292,10 @@ def verify(
             layouts=layouts,
             dcp=dcp,
             retention=retention,
+            partial=partial,
         )
     )
-    once = first_pass(drafters, recurrent, layouts, dcp, retention)
+    once = first_pass(drafters, recurrent, layouts, dcp, retention, partial)
     for n, spec in enumerate(specs):
         elapsed = time.monotonic() - t0
         if elapsed >= budget_seconds or (n >= once and out.episodes >= min_episodes):
@@ -363,6 +394,7 @@ __all__ = [
     "DCP_LAYOUTS",
     "DRAFTERS",
     "LAYOUTS",
+    "PARTIAL_LAYOUTS",
     "RECURRENT_LAYOUTS",
     "RETENTION_LAYOUTS",
     "VerifyOutcome",
