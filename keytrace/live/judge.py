@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from keytrace.format.keys import chunk_ending_at
@@ -22,7 +23,7 @@ from keytrace.judge.definitions import UNSEEN, Cause, Limit, Verdict
 from keytrace.judge.ops import plain_of
 from keytrace.judge.rules import Group, excluded_tiers, lookup_cap, needed_range
 from keytrace.live.judged import Judged
-from keytrace.live.state import InstanceState, KeyStore
+from keytrace.live.state import InstanceState, KeyRecord, KeyStore
 from keytrace.record.events import Episode, Scan
 
 
@@ -336,38 +337,11 @@ class Judge:
         self, at: _Moment, key: bytes, gid: int, token_end: int, result: LookupResult | None
     ) -> Cause:
         """`keytrace.judge.definitions.cause` of one key at an episode, from its record
-        (``result``: the episode's own lookup result for it)."""
-        st, s = at.st, at.s
-        keys = self.keys
-        rec = keys.get(st, key)
-        facts = d.KeyFacts(
-            s=s,
-            completed=rec.completed if rec else None,
-            evicted=rec.evicted if rec else None,
-            reset=st.reset if st.reset is not None and st.reset < s else None,
-            prepared=rec.prepared if rec else None,
-            failed=rec.failed if rec else None,
-            rejected=bool(rec and rec.rejected),
-            other_engine=keys.offered_elsewhere(st, key, at.t, self.instances),
-            sibling_stored=keys.sibling_stored(st, key, gid, self.group_ids),
-            own_first_prepared=st.first_prep.get(gid),
-            token_end=token_end,
-            keyable_end=at.keyable_end,
-            recurrent=g.recurrent if (g := self.by_gid.get(gid)) is not None else False,
-            durable=keys.durable(st, key, at.excluded),
-            excluded=bool(at.excluded)
-            and keys.durable(st, key)
-            and not keys.durable(st, key, at.excluded),
-            held=bool(d.resident(*st.held)),
-            no_room=key in st.no_room.get(s, ()),
-            own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
-            evicted_now=key in st.promoted_now.get(s, ()),
-            fits=at.fits,
-            crowded=at.crowded,
-            unsettled=bool(d.unsettled(result)),
-            unasked=result is None,
-        )
-        return Cause(plain_of(d.cause(facts)))
+        (``result``: the episode's own lookup result for it). The facts that read more
+        than the key's own record are gathered only when `cause`'s table reaches them
+        (`_Facts`): most needed keys are settled by their record's first tests."""
+        rec = self.keys.get(at.st, key)
+        return Cause(plain_of(d.cause(_Facts(self, at, key, gid, token_end, result, rec))))
 
     def excluded(self, load_tiers: str | None) -> frozenset[int]:
         """The secondary tiers a request's ``kv_load_tiers`` keeps its lookup from
@@ -383,3 +357,83 @@ class Judge:
 
     instances: Sequence[InstanceState] = ()
     """Every instance of the alarm (set by it): ``other_engine`` reads their records."""
+
+
+class _Facts(d.KeyFacts):
+    """`keytrace.judge.definitions.KeyFacts` of one key at an episode, for `Judge.cause`:
+    the key record's own facts set at once, the others (another engine's offers, a
+    sibling group's stores, the secondary tiers, the episode's promotions) read from the
+    records the first time `keytrace.judge.definitions.cause` asks for them. The same
+    facts, so the same cause: only fewer of them gathered."""
+
+    def __init__(
+        self,
+        judge: Judge,
+        at: _Moment,
+        key: bytes,
+        gid: int,
+        token_end: int,
+        result: LookupResult | None,
+        rec: KeyRecord | None,
+    ) -> None:
+        st, s = at.st, at.s
+        g = judge.by_gid.get(gid)
+        # the frozen dataclass's fields, set as its __init__ would (without a
+        # `object.__setattr__` call per field)
+        self.__dict__.update(
+            s=s,
+            completed=rec.completed if rec else None,
+            evicted=rec.evicted if rec else None,
+            reset=st.reset if st.reset is not None and st.reset < s else None,
+            prepared=rec.prepared if rec else None,
+            failed=rec.failed if rec else None,
+            rejected=bool(rec and rec.rejected),
+            own_first_prepared=st.first_prep.get(gid),
+            token_end=token_end,
+            keyable_end=at.keyable_end,
+            recurrent=g.recurrent if g is not None else False,
+            fits=at.fits,
+            crowded=at.crowded,
+            unsettled=bool(d.unsettled(result)),
+            unasked=result is None,
+        )
+        self._judge, self._at, self._key, self._gid = judge, at, key, gid
+
+    @cached_property
+    def other_engine(self) -> bool:
+        j, at = self._judge, self._at
+        return j.keys.offered_elsewhere(at.st, self._key, at.t, j.instances)
+
+    @cached_property
+    def sibling_stored(self) -> bool:
+        j = self._judge
+        return j.keys.sibling_stored(self._at.st, self._key, self._gid, j.group_ids)
+
+    @cached_property
+    def durable(self) -> bool:
+        return self._judge.keys.durable(self._at.st, self._key, self._at.excluded)
+
+    @cached_property
+    def excluded(self) -> bool:
+        at, keys = self._at, self._judge.keys
+        return (
+            bool(at.excluded)
+            and keys.durable(at.st, self._key)
+            and not keys.durable(at.st, self._key, at.excluded)
+        )
+
+    @cached_property
+    def held(self) -> bool:
+        return bool(d.resident(*self._at.st.held))
+
+    @cached_property
+    def no_room(self) -> bool:
+        return self._key in self._at.st.no_room.get(self._at.s, ())
+
+    @cached_property
+    def own_promotion_evicted(self) -> bool:
+        return self._key in self._at.st.promoted_out.get(self._at.req_id, ())
+
+    @cached_property
+    def evicted_now(self) -> bool:
+        return self._key in self._at.st.promoted_now.get(self._at.s, ())
