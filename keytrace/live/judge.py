@@ -231,10 +231,12 @@ class Judge:
                 continue
             lo, hi = ranges[gid]
             tpc = self.by_gid[gid].tpc
+            # chunk_ending_at(end) in [lo, hi), without a call per lookup: an end on a
+            # chunk boundary from the end of chunk lo to the end of chunk hi - 1
+            first_end, last_end = (lo + 1) * tpc, hi * tpc
             for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True):
-                chunk = chunk_ending_at(end, tpc)
-                if chunk is not None and lo <= chunk < hi:
-                    seen[(gid, chunk)] = (seq, key, result)
+                if end is not None and first_end <= end <= last_end and not end % tpc:
+                    seen[(gid, end // tpc - 1)] = (seq, key, result)
         out = []
         for gid, (lo, hi) in ranges.items():
             listed = ep.unqueried.get(gid, {})
@@ -278,10 +280,21 @@ class Judge:
         )
         unknown = False
         causes: list[tuple[int, Cause]] = []
+        known_causes: dict[tuple[bytes, int, int, LookupResult | None], Cause] = {}
+
+        def cause_of(key: bytes, gid: int, end: int, result: LookupResult | None) -> Cause:
+            """`cause`, once per key and moment (the terminal key is a needed one too)."""
+            found = known_causes.get((key, gid, end, result))
+            if found is None:
+                found = known_causes[(key, gid, end, result)] = self.cause(
+                    at, key, gid, end, result
+                )
+            return found
+
         for n in needed:
             tpc = self.by_gid[n.gid].tpc
             end = (n.chunk + 1) * tpc
-            key_cause = self.cause(at, n.key, n.gid, end, n.result) if n.key else None
+            key_cause = cause_of(n.key, n.gid, end, n.result) if n.key else None
             # the alarm sees no other request's records: no key is settled as unoffered
             recurrent = self.by_gid[n.gid].recurrent
             cause = Cause(
@@ -289,13 +302,13 @@ class Judge:
             )
             proof = ep.proofs.get(n.gid, {}).get(n.chunk)
             if proof is not None and cause is not Cause.RESIDENT:
-                cause = Cause(d.better_cause(cause, self.cause(at, proof, n.gid, end, n.result)))
+                cause = Cause(d.better_cause(cause, cause_of(proof, n.gid, end, n.result)))
             unknown = unknown or cause is UNSEEN
             causes.append((n.gid, cause))
         term_cause = None
         if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
             end = (term_chunk + 1) * self.by_gid[bind_gid].tpc
-            term_cause = self.cause(at, term[2], bind_gid, end, term[3])
+            term_cause = cause_of(term[2], bind_gid, end, term[3])
         rule = [c for _, c in causes if c in d.RULE_CAUSES]
         candidates = d.candidates_of(causes, bind_gid)
         decisive = d.decisive(candidates)
