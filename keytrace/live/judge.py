@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 from keytrace.format.keys import chunk_ending_at
@@ -294,7 +294,8 @@ class Judge:
         for n in needed:
             tpc = self.by_gid[n.gid].tpc
             end = (n.chunk + 1) * tpc
-            key_cause = cause_of(n.key, n.gid, end, n.result) if n.key else None
+            # the key's cause, asked for only where chunk_cause reads it (not for a HIT)
+            key_cause = partial(cause_of, n.key, n.gid, end, n.result) if n.key else None
             # the alarm sees no other request's records: no key is settled as unoffered
             recurrent = self.by_gid[n.gid].recurrent
             cause = Cause(
