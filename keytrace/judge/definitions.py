@@ -648,7 +648,7 @@ def chunk_cause(
     key_known: bool,
     unoffered: bool,
     keyable: bool,
-    key_cause: Cause | None,
+    key_cause: Cause | Callable[[], Cause | None] | None,
     recurrent: bool = False,
 ) -> Cause: ...
 @overload
@@ -665,7 +665,7 @@ def chunk_cause(
     key_known: Truth,
     unoffered: Truth,
     keyable: Truth,
-    key_cause: Label,
+    key_cause: Label | Callable[[], Label],
     recurrent: Truth = False,
 ) -> Label | Cause:
     """The cause of one needed chunk of a shortfall: ``resident`` when the episode's own
@@ -673,7 +673,9 @@ def chunk_cause(
     never had, ``never_offered`` (``no_checkpoint`` for a ``recurrent`` group's) or
     ``not_keyable`` when no request sharing the prefix offered it (``unoffered``;
     ``keyable``: the chain reached its end), else ``not_looked_up``; otherwise
-    ``key_cause``, the `cause` of its key."""
+    ``key_cause``, the `cause` of its key. For plain values ``key_cause`` may be a
+    zero-argument function, called only when no earlier case holds (the live alarm
+    gathers a key's facts only for the chunks that read them)."""
     unseen = negate(key_known)
     return cases(
         [

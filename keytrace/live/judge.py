@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Any
 
 from keytrace.format.keys import chunk_ending_at, gid_tail, key_hash
@@ -29,7 +30,7 @@ from keytrace.judge.rules import (
     needed_range,
 )
 from keytrace.live.judged import Judged
-from keytrace.live.state import InstanceState, KeyStore
+from keytrace.live.state import InstanceState, KeyRecord, KeyStore
 from keytrace.record.events import Episode, Scan
 
 
@@ -280,10 +281,12 @@ class Judge:
                 continue
             lo, hi = ranges[gid]
             tpc = self.by_gid[gid].tpc
+            # chunk_ending_at(end) in [lo, hi), without a call per lookup: an end on a
+            # chunk boundary from the end of chunk lo to the end of chunk hi - 1
+            first_end, last_end = (lo + 1) * tpc, hi * tpc
             for seq, end, key, result in zip(sc.seqs, sc.ends, sc.keys, sc.results, strict=True):
-                chunk = chunk_ending_at(end, tpc)
-                if chunk is not None and lo <= chunk < hi:
-                    seen[(gid, chunk)] = (seq, key, result)
+                if end is not None and first_end <= end <= last_end and not end % tpc:
+                    seen[(gid, end // tpc - 1)] = (seq, key, result)
         out = []
         for gid, (lo, hi) in ranges.items():
             listed = ep.unqueried.get(gid, {})
@@ -362,11 +365,11 @@ class Judge:
     ) -> Judged:
         S, s = ep.local, ep.seq
         bind_gid, term = self._binding(ep.scans)
-        partial = bool(self.partial_bs) and pt.is_partial(E, self.partial_bs)
-        if partial:
+        at_tail = bool(self.partial_bs) and pt.is_partial(E, self.partial_bs)
+        if at_tail:
             bind_gid, term = self._partial_binding(ep, E, bind_gid, term)
         needed = self._needed(ep, S, E)
-        if partial:
+        if at_tail:
             needed = self._partial_needed(ep, S, E, needed)
         inside = [n for n in needed if d.terminal_candidate(n.gid == bind_gid, n.result)]
         if inside:
@@ -381,7 +384,7 @@ class Judge:
         if term is not None and bind_gid is not None and term[1] is not None:
             g = self.by_gid.get(bind_gid)
             term_chunk = chunk_ending_at(term[1], g.tpc) if g is not None else None
-            if partial and term[1] == E:  # a key at the tail: its chunk of h tokens
+            if at_tail and term[1] == E:  # a key at the tail: its chunk of h tokens
                 term_chunk = E // self.tph - 1
         total = d.needed_total(len(needed), S, E, self.groups, self.tiered)
         at = _Moment(
@@ -396,10 +399,22 @@ class Judge:
         )
         unknown = False
         causes: list[tuple[int, Cause]] = []
+        known_causes: dict[tuple[bytes, int, int | None, LookupResult | None], Cause] = {}
+
+        def cause_of(key: bytes, gid: int, end: int | None, result: LookupResult | None) -> Cause:
+            """`cause`, once per key and moment (the terminal key is a needed one too)."""
+            found = known_causes.get((key, gid, end, result))
+            if found is None:
+                found = known_causes[(key, gid, end, result)] = self.cause(
+                    at, key, gid, end, result
+                )
+            return found
+
         for n in needed:
             tpc = self.by_gid[n.gid].tpc
             end = n.end or (n.chunk + 1) * tpc
-            key_cause = self.cause(at, n.key, n.gid, end, n.result) if n.key else None
+            # the key's cause, asked for only where chunk_cause reads it (not for a HIT)
+            key_cause = partial(cause_of, n.key, n.gid, end, n.result) if n.key else None
             # the alarm sees no other request's records: no key is settled as unoffered
             recurrent = self.by_gid[n.gid].recurrent
             cause = Cause(
@@ -407,19 +422,19 @@ class Judge:
             )
             proof = ep.proofs.get(n.gid, {}).get(n.chunk)
             if proof is not None and cause is not Cause.RESIDENT:
-                cause = Cause(d.better_cause(cause, self.cause(at, proof, n.gid, end, n.result)))
+                cause = Cause(d.better_cause(cause, cause_of(proof, n.gid, end, n.result)))
             unknown = unknown or cause is UNSEEN
             causes.append((n.gid, cause))
         term_cause = None
         if term is not None and term[2] and bind_gid is not None and term_chunk is not None:
             end = (term_chunk + 1) * self.by_gid[bind_gid].tpc
-            if partial and term[1] == E:
+            if at_tail and term[1] == E:
                 end = E
-            term_cause = self.cause(at, term[2], bind_gid, end, term[3])
+            term_cause = cause_of(term[2], bind_gid, end, term[3])
         elif self.partial_bs and term is not None and term[2] and bind_gid is not None:
             # the binding scan ended at a probe of another tail (no chunk): the differ
             # reads its key's cause with no chunk end, and so does the alarm
-            term_cause = self.cause(at, term[2], bind_gid, None, term[3])
+            term_cause = cause_of(term[2], bind_gid, None, term[3])
         rule = [c for _, c in causes if c in d.RULE_CAUSES]
         candidates = d.candidates_of(causes, bind_gid)
         decisive = d.decisive(candidates)
@@ -466,38 +481,11 @@ class Judge:
         result: LookupResult | None,
     ) -> Cause:
         """`keytrace.judge.definitions.cause` of one key at an episode, from its record
-        (``result``: the episode's own lookup result for it)."""
-        st, s = at.st, at.s
-        keys = self.keys
-        rec = keys.get(st, key)
-        facts = d.KeyFacts(
-            s=s,
-            completed=rec.completed if rec else None,
-            evicted=rec.evicted if rec else None,
-            reset=st.reset if st.reset is not None and st.reset < s else None,
-            prepared=rec.prepared if rec else None,
-            failed=rec.failed if rec else None,
-            rejected=bool(rec and rec.rejected),
-            other_engine=keys.offered_elsewhere(st, key, at.t, self.instances),
-            sibling_stored=keys.sibling_stored(st, key, gid, self.group_ids),
-            own_first_prepared=st.first_prep.get(gid),
-            token_end=token_end,
-            keyable_end=at.keyable_end,
-            recurrent=g.recurrent if (g := self.by_gid.get(gid)) is not None else False,
-            durable=keys.durable(st, key, at.excluded),
-            excluded=bool(at.excluded)
-            and keys.durable(st, key)
-            and not keys.durable(st, key, at.excluded),
-            held=bool(d.resident(*st.held)),
-            no_room=key in st.no_room.get(s, ()),
-            own_promotion_evicted=key in st.promoted_out.get(at.req_id, ()),
-            evicted_now=key in st.promoted_now.get(s, ()),
-            fits=at.fits,
-            crowded=at.crowded,
-            unsettled=bool(d.unsettled(result)),
-            unasked=result is None,
-        )
-        return Cause(plain_of(d.cause(facts)))
+        (``result``: the episode's own lookup result for it). The facts that read more
+        than the key's own record are gathered only when `cause`'s table reaches them
+        (`_Facts`): most needed keys are settled by their record's first tests."""
+        rec = self.keys.get(at.st, key)
+        return Cause(plain_of(d.cause(_Facts(self, at, key, gid, token_end, result, rec))))
 
     def excluded(self, load_tiers: str | None) -> frozenset[int]:
         """The secondary tiers a request's ``kv_load_tiers`` keeps its lookup from
@@ -513,3 +501,83 @@ class Judge:
 
     instances: Sequence[InstanceState] = ()
     """Every instance of the alarm (set by it): ``other_engine`` reads their records."""
+
+
+class _Facts(d.KeyFacts):
+    """`keytrace.judge.definitions.KeyFacts` of one key at an episode, for `Judge.cause`:
+    the key record's own facts set at once, the others (another engine's offers, a
+    sibling group's stores, the secondary tiers, the episode's promotions) read from the
+    records the first time `keytrace.judge.definitions.cause` asks for them. The same
+    facts, so the same cause: only fewer of them gathered."""
+
+    def __init__(
+        self,
+        judge: Judge,
+        at: _Moment,
+        key: bytes,
+        gid: int,
+        token_end: int | None,
+        result: LookupResult | None,
+        rec: KeyRecord | None,
+    ) -> None:
+        st, s = at.st, at.s
+        g = judge.by_gid.get(gid)
+        # the frozen dataclass's fields, set as its __init__ would (without a
+        # `object.__setattr__` call per field)
+        self.__dict__.update(
+            s=s,
+            completed=rec.completed if rec else None,
+            evicted=rec.evicted if rec else None,
+            reset=st.reset if st.reset is not None and st.reset < s else None,
+            prepared=rec.prepared if rec else None,
+            failed=rec.failed if rec else None,
+            rejected=bool(rec and rec.rejected),
+            own_first_prepared=st.first_prep.get(gid),
+            token_end=token_end,
+            keyable_end=at.keyable_end,
+            recurrent=g.recurrent if g is not None else False,
+            fits=at.fits,
+            crowded=at.crowded,
+            unsettled=bool(d.unsettled(result)),
+            unasked=result is None,
+        )
+        self._judge, self._at, self._key, self._gid = judge, at, key, gid
+
+    @cached_property
+    def other_engine(self) -> bool:
+        j, at = self._judge, self._at
+        return j.keys.offered_elsewhere(at.st, self._key, at.t, j.instances)
+
+    @cached_property
+    def sibling_stored(self) -> bool:
+        j = self._judge
+        return j.keys.sibling_stored(self._at.st, self._key, self._gid, j.group_ids)
+
+    @cached_property
+    def durable(self) -> bool:
+        return self._judge.keys.durable(self._at.st, self._key, self._at.excluded)
+
+    @cached_property
+    def excluded(self) -> bool:
+        at, keys = self._at, self._judge.keys
+        return (
+            bool(at.excluded)
+            and keys.durable(at.st, self._key)
+            and not keys.durable(at.st, self._key, at.excluded)
+        )
+
+    @cached_property
+    def held(self) -> bool:
+        return bool(d.resident(*self._at.st.held))
+
+    @cached_property
+    def no_room(self) -> bool:
+        return self._key in self._at.st.no_room.get(self._at.s, ())
+
+    @cached_property
+    def own_promotion_evicted(self) -> bool:
+        return self._key in self._at.st.promoted_out.get(self._at.req_id, ())
+
+    @cached_property
+    def evicted_now(self) -> bool:
+        return self._key in self._at.st.promoted_now.get(self._at.s, ())
