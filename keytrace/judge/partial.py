@@ -143,8 +143,12 @@ def partial_in_reach(T: Num, S: Num, top: MaybeNum, L_p: Num, bs: int) -> Truth:
     an anchor in or past that block. On vLLM 0.33.0 the anchor is the complete hit, so the
     block's start needs the aligned recurrent state too: a needed key (`partial_needed`),
     not a reach condition (the request's own boundary, which is that block's start, is
-    intended whenever its tail is)."""
-    return gt(T, S) & le(T, L_p) & le(T // bs * bs, top)
+    intended whenever its tail is). The block right past ``S`` is always in reach, whatever
+    ``top`` says: the window starts at the anchor, at least ``S``, even where the complete
+    part loads nothing because its cap leaves less than a chunk past ``S``
+    (`keytrace.judge.rules.sub_chunk_cap`: ``lookup_cap`` is then 0, below ``S``)."""
+    start = T // bs * bs
+    return gt(T, S) & le(T, L_p) & (le(start, S) | le(start, top))
 
 
 def partial_anchor(rule: str, C: int, fa_hit: int | None) -> int:

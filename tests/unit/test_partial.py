@@ -161,3 +161,23 @@ def test_what_a_partial_hit_needs_by_release() -> None:
     assert chunks == {3: range(10, 10)}  # the block start is local: nothing looked up
     assert p.served_boundary(0, 688, BS) == 688 and p.served_boundary(0, 640, BS) is None
     assert p.probed_at([688, 672, None], 688) and not p.probed_at([672], 688)
+
+
+def test_the_block_past_the_local_hit_is_in_reach_when_the_complete_part_loads_nothing() -> None:
+    # P 21, S 16 (block 16, hash 4): the complete cap leaves under a chunk past S, so
+    # lookup_cap is 0 (`rules.sub_chunk_cap`); vLLM still probes the window from S and
+    # serves the tail at 20 (found by test_partial_rules against vLLM's own lookup)
+    bs, S = 16, 16
+    L_p = p.partial_cap(21, 5, 4, S)
+    assert L_p == 20
+    assert p.partial_in_reach(20, S, 0, L_p, bs)
+    assert p.expected_partial([20], S, 0, L_p, bs) == 20
+    # a block further is not: its start is past the cap
+    assert not p.partial_in_reach(36, S, 0, 40, bs)
+    schema = {"T": pl.Int64, "S": pl.Int64, "top": pl.Int64}
+    col = _column(
+        lambda c: p.partial_in_reach(c["T"], c["S"], c["top"], L_p, bs),
+        {"T": 20, "S": S, "top": 0},
+        schema,
+    )
+    assert bool(col)
