@@ -30,42 +30,6 @@ ENV_034 = {"VLLM_CACHE_ROOT": str(DEFAULT_CACHE / "vllm-cache-0.34")}
 RESEND_034 = """
 import json, tempfile
 import vllm
-from keytrace.analysis.geometry import RECURRENT
-from keytrace.format.reader import open_trace
-from keytrace.vllm.hook.patches import recording
-from keytrace.vllm.lab.harness import Harness
-
-with tempfile.TemporaryDirectory() as d:
-    with recording(d):
-        h = Harness(RECURRENT.with_(prefix_match_unit=16), max_prompt_tokens=700)
-        h.submit_tokens(h.tokens(700, chain=0))
-        h.run_until_idle(give_up=True)
-        h.reset_gpu_prefix_cache()
-        rid = h.submit_tokens(h.tokens(700, chain=0))
-        h.run_until_idle(give_up=True)
-    h.close()
-    header = open_trace(d).header
-    print(json.dumps({
-        "version": vllm.__version__,
-        "served": h.observations[rid].external_tokens,
-        "partial": header["supports_partial_tail"],
-        "anchor": header["recurrent"]["partial_anchor"],
-    }))
-"""
-
-
-def test_on_0_34_the_header_records_the_full_attention_anchor() -> None:
-    r = run_python(RESEND_034, release="0.34.0", env=ENV_034)
-    assert r.returncode == 0, r.stderr[-4000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
-    assert found["version"] == "0.34.0" and found["partial"] is True
-    assert found["anchor"] == "fa_prefix"  # _lookup_partial_tail_hit
-    assert found["served"] == 688  # the last hash boundary before the last token
-
-
-RESEND_JUDGED_034 = """
-import json, tempfile
-import vllm
 from keytrace.analysis.diff import diff
 from keytrace.analysis.geometry import RECURRENT
 from keytrace.format.reader import open_trace
@@ -81,24 +45,49 @@ with tempfile.TemporaryDirectory() as d:
         rid = h.submit_tokens(h.tokens(700, chain=0))
         h.run_until_idle(give_up=True)
     h.close()
-    report = diff(open_trace(d), all_episodes=True)
+    trace = open_trace(d)
+    header = trace.header
+    report = diff(trace, all_episodes=True)
     print(json.dumps({
         "version": vllm.__version__,
         "served": h.observations[rid].external_tokens,
+        "partial": header["supports_partial_tail"],
+        "anchor": header["recurrent"]["partial_anchor"],
         "verdicts": [(v.verdict, v.E) for v in report.episodes],
         "rules": report.rules.as_json(),
     }))
 """
 
 
-def test_on_0_34_a_resend_that_hits_its_partial_tail_agrees() -> None:
-    r = run_python(RESEND_JUDGED_034, release="0.34.0", env=ENV_034)
+@pytest.fixture(scope="module")
+def resend_034() -> dict[str, object]:
+    """One 700-token prompt stored and resent on vLLM 0.34.0's own code, recorded and
+    judged in a fresh interpreter (one start-up of 0.34.0 serves both tests below)."""
+    r = run_python(RESEND_034, release="0.34.0", env=ENV_034)
     assert r.returncode == 0, r.stderr[-4000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
+    found: dict[str, object] = json.loads(r.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_on_0_34_the_header_records_the_full_attention_anchor(
+    resend_034: dict[str, object],
+) -> None:
+    found = resend_034
+    assert found["version"] == "0.34.0" and found["partial"] is True
+    assert found["anchor"] == "fa_prefix"  # _lookup_partial_tail_hit
+    assert found["served"] == 688  # the last hash boundary before the last token
+
+
+def test_on_0_34_a_resend_that_hits_its_partial_tail_agrees(
+    resend_034: dict[str, object],
+) -> None:
+    found = resend_034
     assert found["version"] == "0.34.0" and found["served"] == 688
     assert found["verdicts"] == [["cold", None], ["hit", 688]]
-    assert found["rules"]["trust"] == "verified"
-    assert found["rules"]["needs"] == ["recurrent", "recurrent+partial"]
+    rules = found["rules"]
+    assert isinstance(rules, dict)
+    assert rules["trust"] == "verified"
+    assert rules["needs"] == ["recurrent", "recurrent+partial"]
 
 
 @pytest.mark.parametrize(
