@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
-from keytrace.judge.ops import MaybeNum, Num, Truth, cases, greatest, is_expr, least, lit, lt
+from keytrace.judge.ops import MaybeNum, Num, Truth, cases, greatest, is_expr, known, least, lit, lt
 
 if TYPE_CHECKING:
     from polars import Expr
@@ -218,7 +218,7 @@ def lookup_cap(
         cap = least(cap, local + max_load)
     if trim and not trim_first:
         cap = cap - 1
-    short = sub_chunk_cap(groups, cap, local, max_load is not None)
+    short = sub_chunk_cap(groups, cap, local, False if max_load is None else known(max_load))
     lookahead = max((g.lookahead for g in groups), default=0)
     if lookahead:
         cap = least(cap, num_tokens - lookahead)
@@ -226,18 +226,19 @@ def lookup_cap(
     return cases([(short, 0)], greatest(0, cap // u * u))
 
 
-def sub_chunk_cap(groups: Sequence[Group], cap: Num, local: Num, capped: bool) -> Truth:
+def sub_chunk_cap(groups: Sequence[Group], cap: Num, local: Num, capped: Truth) -> Truth:
     """vLLM's lookup loads nothing when its cap (``cap``: before any rounding) leaves less
     than one chunk of a full-attention group past the local tokens (``if
     max_hit_size_tokens - num_computed_tokens < tokens_per_chunk: return 0`` in
     ``_lookup_complete_chunks``; with a request's ``max_load_tokens``, ``capped``, the cap is
     first rounded down to that group's chunk). Only a local hit that ends inside a chunk
     can meet it: with ``blocks_per_chunk`` > 1 the GPU prefix cache hits at block
-    granularity, so ``local`` need not be a chunk boundary."""
+    granularity, so ``local`` need not be a chunk boundary. ``capped`` is per request: a
+    column of ``max_load_tokens`` holds nulls where a request set none."""
     short: list[Truth] = []
     for g in groups:
         if g.full_attention:
-            reach = cap // g.tpc * g.tpc if capped else cap
+            reach = cases([(capped, cap // g.tpc * g.tpc)], cap)
             short.append(lt(reach - local, g.tpc))
     if not short:
         return False
@@ -335,11 +336,11 @@ def tier_filter(raw: object) -> str | None:
         if not isinstance(entry, dict):
             continue
         matcher = {}
-        for name, known in _TIER_FIELDS.items():
+        for name, allowed in _TIER_FIELDS.items():
             value = entry.get(name)
             if value is None:
                 continue
-            if not isinstance(value, str) or value.upper() not in known:
+            if not isinstance(value, str) or value.upper() not in allowed:
                 break
             matcher[name] = value.upper()
         else:

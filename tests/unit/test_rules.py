@@ -360,3 +360,17 @@ def test_a_cap_under_one_full_attention_chunk_past_a_local_hit_loads_nothing() -
     # the recomputed token): 704 + 200 - 1 = 903 -> 896, 192 past S; 704 + 150 -> 768
     assert lookup_cap(groups, 2_000, 704, None, 200) == 896
     assert lookup_cap(groups, 2_000, 704, None, 150) == 0
+
+
+def test_a_null_max_load_tokens_row_is_not_rounded_like_a_bounded_one() -> None:
+    """The differ passes ``max_load_tokens`` as a column that is null where a request set
+    none: only the rows with a bound round the cap down to the chunk (hypothesis found the
+    polars form treating the whole column as bounded: 0 where vLLM returns 512)."""
+    groups = [Group(0, 4, None, kind="full_attention"), Group(1, 256, None, kind="mla")]
+    df = pl.DataFrame(
+        {"N": [513, 513], "S": [257, 257], "ml": [None, 300]},
+        schema={c: pl.Int64 for c in ("N", "S", "ml")},
+    )
+    caps = df.select(c=lookup_cap(groups, pl.col("N"), pl.col("S"), None, pl.col("ml")))["c"]
+    assert caps.to_list() == [512, 0]
+    assert [lookup_cap(groups, 513, 257, None, m) for m in (None, 300)] == [512, 0]
