@@ -10,6 +10,19 @@ import pytest
 import keytrace.vllm.lab  # noqa: F401
 from tests.s3 import s3  # noqa: F401  (fixture: a local S3-compatible store, tests/s3.py)
 
+# Property tests draw the same examples on every run by default (``derandomize``), so a
+# submission's CI and a user's README run cannot fail on a draw the last run never made;
+# ``--hypothesis-profile=explore`` draws fresh ones to hunt for new counterexamples (a
+# failure prints the example and a ``@reproduce_failure`` blob: pin it as a plain test).
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("default", derandomize=True, print_blob=True)
+    _hypothesis_settings.register_profile("explore", derandomize=False, print_blob=True)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+except ImportError:  # the core venv's run of tests/unit without the fuzz extra
+    pass
+
 REQUIRE_VLLM = os.environ.get("KEYTRACE_REQUIRE_VLLM") == "1"
 
 
