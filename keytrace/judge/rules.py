@@ -238,7 +238,8 @@ def sub_chunk_cap(groups: Sequence[Group], cap: Num, local: Num, capped: Truth) 
     short: list[Truth] = []
     for g in groups:
         if g.full_attention:
-            reach = cases([(capped, cap // g.tpc * g.tpc)], cap)
+            rounded: Num = cap // g.tpc * g.tpc
+            reach: Num = cases([(capped, rounded)], cap)
             short.append(lt(reach - local, g.tpc))
     if not short:
         return False
