@@ -37,32 +37,36 @@ __all__ = [
 
 
 def request_boundaries(episodes: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
-    """(inst, req_id, P, b, since): every request's own boundary, and each junction its
-    episodes reported, with the sequence number of the first episode that knew it.
+    """(inst, req_id, P, b, since, until): every request's own boundary (from its first
+    episode on), and each junction an episode of it carried, from that episode to the
+    request's next one (``until``; null: none, or an own boundary).
 
-    vLLM's store path keeps tails for the junction the request carries *when it stores*:
-    a ``shared_prefix_boundary`` first reported by a later episode (a request resumed after
-    preemption) says nothing about what the request stored before; `boundary_offers` counts
-    only offers after ``since``. (The live alarm learns boundaries in the same order.)"""
+    vLLM's store path keeps tails for the junction the request carries *when it stores*,
+    and every lookup sets it afresh (`keytrace.judge.definitions.carried_junction`): a
+    ``shared_prefix_boundary`` first reported by a later episode (a request resumed after
+    preemption) says nothing about what the request stored before, and one an earlier
+    episode reported says nothing about what it stores after it looked up again;
+    `boundary_offers` counts only offers inside the window. (The live alarm's chain book
+    keeps the junction a request carries the same way.)"""
     req = episodes.group_by("inst", "req_id").agg(pl.col("P").max(), pl.col("s").min())
     own = req.select(
-        "inst", "req_id", "P", store_boundary(groups, pl.col("P")).alias("b"), pl.col("s")
+        "inst",
+        "req_id",
+        "P",
+        store_boundary(groups, pl.col("P")).alias("b"),
+        pl.col("s").alias("since"),
+        pl.lit(None, pl.Int64).alias("until"),
     )
     at = align_down(pl.col("spb"), groups)
     kept = lit(junction_kept(groups, at, pl.col("S") + pl.col("X")))
     junction = (
-        episodes.filter((pl.col("spb") > 0) & kept)
-        .group_by("inst", "req_id", at.alias("b"))
-        .agg(pl.col("s").min())
+        episodes.sort("s")
+        .with_columns(pl.col("s").shift(-1).over("inst", "req_id").alias("until"))
+        .filter((pl.col("spb") > 0) & kept)
         .join(req.select("inst", "req_id", "P"), on=["inst", "req_id"])
-        .select("inst", "req_id", "P", "b", "s")
+        .select("inst", "req_id", "P", at.alias("b"), pl.col("s").alias("since"), "until")
     )
-    return (
-        pl.concat([own, junction])
-        .filter(pl.col("b") > 0)
-        .group_by("inst", "req_id", "P", "b")
-        .agg(pl.col("s").min().alias("since"))
-    )
+    return pl.concat([own, junction]).filter(pl.col("b") > 0)
 
 
 def anchor_offers(stores: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
@@ -89,7 +93,10 @@ def boundary_offers(trace: Trace, groups: list[Group]) -> pl.DataFrame:
     return frames.collect(
         anchor_offers(frames.stores(trace, at=bounds), groups)
         .join(bounds.lazy(), on=["inst", "req_id", "chunk"])
-        .filter(pl.col("seq") > pl.col("since"))
+        .filter(
+            (pl.col("seq") > pl.col("since"))
+            & (pl.col("until").is_null() | (pl.col("seq") < pl.col("until")))
+        )
         .group_by("inst", "req_id", "b", "key")
         .agg(
             pl.col("P").first(),

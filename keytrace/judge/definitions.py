@@ -295,20 +295,30 @@ def junction_kept(groups: Sequence[Group], junction: Num, computed_from: MaybeNu
     return gt(junction, computed_from)
 
 
+def carried_junction(
+    groups: Sequence[Group], junction: int | None, computed_from: int | None = None
+) -> int | None:
+    """The junction boundary a request's stores keep what a hit needs for, from one of its
+    episodes (None: none). vLLM sets ``request.shared_prefix_boundary`` afresh at every
+    lookup (a request resumed after preemption looks up again, 0.33.0 and 0.34.0
+    ``Scheduler.schedule``), and its store path reads the value the request carries when
+    it stores: a junction counts for the offers after the episode that reported it and
+    before the request's next episode, aligned down, where `junction_kept`."""
+    if not junction:
+        return None
+    b = align_down(junction, groups)
+    return b if b > 0 and junction_kept(groups, b, computed_from) else None
+
+
 def request_boundaries(
     groups: Sequence[Group], prompt: int, junction: int | None, computed_from: int | None = None
 ) -> list[int]:
     """The boundaries a request's stores keep sliding-window tails for (``docs/diff.md``,
-    "Intended boundaries"): its own (`store_boundary` of its prompt) and, when the GPU
-    prefix cache reported one, its ``shared_prefix_boundary`` junction aligned down where
-    `junction_kept`; the positive ones. (The differ builds the same over columns,
-    `keytrace.analysis.boundaries.request_boundaries`.)"""
-    out = [store_boundary(groups, prompt)]
-    if junction:
-        b = align_down(junction, groups)
-        if junction_kept(groups, b, computed_from):
-            out.append(b)
-    return [b for b in dict.fromkeys(out) if b > 0]
+    "Intended boundaries") after one of its episodes: its own (`store_boundary` of its
+    prompt) and the junction it carries (`carried_junction`); the positive ones. (The
+    differ builds the same over columns, `keytrace.analysis.boundaries.request_boundaries`.)"""
+    out = [store_boundary(groups, prompt), carried_junction(groups, junction, computed_from)]
+    return [b for b in dict.fromkeys(out) if b is not None and b > 0]
 
 
 def lists_needed(g: Group, tiered: bool) -> bool:

@@ -25,9 +25,9 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 from keytrace.format.keys import gid_tail, key_tail
-from keytrace.judge.definitions import anchor, boundary_chunk, request_boundaries
+from keytrace.judge.definitions import anchor, boundary_chunk, carried_junction
 from keytrace.judge.identity import on_shared_tier
-from keytrace.judge.rules import Group
+from keytrace.judge.rules import Group, store_boundary
 
 _BOOKS: weakref.WeakSet[ChainBook] = weakref.WeakSet()
 """Every chain book of this process: the instances `ChainBook.shared_intended` can see."""
@@ -47,7 +47,10 @@ class ChainBook:
         self._tail = gid_tail(self.anchor.gid) if self.anchor else b""
         self.max_offers = max(1, max_offers)
         self.bounds: dict[str, dict[int, int]] = {}
-        """Request -> its boundaries' anchor chunk -> boundary, while it runs."""
+        """Request -> its own boundaries' anchor chunk -> boundary, while it runs."""
+        self.carried: dict[str, tuple[int, int]] = {}
+        """Request -> (anchor chunk, boundary) of the junction it carries now
+        (`keytrace.judge.definitions.carried_junction`: each episode replaces it)."""
         self.prompt: dict[str, int] = {}
         """Request -> its prompt tokens (the longest seen), while it runs."""
         self.offers: dict[bytes, list[tuple[str, int, int, int]]] = {}
@@ -121,15 +124,21 @@ class ChainBook:
         self, req_id: str, prompt: int, junction: int | None, computed_from: int | None = None
     ) -> None:
         """An episode of ``req_id`` began (or was answered: ``computed_from``, where its
-        computation begins, known): the boundaries its stores will keep tails for
-        (`keytrace.judge.definitions.request_boundaries`; a prompt only grows)."""
+        computation begins, known): the boundaries its stores will keep tails for, its own
+        (`keytrace.judge.definitions.store_boundary`; a prompt only grows) and the junction
+        it carries from this episode on (`keytrace.judge.definitions.carried_junction`)."""
         if self.anchor is None:
             return
         P = max(prompt, self.prompt.get(req_id, 0))
         self.prompt[req_id] = P
-        chunks = self.bounds.setdefault(req_id, {})
-        for b in request_boundaries(self.groups, P, junction, computed_from):
-            chunks.setdefault(boundary_chunk(b, self.anchor.tpc), b)
+        own = store_boundary(self.groups, P)
+        if own > 0:
+            self.bounds.setdefault(req_id, {}).setdefault(boundary_chunk(own, self.anchor.tpc), own)
+        b = carried_junction(self.groups, junction, computed_from)
+        if b is None:
+            self.carried.pop(req_id, None)
+        else:
+            self.carried[req_id] = (boundary_chunk(b, self.anchor.tpc), b)
 
     def offered(
         self, req_id: str | None, keys: Sequence[bytes], ends: Sequence[int | None], seq: int
@@ -138,8 +147,13 @@ class ChainBook:
         boundary whose anchor key is among them, once, with the first such call."""
         if self.partial_bs:
             self._tails(keys, ends, seq)
-        chunks = self.bounds.get(req_id) if req_id is not None else None
-        if not chunks or self.anchor is None:
+        if req_id is None or self.anchor is None:
+            return
+        chunks = self.bounds.get(req_id, {})
+        carried = self.carried.get(req_id)
+        if carried is not None and carried[0] not in chunks:
+            chunks = {**chunks, carried[0]: carried[1]}
+        if not chunks:
             return
         tpc = self.anchor.tpc
         for chunk, b in chunks.items():
@@ -152,7 +166,7 @@ class ChainBook:
                     break
                 key = keys[at]
                 if key_tail(key) == self._tail:
-                    self._note(bytes(key), req_id, b, seq)  # type: ignore[arg-type]
+                    self._note(bytes(key), req_id, b, seq)
                     break
 
     def _tails(self, keys: Sequence[bytes], ends: Sequence[int | None], seq: int) -> None:
@@ -214,4 +228,5 @@ class ChainBook:
         """vLLM finished ``req_id``: it offers nothing more, so its own boundaries go (its
         offers stay, for the requests that share its prefix later)."""
         self.bounds.pop(req_id, None)
+        self.carried.pop(req_id, None)
         self.prompt.pop(req_id, None)
