@@ -304,6 +304,9 @@ def _expand_one(path: str) -> list[str]:
 
 
 EPISODE_KINDS = ("lookup", "episode")
+LOOKUP_READS = ("store", "tier")
+"""The kinds a lookup is judged against (what the store path offered, what tiers held):
+`missing_parts` asks for them wherever lookup-side parts are given."""
 """Kinds whose rows belong to one lookup episode (column ``episode``)."""
 
 
@@ -404,11 +407,16 @@ def missing_parts(parts: Sequence[Part], *, whole: bool) -> list[str]:
     manifest lists with no part of that flush here is a *torn flush* (a kill between two of
     its parts, or a part deleted since). With ``whole`` (a trace directory was given) a
     flush generation missing between two present ones of one writer is a lost flush, and
-    every kind counts; for a list of files only the kinds given are checked (asking for the
-    store parts alone is not a torn trace). A compacted file passes on what its source
+    every kind counts; for a list of files the kinds given are checked, and with lookup-side
+    parts among them the kinds a lookup is judged against (`LOOKUP_READS`: asking for the
+    store parts alone is not a torn trace; asking for the lookups alone would judge them
+    against no store). A compacted file passes on what its source
     lacked. Parts without a manifest (older keytrace) prove nothing either way.
     """
     present_kinds = {p.kind for p in parts}
+    # a lookup is judged against the stores and tier rows before it: a list of files with
+    # lookup-side parts needs those kinds too (lookups alone read as all cold: "agree")
+    judged = bool(present_kinds & set(EPISODE_KINDS))
     seen: dict[tuple[str, int], set[str]] = {}
     listed: dict[tuple[str, int], dict[str, Any]] = {}
     capped: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -430,18 +438,29 @@ def missing_parts(parts: Sequence[Part], *, whole: bool) -> list[str]:
         )
     for (instance, gen), kinds in sorted(listed.items()):
         for kind, extent in sorted(kinds.items()):
-            if kind in seen[(instance, gen)] or not (whole or kind in present_kinds):
+            if kind in seen[(instance, gen)] or not (
+                whole or kind in present_kinds or (judged and kind in LOOKUP_READS)
+            ):
                 continue
             lo, hi = extent.get("seq", [None, None])
             why = (
                 "not written: the disk cap"
                 if instance in capped and gen < capped[instance][0]
+                else "not given: the lookups are judged against it; pass the trace directory"
+                if not whole and kind not in present_kinds
                 else "torn by a kill, or removed"
             )
             out.append(
                 f"writer {instance}, flush {gen}: its {kind} part ({extent.get('rows')} rows, "
                 f"seq {lo}-{hi}) is missing ({why})"
             )
+    if judged and not whole and "store" not in present_kinds and not listed:
+        # parts without manifests (older keytrace) cannot say what was written: with no
+        # store part at all among the files given, every lookup would read as cold
+        out.append(
+            "no store part among the files given: lookups are judged against the stores "
+            "before them (pass the trace directory, or its kind=store parts too)"
+        )
     if whole:
         by_writer: dict[str, list[int]] = {}
         for instance, gen in listed:

@@ -20,6 +20,8 @@ from keytrace.format.reader import open_trace
 from keytrace.format.schema import FLUSH_ORDER
 from tests.factories import new_builder
 
+DATA = Path(__file__).resolve().parents[1] / "data"
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -133,6 +135,30 @@ def test_files_given_one_by_one_are_checked_for_their_kinds_only(tmp_path: Path)
     # both kinds, one lookup part left out: torn
     files = _parts(d, "store") + _parts(d, "lookup")[1:]
     assert open_trace([str(p) for p in files]).missing
+
+
+def test_lookups_given_without_their_stores_are_incomplete(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lookup is judged against the stores before it: lookup parts alone would read as
+    all cold, an "agree" on no evidence. The manifests say what each flush wrote; parts
+    without one (older keytrace) are refused when no store part is given at all."""
+    d = tmp_path / "t"
+    _two_requests(d)
+    for given in ([str(p) for p in _parts(d, "lookup")], str(d / "kind=lookup")):
+        missing = open_trace(given).missing
+        assert missing and all("store part" in m and "not given" in m for m in missing)
+        assert main(["diff", *([given] if isinstance(given, str) else given)]) == 2
+        err = capsys.readouterr().err
+        assert "pass the trace directory" in err.splitlines()[-1] and "Traceback" not in err
+    assert open_trace([str(p) for p in _parts(d, "lookup") + _parts(d, "store")]).missing == []
+    # a v5 part from before manifests: no store part among the files at all
+    old = open_trace(str(DATA / "v5" / "lookup.parquet")).missing
+    assert old and "no store part among the files given" in old[0]
+    assert (
+        open_trace([str(DATA / "v5" / k) for k in ("lookup.parquet", "store.parquet")]).missing
+        == []
+    )
 
 
 def test_stores_without_lookups_are_incomplete(
