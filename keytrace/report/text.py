@@ -360,7 +360,10 @@ def render_doctor(d: dict[str, Any], file: IO[str], *, checks: bool = False) -> 
         file.write(f"vLLM: not importable ({vllm['error']})\n")
     else:
         file.write(f"vLLM: {vllm['version']} ({vllm['kind']}) at {vllm['path']}\n")
-    file.write(f"verified releases: {', '.join(d['verified_releases'])}\n\n")
+    file.write(
+        f"releases keytrace's CI records on: {', '.join(d['verified_releases'])} "
+        "(whether its rules hold there: judge, below)\n\n"
+    )
     width = max(len(c["name"]) for c in d["capabilities"])
     for c in d["capabilities"]:
         mark = "yes" if c["ok"] else "NO "

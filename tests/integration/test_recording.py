@@ -317,8 +317,8 @@ def test_a_source_build_version_records_and_says_so(
     [line] = [r.getMessage() for r in caplog.records if "source build" in r.getMessage()]
     assert line == (
         "keytrace: vLLM 0.33.1.dev3+g96039d055 (source build): its offloading code passes "
-        "every hook check, so keytrace records it (verified releases: 0.31.0, 0.32.0, "
-        "0.33.0; traces say vllm_verified: false)"
+        "every hook check, so keytrace records it (releases its CI records on: 0.31.0, "
+        "0.32.0, 0.33.0, 0.34.0; traces say vllm_verified: false)"
     )
     header = open_trace(str(tmp_path / "t")).header
     assert (header["vllm_version"], header["vllm_verified"]) == ("0.33.1.dev3+g96039d055", False)

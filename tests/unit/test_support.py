@@ -27,6 +27,7 @@ from keytrace.vllm.hook.support import (
         ("0.33.0+cpu", "verified release", True, "0.33.0"),
         ("0.31.0", "verified release", True, "0.31.0"),
         ("0.32.0+cu129", "verified release", True, "0.32.0"),
+        ("0.34.0", "verified release", True, "0.34.0"),  # what pip install vllm gives
         # setuptools_scm on a checkout: three commits after the v0.33.0 tag, dirty, rc
         ("0.33.1.dev3+g96039d055", "source build", False, "0.33.1.dev3"),
         ("0.33.1.dev3+g96039d055.cpu", "source build", False, "0.33.1.dev3"),

@@ -152,7 +152,7 @@ def _say_unverified() -> None:
     if not info.verified:
         SESSION.info_once(
             f"keytrace: vLLM {info.version} ({info.kind}): its offloading code passes "
-            f"every hook check, so keytrace records it (verified releases: "
+            f"every hook check, so keytrace records it (releases its CI records on: "
             f"{', '.join(VERIFIED_RELEASES)}; traces say vllm_verified: false)"
         )
 
