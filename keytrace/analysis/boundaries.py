@@ -77,9 +77,10 @@ def anchor_offers(stores: pl.LazyFrame, groups: list[Group]) -> pl.LazyFrame:
 
 
 def boundary_offers(trace: Trace, groups: list[Group]) -> pl.DataFrame:
-    """(inst, req_id, b, key, P, first_seq, first_ts): the anchor-group key each request
-    offered (any offer event) for the chunk ending at each of its boundaries ``b``, when it
-    first did (sequence number and wall clock). One pass over the store rows serves both
+    """(inst, req_id, b, key, P, first_seq, first_ts, held_ts): the anchor-group key each
+    request offered (any offer event) for the chunk ending at each of its boundaries ``b``,
+    when it first did (sequence number and wall clock), and when its store of it first
+    completed (``held_ts``, wall clock; null: it never did, a failed or rejected offer). One pass over the store rows serves both
     `chain` (same instance, by sequence number) and the routing account in
     `keytrace.analysis.lost` (other instances, by wall clock)."""
     a = anchor(groups)
@@ -102,6 +103,7 @@ def boundary_offers(trace: Trace, groups: list[Group]) -> pl.DataFrame:
             pl.col("P").first(),
             pl.col("seq").min().alias("first_seq"),
             pl.col("ts").min().alias("first_ts"),
+            pl.col("ts").filter(pl.col("event") == "completed").min().alias("held_ts"),
         )
     )
 

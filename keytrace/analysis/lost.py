@@ -24,8 +24,9 @@ episode is asked again; a resumed request is recomputed, so it counts again):
   written through to a tier this engine shares (`keytrace.judge.identity.shares_tier`)
   before the episode: this engine should have read it there, a finding (exit 1);
 - ``cold_routing``: for a cold episode, the rest of the tokens up to a boundary another
-  engine held for this prompt at that moment in a tier this engine cannot read (its
-  private CPU tier: by design, routing; the conversation's earlier turn ran there);
+  engine had stored for this prompt before that moment (a completed store; an eviction
+  since is not followed) in a tier this engine cannot read (its private CPU tier: by
+  design, routing; the conversation's earlier turn ran there);
 - ``cold_hash_identity``: the rest of a cold episode's tokens on an engine that shares a
   tier with an engine hashing differently (`keytrace.judge.identity.identity_findings`):
   what the other stored was never findable under this engine's keys;
@@ -356,8 +357,8 @@ def summarize(partials: list[Partial]) -> LostTokens:
 class Routing:
     """What `routing_boundaries` reads besides the cold episodes, of the whole trace (one
     pass, `routing`): ``own`` (inst, req_id, key), every request's offers of a boundary key
-    at any time; ``elsewhere`` (other, key, b, first_ts), when each instance first offered
-    each boundary's key."""
+    at any time; ``elsewhere`` (other, key, b, first_ts, held_ts), when each instance first
+    offered each boundary's key and first completed a store of it."""
 
     own: pl.DataFrame
     elsewhere: pl.DataFrame
@@ -426,9 +427,10 @@ def shared_boundaries(
 
 def routing_boundaries(cold: pl.DataFrame, facts: Routing) -> pl.DataFrame:
     """(inst, s, E_other) for cold episodes: the largest boundary ``b`` in (S, L] of a
-    request on *another* instance that offered, before the episode's wall clock, the same
-    full-attention key for the chunk ending at ``b`` as this episode's request offered (its
-    prompt shares that prefix). Keys are content-addressed, so the request's own
+    request on *another* instance that stored, a store completed before the episode's wall
+    clock, the same full-attention key for the chunk ending at ``b`` as this episode's
+    request offered (its prompt shares that prefix). An offer that failed or was rejected
+    put nothing on that engine's tier: no routing (an eviction since is not followed). Keys are content-addressed, so the request's own
     full-attention store rows name its prefix even though its lookup stopped early (and
     they may come after the episode: `Routing` is of the whole trace)."""
     empty = pl.DataFrame(schema={"inst": pl.Int64, "s": pl.Int64, "E_other": pl.Int64})
@@ -442,7 +444,7 @@ def routing_boundaries(cold: pl.DataFrame, facts: Routing) -> pl.DataFrame:
         .join(facts.elsewhere.lazy(), on="key")
         .filter(
             (pl.col("other") != pl.col("inst"))
-            & (pl.col("first_ts") < pl.col("t"))
+            & (pl.col("held_ts") < pl.col("t"))
             & (pl.col("b") > pl.col("S"))
             & (pl.col("b") <= pl.col("L"))
         )

@@ -90,12 +90,23 @@ class FirstOffers:
     fleet: Trace | None = None
 
 
+ELSEWHERE_SCHEMA = {
+    "other": pl.Int64,
+    "key": pl.Binary,
+    "b": pl.Int64,
+    "first_ts": pl.Int64,
+    "held_ts": pl.Int64,
+}
+"""`CrossEngine.elsewhere`: per instance, boundary and key, its first offer and its first
+completed store of the key (wall clock; null: none completed)."""
+
+
 @dataclass(frozen=True)
 class CrossEngine:
     """The facts every instance's judgement reads besides its own rows (module doc)."""
 
     elsewhere: pl.DataFrame
-    """(other, key, b, first_ts): `keytrace.analysis.lost.Routing` ``elsewhere``."""
+    """(other, key, b, first_ts, held_ts): `keytrace.analysis.lost.Routing` ``elsewhere``."""
     offers: FirstOffers
     partitions: int
 
@@ -158,13 +169,11 @@ def cross_engine(every: Sequence[Exports]) -> CrossEngine:
     elsewhere = (
         pl.concat(offers)
         .group_by("inst", "key", "b")
-        .agg(pl.col("first_ts").min())
+        .agg(pl.col("first_ts").min(), pl.col("held_ts").min())
         .rename({"inst": "other"})
         .sort("other", "key", "b")
         if offers
-        else pl.DataFrame(
-            schema={"other": pl.Int64, "key": pl.Binary, "b": pl.Int64, "first_ts": pl.Int64}
-        )
+        else pl.DataFrame(schema=ELSEWHERE_SCHEMA)
     )
     empty = FirstOffers(_first_schema(), pl.DataFrame(schema=_KEYS))
     return CrossEngine(elsewhere, empty, len(every))

@@ -98,6 +98,36 @@ def test_a_routing_miss_is_not_plain_cold(tmp_path: Path) -> None:
         assert lost is not None and list(lost.prompt_tokens) == ["A", "B", "all"]
 
 
+def test_an_offer_that_never_completed_on_another_engine_is_no_routing(tmp_path: Path) -> None:
+    """Routing means another engine had the prefix on its tier: its store of the boundary
+    key completed before the episode. Offers that failed (or are still in flight) put
+    nothing there (a fresh-eyes review saw every store fail and the table blame routing)."""
+    for outcome, expected in (
+        ("failed", {"cold: not stored anywhere": 120}),
+        ("in flight", {"cold: not stored anywhere": 120}),
+        (
+            "completed",
+            {
+                "cold: stored on another engine's private tier (routing)": 96,
+                "cold: not stored anywhere": 24,
+            },
+        ),
+    ):
+        d = tmp_path / outcome.replace(" ", "-")
+        a = new_builder(d, geometry=GEO, engine_id="A")
+        bb = new_builder(d, geometry=GEO, engine_id="B", dp_rank=1)
+        bb.episode("r1", 100, external=0, chain="c", scans=[(0, [(0, "MISS")])])
+        bb.store("r1", "c", 0, list(range(6)), complete=outcome == "completed")
+        if outcome == "failed":
+            keys = [bb.key("c", 0, c) for c in range(6)]
+            bb.rec.store_completed("r1", keys, bb.positions("c", 0, list(range(6))), 0, False)
+        a.episode("r2", 120, external=0, chain="c", scans=[(0, [(0, "MISS")])])
+        a.store("r2", "c", 0, list(range(7)))
+        a.close()
+        bb.close()
+        assert _rows(d, "A") == expected, outcome
+
+
 def test_each_row_counts_the_episodes_with_tokens_in_it(tmp_path: Path) -> None:
     """`episodes` of a row: how many episodes put any token there (not every episode of
     the engine), per cause for shortfalls, and the ``all`` rows sum the engines'."""
