@@ -150,7 +150,7 @@ def main() -> int:
     only.add_argument(
         "--dcp-only",
         action="store_true",
-        help="only workloads with recurrent groups under decode context parallelism",
+        help="only workloads under decode context parallelism (recurrent groups, and MLA attention)",
     )
     only.add_argument(
         "--retention-only",

@@ -78,8 +78,13 @@ RETENTION = "retention"
 """A positive ``retention_interval``: sliding-window tails every that many tokens too."""
 DENSE = "retention-dense"
 """A dense ``retention_interval`` (None): every block of every window kept."""
+ATTENTION_DCP = "attention+dcp"
+"""Attention groups under decode context parallelism: vLLM scales an attention block by
+the DCP size and keeps a replicated draft group's block as it is, so chunk sizes differ
+across groups in ways the runs without DCP never exercised."""
 FEATURE_TEXT = {
     ATTENTION: "attention groups",
+    ATTENTION_DCP: "attention groups under decode context parallelism",
     RETENTION: "a retention interval",
     DENSE: "dense retention",
     "recurrent": "recurrent state groups",
@@ -104,14 +109,16 @@ def _retention_feature(header: Mapping[str, Any]) -> tuple[str, ...]:
 def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     """What a trace needs the oracle to have run on before its verdicts count as verified
     (`Verification.covers`): ``attention`` for a trace without a recurrent state group,
-    with `RETENTION` (a positive retention interval) or `DENSE` (dense retention) when it
-    was recorded under one; ``recurrent`` for one with a recurrent group,
+    with `ATTENTION_DCP` when recorded under decode context parallelism and `RETENTION`
+    (a positive retention interval) or `DENSE` (dense retention) when recorded under one;
+    ``recurrent`` for one with a recurrent group,
     ``recurrent+lookahead`` too when its block hashes look ahead (a drafter, 0.34.0),
     ``recurrent+dcp`` too under decode context parallelism (full-attention chunks DCP
     times a recurrent one, states kept at the hash unit), and ``recurrent+partial`` with
     partial tails (a hash unit below the block: `keytrace.judge.partial`)."""
     if not _recurrent_groups(header):
-        return (ATTENTION, *_retention_feature(header))
+        dcp = (ATTENTION_DCP,) if _dcp(header) > 1 else ()
+        return (ATTENTION, *dcp, *_retention_feature(header))
     needs = ["recurrent"]
     if int(header.get("num_hash_lookahead_tokens") or 0):
         needs.append("recurrent+lookahead")

@@ -139,9 +139,10 @@ def test_doctor_verify_runs_the_dcp_layouts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One round of `keytrace doctor --verify`'s DCP layouts (DCP 2 and 4, chunks of one
-    and two blocks, a hash unit below the block, the MTP drafter): every shortfall looked
-    up again alone agrees with the differ, the live alarm counts the same, and the run
-    says it covered recurrent groups under DCP."""
+    and two blocks, a hash unit below the block, the MTP drafter, MLA attention on a CPU
+    tier and a tiered manager): every shortfall looked up again alone agrees with the
+    differ, the live alarm counts the same, and the run says it covered recurrent and
+    attention groups under DCP."""
     from keytrace.vllm.hook.support import vllm_info
     from keytrace.vllm.lab.verify import DCP_LAYOUTS, verify
 
@@ -161,10 +162,14 @@ def test_doctor_verify_runs_the_dcp_layouts(
     if (vllm_info().version or "").startswith(("0.31", "0.32", "0.33")):
         # no lookahead hashes before 0.34.0: the MTP layout is recorded and not judged
         assert out.workloads == len(DCP_LAYOUTS) - len(mtp) and len(out.skipped) == len(mtp)
-        assert out.covers == ["recurrent", "recurrent+dcp"]
+        lookahead = set()
     else:
         assert out.workloads == len(DCP_LAYOUTS) and not out.skipped
-        assert set(out.covers) == {"recurrent", "recurrent+dcp", "recurrent+lookahead"}
+        lookahead = {"recurrent+lookahead"}
+    # the attention layouts (DeepSeek-V3-like MLA under DCP) cover attention+dcp
+    assert set(out.covers) == {"recurrent", "recurrent+dcp", "attention", "attention+dcp"} | (
+        lookahead
+    )
 
 
 SENDS_034 = """

@@ -116,7 +116,11 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
 
     specs = list(plan())
     first = specs[: first_pass(DRAFTERS, recurrent=True, layouts=True, retention=True)]
-    plain = [s for s in first if "recurrent" not in s.geometry and s.retention_interval == 0]
+    plain = [
+        s
+        for s in first
+        if "recurrent" not in s.geometry and s.retention_interval == 0 and not s.dcp
+    ]
     assert {(s.drafter, s.geometry, s.tiers) for s in plain} == {
         (d, g, t) for d in DRAFTERS for g, t, _ in LAYOUTS
     }
@@ -141,7 +145,8 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
     lookahead = list(plan(drafters=DRAFTERS[1:], recurrent=False, retention=False))
     assert {s.drafter for s in lookahead} == set(DRAFTERS[1:])
     only = list(plan(layouts=False, retention=False))
-    assert only and {s.geometry for s in only} == {"recurrent", "recurrent_mtp"}
+    assert only and {s.geometry for s in only} == {"recurrent", "recurrent_mtp", "dsv3"}
+    assert {s.geometry for s in only if not s.dcp} == {"recurrent", "recurrent_mtp"}
     retention = list(plan(layouts=False, recurrent=False))
     assert retention and all(s.retention_interval != 0 for s in retention)
     assert not [s for s in only if s.prefix_match_unit and not s.dcp]  # partial: when asked

@@ -157,7 +157,13 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
         assert trust.uncovered({**header, **dcp}) == (), dcp
         assert trust.features({**header, **dcp})[0] == "recurrent"
         assert trust.features({**header, **dcp})[-1] == "recurrent+dcp"
-    assert trust.features({**synthetic_header(SMALL), "dcp_world_size": 2}) == ("attention",)
+    # attention groups under DCP: judged, and verified only by a run that covered them
+    # (an attention block spans block_size x DCP tokens: chunk sizes no run without DCP had)
+    assert trust.features({**synthetic_header(SMALL), "dcp_world_size": 2}) == (
+        "attention",
+        "attention+dcp",
+    )
+    assert trust.features({**synthetic_header(SMALL), "dcp_world_size": 1}) == ("attention",)
     # a drafter whose block hashes look ahead (vLLM 0.34.0) drops no block: judged, and
     # needs a run that covered recurrent groups under lookahead
     ahead = {**header, "spec_method": "mtp", "num_hash_lookahead_tokens": 1}

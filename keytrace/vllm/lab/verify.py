@@ -73,9 +73,14 @@ DCP_LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None, int, int, int | None]
     ("recurrent", (), 30, 1, 4, None),
     ("recurrent", (), 30, 1, 2, 16),
     ("recurrent_mtp", (), 40, 2, 2, None),
+    ("dsv3", (), 24, 1, 2, None),
+    ("dsv3", (), 24, 1, 4, None),
+    ("dsv3", ("fs",), 24, 1, 2, None),
 )
 """(geometry, secondary tiers, CPU chunks, blocks per chunk, decode context parallel
-size, prefix match unit): recurrent state groups under DCP, where vLLM scales the
+size, prefix match unit): attention groups under DCP (DeepSeek-V3-like MLA and its MTP
+draft group, every block spanning 64 × DCP tokens; on a CPU tier and on a tiered manager
+over fs: `keytrace.judge.trust.ATTENTION_DCP`), and recurrent state groups under DCP, where vLLM scales the
 full-attention block (and chunk) by the DCP size and not the recurrent one, and its GPU
 cache keeps a prompt's last state at the hash unit (``partial_hash_hits_enabled``
 accepts a recurrent block equal to it under DCP): states that end no full-attention
