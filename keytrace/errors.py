@@ -11,6 +11,12 @@ EXIT_MISMATCH = 1
 EXIT_TROUBLE = 2
 
 
+def install_hint(extra: str) -> str:
+    """How to install one of keytrace's extras, for an error line. keytrace is installed
+    from a clone until a release is published to a package index, so both ways."""
+    return f"pip install 'keytrace[{extra}]' (from a clone: pip install -e '.[{extra}]')"
+
+
 class KeytraceError(Exception):
     """Base class. ``str(err)`` is a complete one-line message for a user."""
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from keytrace.errors import UsageError
+from keytrace.errors import UsageError, install_hint
 
 DoneFn = Callable[[int], None]
 """Called with the index of each argument tuple whose call finished (for progress)."""
@@ -114,7 +114,7 @@ class RayRunner:
             import ray
         except ImportError as exc:
             raise UsageError(
-                "--ray needs Ray: pip install 'keytrace[ray]' (or pip install ray)"
+                f"--ray needs Ray: {install_hint('ray')} (or pip install ray)"
             ) from exc
         self._ray = ray
         if not ray.is_initialized():

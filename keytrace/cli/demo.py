@@ -57,8 +57,10 @@ def command(out_dir: str | None) -> int:
         click.echo(
             f"  trace       {os.path.relpath(run.trace_dir, out)}/   ({run.label}, {run.num_tokens:,} tokens)"
         )
+    injected = next((r.inject for r in res.runs if r.inject), None)
     click.echo(
-        f"  regression  {os.path.relpath(res.fixture or '', out)}   (run it: python -m pytest {res.fixture})"
+        f"  regression  {os.path.relpath(res.fixture or '', out)}   (green on stock vLLM; "
+        f"red with the bug: KEYTRACE_INJECT={injected} python -m pytest {res.fixture})"
     )
     if res.html:
         click.echo(f"  chunk map   {os.path.relpath(res.html, out)}   (open it in a browser)")

@@ -16,7 +16,7 @@ from keytrace.cli._common import (
     subcommand,
 )
 from keytrace.cli._progress import progress_printer
-from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError
+from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError, install_hint
 
 
 @subcommand("fuzz")
@@ -88,7 +88,7 @@ def command(
     try:
         import hypothesis  # noqa: F401
     except ImportError as exc:
-        raise UsageError("keytrace fuzz needs Hypothesis: pip install 'keytrace[fuzz]'") from exc
+        raise UsageError(f"keytrace fuzz needs Hypothesis: {install_hint('fuzz')}") from exc
     from keytrace.analysis.geometry import parse_drafter
     from keytrace.vllm import require_vllm
     from keytrace.vllm.lab.fuzz import fuzz

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from keytrace.analysis.sweep import SweepRow
-from keytrace.errors import KeytraceError
+from keytrace.errors import KeytraceError, install_hint
 
 
 def plot_sweep(
@@ -26,9 +26,7 @@ def plot_sweep(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise KeytraceError(
-            f"plotting needs matplotlib ({exc}); pip install 'keytrace[plot]'"
-        ) from exc
+        raise KeytraceError(f"plotting needs matplotlib ({exc}); {install_hint('plot')}") from exc
     xs = [r.length for r in rows]
     fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
     ax.plot(

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from keytrace.errors import install_hint
+
 if TYPE_CHECKING:
     from keytrace.vllm.hook.support import Capability
 
-INSTALL_HINT = "install it with: pip install 'keytrace[vllm]'"
+INSTALL_HINT = f"install it with: {install_hint('vllm')}"
 
 
 def require_vllm(capability: str = "harness") -> None:

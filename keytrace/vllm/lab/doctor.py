@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 
 from keytrace._version import __version__
+from keytrace.errors import install_hint
 from keytrace.vllm.hook.patches import capabilities
 from keytrace.vllm.hook.rulecode import judge_capability
 from keytrace.vllm.hook.support import (
@@ -110,7 +111,7 @@ def _library_version(name: str) -> str | None:
 def _notes(info: VllmInfo, caps: list[Capability]) -> list[str]:
     notes = []
     if info.version is None:
-        notes.append("vLLM is not importable: install it with pip install 'keytrace[vllm]'")
+        notes.append(f"vLLM is not importable: install it with {install_hint('vllm')}")
     elif info.source_build:
         notes.append(
             f"a source build of {info.release}: keytrace checks its code, not its version; "
