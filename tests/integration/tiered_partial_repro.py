@@ -160,12 +160,16 @@ def protect_step_hits() -> Iterator[None]:
     def patched_promote(self: Any, tier_idx: int, key: Any, req_context: Any) -> Any:
         policy = self.primary_tier._policy
         hits = self.__dict__.get("_step_hits", set())
+        shadowed = policy.__dict__.get("evict")  # a patch of the patch's (nested)
         evict = policy.evict
         policy.evict = lambda n, protected: evict(n, set(protected) | hits)
         try:
             return promote(self, tier_idx, key, req_context)
         finally:
-            del policy.evict
+            if shadowed is None:
+                del policy.evict
+            else:
+                policy.evict = shadowed
 
     def patched_end(self: Any, context: Any) -> None:
         end(self, context)

@@ -83,8 +83,8 @@ def run(tier: str, fix: bool = False) -> dict[str, Any]:
             found["missing_group0_at_64"] = _names_key(hashes, str(exc))
         found["after"] = {"64": _key_groups(h, hashes, 64), "80": _key_groups(h, hashes, 80)}
         obs = h.observations[rid]
-        found["lookups"] = obs.lookups
-        found["accepted"] = obs.accepted
+        found["lookups"] = [list(x) for x in obs.lookups]
+        found["accepted"] = list(obs.accepted)
         found["finished"] = rid not in h.scheduler.requests
     finally:
         h.close()
