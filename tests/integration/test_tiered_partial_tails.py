@@ -8,8 +8,10 @@ Reproduced on vLLM's real scheduler with the minimal sequence
 over the ``example`` tier, or the ``fs`` tier and a preemption) and, importing only vLLM,
 on the real tiered manager (tests/integration/tiered_partial_repro.py). vLLM 0.33.0 runs
 in this process, 0.34.0 from its own source tree in a fresh interpreter. Strict xfails
-ask for what a fixed vLLM does; the candidate fix (a promotion never evicts a chunk
-lookup() answered HIT in the same step), patched in here only, does it.
+ask for what a fixed vLLM does; the candidate fix does it: keytrace's
+``promotion_pins_prefix`` on the scheduler (the tiered livelock's fix: a promotion never
+evicts what its request's lookups found ready in this step), the same patch in vLLM-only
+form (``protect_step_hits``) on the manager.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ The manager calls are exactly those vLLM's connector makes on the real scheduler
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import uuid
@@ -143,37 +144,41 @@ def reproduce() -> dict[str, Any]:
 
 @contextmanager
 def protect_step_hits() -> Iterator[None]:
-    """The candidate fix, patched in for the duration: a promotion must not evict a chunk
-    that ``TieringOffloadingManager.lookup`` answered HIT earlier in the same scheduler
-    step (``prepare_load``'s contract: its callers pass keys confirmed HIT by lookup()
-    earlier this step). Where the full primary has nothing else idle, the promotion fails
-    and lookup answers MISS, vLLM's answer for a primary that cannot take a promotion."""
+    """The candidate fix, patched in for the duration (keytrace's ``promotion_pins_prefix``
+    in vLLM-only form): around each promotion, the keys the same request's lookups found
+    ready in the primary during this scheduler step are pinned with vLLM's own reference
+    counts (``prepare_read``/``complete_read``), so the promotion evicts other idle chunks
+    or fails, and lookup then answers MISS (vLLM's answer for a primary that cannot take a
+    promotion). That keeps ``prepare_load``'s contract: its callers pass keys confirmed
+    HIT by lookup() earlier this step."""
     cls = TieringOffloadingManager
     lookup, promote, end = cls.lookup, cls._initiate_promotion, cls.on_schedule_end
 
+    @functools.wraps(lookup)
     def patched_lookup(self: Any, key: Any, req_context: Any, **kw: Any) -> Any:
         result = lookup(self, key, req_context, **kw)
         if result is LookupResult.HIT:
-            self.__dict__.setdefault("_step_hits", set()).add(key)
+            hits = self.__dict__.setdefault("_step_hits", {})
+            hits.setdefault(req_context.req_id, {})[key] = None
         return result
 
+    @functools.wraps(promote)
     def patched_promote(self: Any, tier_idx: int, key: Any, req_context: Any) -> Any:
-        policy = self.primary_tier._policy
-        hits = self.__dict__.get("_step_hits", set())
-        shadowed = policy.__dict__.get("evict")  # a patch of the patch's (nested)
-        evict = policy.evict
-        policy.evict = lambda n, protected: evict(n, set(protected) | hits)
+        primary = self.primary_tier
+        mine = self.__dict__.get("_step_hits", {}).get(req_context.req_id, {})
+        pinned = [k for k in mine if (c := primary._policy.get(k)) is not None and c.is_ready]
+        if not pinned:
+            return promote(self, tier_idx, key, req_context)
+        primary.prepare_read(pinned, req_context)
         try:
             return promote(self, tier_idx, key, req_context)
         finally:
-            if shadowed is None:
-                del policy.evict
-            else:
-                policy.evict = shadowed
+            primary.complete_read(pinned, req_context)
 
+    @functools.wraps(end)
     def patched_end(self: Any, context: Any) -> None:
-        end(self, context)
         self.__dict__.pop("_step_hits", None)
+        end(self, context)
 
     cls.lookup = patched_lookup  # type: ignore[method-assign]
     cls._initiate_promotion = patched_promote  # type: ignore[method-assign]

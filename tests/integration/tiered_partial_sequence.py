@@ -31,6 +31,7 @@ import traceback
 from typing import Any
 
 from keytrace.analysis.geometry import RECURRENT
+from keytrace.vllm.hook.patches import fixed
 from keytrace.vllm.lab.config import tiered
 from keytrace.vllm.lab.harness import Harness
 
@@ -52,8 +53,9 @@ def _key_groups(h: Harness, hashes: list[Any], position: int) -> list[int]:
 
 
 def run(tier: str, fix: bool = False) -> dict[str, Any]:
-    """The sequence on ``tier`` (``example`` or ``fs``); with ``fix``, the candidate fix
-    (tiered_partial_repro.protect_step_hits) patched in. What vLLM did, as JSON data."""
+    """The sequence on ``tier`` (``example`` or ``fs``); with ``fix``, keytrace's candidate
+    fix ``promotion_pins_prefix`` (keytrace.vllm.mods.fixes) active for the resend. What
+    vLLM did, as JSON data."""
     geo = tiered(RECURRENT.with_(prefix_match_unit=HASH_UNIT, cpu_chunks=CPU_CHUNKS), (tier,))
     h = Harness(geo, max_prompt_tokens=128)
     found: dict[str, Any] = {"tier": tier, "fix": fix, "error": None, "raised_in": []}
@@ -70,12 +72,7 @@ def run(tier: str, fix: bool = False) -> dict[str, Any]:
         hashes = h.scheduler.requests[rid].block_hashes
         found["before"] = {"64": _key_groups(h, hashes, 64), "80": _key_groups(h, hashes, 80)}
         try:
-            if fix:
-                from tests.integration.tiered_partial_repro import protect_step_hits
-
-                with protect_step_hits():
-                    _resend(h, tier)
-            else:
+            with fixed("promotion_pins_prefix" if fix else None):
                 _resend(h, tier)
         except AssertionError as exc:
             found["error"] = str(exc)
