@@ -187,7 +187,10 @@ def test_the_oracle_and_the_alarm_agree_with_the_differ_on_prefill_checkpoints(
         geometry="nemotron_h", seed=901, conversations=10, cpu_chunks=30, blocks_per_chunk=2
     )
     result = run_workload(spec, d, alarm=SETTINGS)
-    report = assert_alarm_agrees(d, alarms(), [])
+    warned = [r.getMessage() for r in caplog.records if "write-only offload" in r.getMessage()]
+    report = assert_alarm_agrees(d, alarms(), warned)
     assert report.rules is not None and report.rules.as_json()["trust"] == "verified"
     cases = check(d, result.prompts)
     assert len(cases) >= 5 and [c for c in cases if not c.agree] == []
+    # the chunk-of-two-blocks class among them: a state that ends no chunk, never stored
+    assert any(c.verdict == "mismatch" for c in cases)
