@@ -5,7 +5,7 @@
     PYTHONPATH=$(python tools/vllm_sdist.py --version 0.34.0 --sources | head -1) python tools/verify_rules.py run --out v034.json
 
     # only the layouts of one kind: --lookahead-only, --recurrent-only, --dcp-only,
-    # --retention-only, --partial-only (not part of a plain run)
+    # --retention-only, --partial-only, --checkpoint-only (not part of a plain run)
     python tools/verify_rules.py run --dcp-only --out v033-dcp.json
 
     # fold the runs into the file keytrace ships (keytrace/judge/verified_rules.json)
@@ -42,6 +42,7 @@ def run(
     seeds: int,
     dcp_only: bool = False,
     partial_only: bool = False,
+    checkpoint_only: bool = False,
 ) -> int:
     from keytrace.vllm.hook import rulecode
     from keytrace.vllm.lab.verify import DRAFTERS, verify
@@ -52,18 +53,20 @@ def run(
         print(f"[{time.monotonic() - t0:5.0f}s] {i + 1}/{n} {what}", file=sys.stderr, flush=True)
 
     drafters = tuple(d for d in DRAFTERS if d is not None) if lookahead_only else DRAFTERS
+    apart = partial_only or checkpoint_only  # layouts run only when asked, alone
     out = verify(
         budget_seconds=seconds,
         min_episodes=episodes,
         progress=progress,
         keep=False,
         drafters=drafters,
-        recurrent=not (lookahead_only or dcp_only or retention_only or partial_only),
-        layouts=not (recurrent_only or dcp_only or retention_only or partial_only),
-        retention=not (lookahead_only or recurrent_only or dcp_only or partial_only),
+        recurrent=not (lookahead_only or dcp_only or retention_only or apart),
+        layouts=not (recurrent_only or dcp_only or retention_only or apart),
+        retention=not (lookahead_only or recurrent_only or dcp_only or apart),
         seeds=seeds,
-        dcp=False if partial_only else dcp_only or None,
+        dcp=False if apart else dcp_only or None,
         partial=partial_only,
+        checkpoint=checkpoint_only,
     )
     doc = asdict(out)
     doc["code_digests"] = dict(rulecode.code_digests())
@@ -78,6 +81,8 @@ def run(
         if retention_only
         else " --partial-only"
         if partial_only
+        else " --checkpoint-only"
+        if checkpoint_only
         else ""
     )
     doc["how"] = "CI oracle: tools/verify_rules.py run" + only
@@ -162,6 +167,12 @@ def main() -> int:
         action="store_true",
         help="only workloads with recurrent groups and partial tails (a hash unit below the block)",
     )
+    only.add_argument(
+        "--checkpoint-only",
+        action="store_true",
+        help="only workloads with recurrent groups whose prefill checkpoints are exported "
+        "inside a chunk (the nemotron_h preset)",
+    )
     s = sub.add_parser("ship", help="fold run outputs into keytrace/judge/verified_rules.json")
     s.add_argument("paths", nargs="+")
     a = ap.parse_args()
@@ -176,6 +187,7 @@ def main() -> int:
             a.seeds,
             a.dcp_only,
             a.partial_only,
+            a.checkpoint_only,
         )
     return ship(a.paths)
 

@@ -29,6 +29,11 @@ class GroupGeom:
 
     ``eagle`` marks an EAGLE/MTP draft group (vLLM's ``KVCacheGroupSpec.is_eagle_group``);
     ``extra_retained_tokens`` mimics multi-module MTP (``SlidingWindowSpec``'s field).
+    ``prefill_checkpoint_alignment`` (a recurrent group only): the backend exports the
+    prompt's last state from inside a prefill chunk, at a multiple of this many tokens
+    past the chunk's start (``MambaSpec.num_prefill_checkpoint_blocks = 1`` and its
+    ``prefill_checkpoint_alignment``: vLLM's Mamba2 layers ask for 1); None: no prefill
+    checkpoints (the scheduler splits the prefill at the last block boundary).
     """
 
     kind: str
@@ -37,6 +42,7 @@ class GroupGeom:
     eagle: bool = False
     extra_retained_tokens: int = 0
     name: str = ""
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -45,6 +51,12 @@ class GroupGeom:
             raise ValueError("sliding_window is required for, and only for, sliding_window groups")
         if self.recurrent and (self.eagle or self.extra_retained_tokens):
             raise ValueError("a recurrent group is no EAGLE/MTP draft group (drafters have none)")
+        if self.prefill_checkpoint_alignment is not None and (
+            not self.recurrent or self.prefill_checkpoint_alignment < 1
+        ):
+            raise ValueError(
+                "prefill_checkpoint_alignment is a positive token count, for recurrent groups only"
+            )
 
     @property
     def recurrent(self) -> bool:
@@ -205,9 +217,10 @@ class Geometry:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; no ``drafter`` key without a drafter (plans and generated tests
-        written before drafters existed read, and write, exactly as before)."""
+        written before drafters existed read, and write, exactly as before), no
+        ``prefill_checkpoint_alignment`` in a group without prefill checkpoints."""
         d = asdict(self)
-        d["groups"] = [asdict(g) for g in self.groups]
+        d["groups"] = [_group_dict(g) for g in self.groups]
         if self.drafter is None:
             del d["drafter"]
         if self.prefix_match_unit is None:  # plans written before it read as before
@@ -223,6 +236,13 @@ class Geometry:
         if d.get("drafter") is not None:
             d["drafter"] = Drafter(**d["drafter"])
         return cls(**d)
+
+
+def _group_dict(g: GroupGeom) -> dict[str, Any]:
+    d = asdict(g)
+    if g.prefill_checkpoint_alignment is None:  # plans written before it read as before
+        del d["prefill_checkpoint_alignment"]
+    return d
 
 
 SMALL = Geometry(
@@ -293,6 +313,25 @@ draft layer's full-attention group. vLLM 0.34.0 then hashes each block over the 
 token (L = 1) and keytrace judges it; on 0.33.0 (no lookahead hashes, the EAGLE block drop)
 it is recorded and not judged."""
 
+NEMOTRON_H = Geometry(
+    name="nemotron_h",
+    groups=(
+        *(
+            GroupGeom("mamba", 64, name=f"mamba{i}", prefill_checkpoint_alignment=1)
+            for i in range(4)
+        ),
+        GroupGeom("full_attention", 64, name="fa"),
+    ),
+    max_num_batched_tokens=512,
+    max_model_len=16_384,
+    cpu_chunks=20_000,
+)
+"""Nemotron-H-like: four Mamba2 (recurrent) groups and one full-attention group (a few
+attention layers among many Mamba2 ones), block 64, in vLLM's ``align`` cache mode, with
+the prefill checkpoints vLLM's Mamba2 layers ask for (``mamba_mixer2.py``: one checkpoint
+block, alignment 1): the prompt's last state is exported from inside the final prefill
+chunk instead of the scheduler splitting the chunk at the last block boundary."""
+
 DSV3 = Geometry(
     name="dsv3",
     groups=(GroupGeom("mla", 64, name="mla"), GroupGeom("mla", 64, eagle=True, name="mtp")),
@@ -306,7 +345,7 @@ block then spans 64 × dcp tokens); vLLM refuses DCP with sliding-window groups,
 every other attention preset has."""
 
 BUILTIN: dict[str, Geometry] = {
-    g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT, RECURRENT_MTP, DSV3)
+    g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT, RECURRENT_MTP, NEMOTRON_H, DSV3)
 }
 
 
@@ -413,9 +452,24 @@ def synthetic_header(
     )
     fa_tpc = {g["tokens_per_chunk"] for g in groups if g["window_chunks"] is None}
     alignment = fa_tpc.pop() if len(fa_tpc) == 1 else None
+    checkpoints = {
+        str(gid): {
+            "num_speculative_blocks": 0,
+            "num_prefill_checkpoint_blocks": 1,
+            "prefill_checkpoint_alignment": g.prefill_checkpoint_alignment,
+        }
+        for gid, g in enumerate(geometry.groups)
+        if g.prefill_checkpoint_alignment is not None
+    }
     return {
         "vllm_version": vllm_version,
         "vllm_modified": [],
+        # only with prefill checkpoints: every other synthetic header stays what it was
+        **(
+            {"recurrent": {"mamba_cache_mode": "align", "groups": checkpoints}}
+            if checkpoints
+            else {}
+        ),
         "groups": groups,
         "lookup_order": fa + [g["group_id"] for g in swa],
         "blocks_per_chunk": bpc,
@@ -481,6 +535,7 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
         if header.get(k) is None:
             raise ValueError(f"trace header lacks {k!r}, which replay needs")
     groups = []
+    specs = (header.get("recurrent") or {}).get("groups") or {}
     for g in sorted(header["groups"], key=lambda g: g["group_id"]):
         if not g.get("offloaded"):
             raise ValueError(
@@ -498,6 +553,9 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
                 eagle=bool(g.get("is_eagle")),
                 extra_retained_tokens=int(g.get("extra_retained_tokens") or 0),
                 name=str(g.get("name") or ""),
+                prefill_checkpoint_alignment=checkpoint_alignment(
+                    specs.get(str(g["group_id"])) or {}
+                ),
             )
         )
     dcp = int(header.get("dcp_world_size") or 1)
@@ -517,6 +575,18 @@ def geometry_from_header(header: dict[str, Any]) -> Geometry:
         prefix_match_unit=_prefix_match_unit(header, groups, dcp),
         dcp=dcp,
     )
+
+
+def checkpoint_alignment(spec: dict[str, Any]) -> int | None:
+    """`GroupGeom.prefill_checkpoint_alignment` from a header's ``recurrent.groups`` entry
+    (the spec's ``num_prefill_checkpoint_blocks`` and ``prefill_checkpoint_alignment``):
+    None without checkpoint blocks, and with blocks but no alignment, which vLLM treats
+    alike (``is_mamba_prefill_checkpoint_valid`` is False without an alignment: the
+    scheduler splits the prefill as without checkpoint blocks)."""
+    if not int(spec.get("num_prefill_checkpoint_blocks") or 0):
+        return None
+    alignment = spec.get("prefill_checkpoint_alignment")
+    return None if alignment is None else int(alignment)
 
 
 TIER_SETTINGS = ("spec_name", "secondary_tiers")

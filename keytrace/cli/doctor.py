@@ -127,6 +127,7 @@ def _verify(
         max_workloads=workloads,
         progress=progress_printer() if show else None,
         partial=True,  # the partial-tail layouts too: a trace with them needs such a run
+        checkpoint=True,  # and the prefill-checkpoint ones, likewise
     )
     if as_json:
         write_json(out, sys.stdout)

@@ -63,7 +63,9 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     type=click.Choice(sorted(BUILTIN)),
     help="Built-in geometry: dsv4 (DeepSeek-V4-like, MTP), small, hybrid (no MTP group), "
     "recurrent (Qwen3-Next-like: recurrent state groups and full attention), recurrent_mtp "
-    "(the same with its MTP drafter: judged on vLLM 0.34.0, not on 0.33.0), dsv3 "
+    "(the same with its MTP drafter: judged on vLLM 0.34.0, not on 0.33.0), nemotron_h "
+    "(Nemotron-H-like: Mamba2 groups whose prompt's last state is exported from inside a "
+    "prefill chunk, and full attention), dsv3 "
     "(DeepSeek-V3-like: MLA and its MTP group, no sliding window: for --dcp).",
 )
 @click.option(

@@ -50,7 +50,9 @@ def _tiers(text: str) -> tuple[str, ...]:
     "--geometry",
     default="dsv4",
     show_default=True,
-    type=click.Choice(["dsv4", "small", "hybrid", "dsv3", "recurrent", "recurrent_mtp"]),
+    type=click.Choice(
+        ["dsv4", "small", "hybrid", "dsv3", "recurrent", "recurrent_mtp", "nemotron_h"]
+    ),
     help="Built-in geometry ('hybrid': no MTP group, where stock vLLM's rules agree; "
     "'dsv3' and 'recurrent': no sliding window, for --dcp).",
 )

@@ -41,7 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from keytrace.format.remote import keytrace_cache
-from keytrace.judge.rules import is_recurrent
+from keytrace.judge.rules import (
+    CHECKPOINT_BLOCK,
+    CHECKPOINT_TAIL,
+    is_recurrent,
+    prefill_checkpoint_of,
+)
 
 VERIFIED_FILE = Path(__file__).with_name("verified_rules.json")
 """Rules digest -> the oracle runs keytrace's CI made on that code (`Verification`)."""
@@ -91,6 +96,7 @@ FEATURE_TEXT = {
     "recurrent+lookahead": "recurrent state groups under lookahead hashes",
     "recurrent+dcp": "recurrent state groups under decode context parallelism",
     "recurrent+partial": "recurrent state groups with partial tails",
+    "recurrent+checkpoint": "recurrent state groups with prefill checkpoints",
 }
 
 
@@ -114,8 +120,11 @@ def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     ``recurrent`` for one with a recurrent group,
     ``recurrent+lookahead`` too when its block hashes look ahead (a drafter, 0.34.0),
     ``recurrent+dcp`` too under decode context parallelism (full-attention chunks DCP
-    times a recurrent one, states kept at the hash unit), and ``recurrent+partial`` with
-    partial tails (a hash unit below the block: `keytrace.judge.partial`)."""
+    times a recurrent one, states kept at the hash unit), ``recurrent+partial`` with
+    partial tails (a hash unit below the block: `keytrace.judge.partial`), and
+    ``recurrent+checkpoint`` where the prompt's last state is exported from inside the
+    final prefill chunk at its block boundary (`keytrace.judge.rules.prefill_checkpoint_of`
+    `CHECKPOINT_BLOCK`: Mamba2's prefill checkpoints)."""
     if not _recurrent_groups(header):
         dcp = (ATTENTION_DCP,) if _dcp(header) > 1 else ()
         return (ATTENTION, *dcp, *_retention_feature(header))
@@ -126,6 +135,8 @@ def features(header: Mapping[str, Any]) -> tuple[str, ...]:
         needs.append("recurrent+dcp")
     if header.get("supports_partial_tail"):
         needs.append("recurrent+partial")
+    if prefill_checkpoint_of(header) == CHECKPOINT_BLOCK:
+        needs.append("recurrent+checkpoint")
     return tuple(needs)
 
 
@@ -143,9 +154,13 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     0.34.0: no EAGLE block drop); with or without decode context parallelism (vLLM
     0.33.0 and 0.34.0 scale the full-attention chunk by it and not the recurrent one, and
     keep partial tails off under it, even with a hash unit below the block: the same
-    rules hold, the oracle verified DCP 2 and 4, `features` ``recurrent+dcp``). Any of
-    the others changes where vLLM keeps and looks up states in ways no rule here
-    describes yet.
+    rules hold, the oracle verified DCP 2 and 4, `features` ``recurrent+dcp``), and with
+    or without prefill checkpoints exported at a block boundary
+    (`keytrace.judge.rules.prefill_checkpoint_of`: the state the split keeps, `features`
+    ``recurrent+checkpoint``). Any of the others changes where vLLM keeps and looks up
+    states in ways no rule here describes yet: prefill checkpoints exported at a partial
+    tail inside a block (a hash unit below the block) keep no state at the tail's block
+    start (docs/findings.md).
 
     A retention interval other than 0 is judged for windowed groups (their tails stand at
     every multiple, or every chunk boundary when dense: `features` says which oracle runs
@@ -182,10 +197,10 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     rec = header.get("recurrent") or {}
     if rec.get("mamba_cache_mode") not in (None, "align"):
         why.append(f"mamba cache mode {rec.get('mamba_cache_mode')}")
-    specs = (rec.get("groups") or {}).values()
-    if any(int(g.get("num_prefill_checkpoint_blocks") or 0) for g in specs):
-        # the backend exports a state from inside a chunk (Mamba2, FlashInfer GDN)
-        why.append("prefill checkpoints exported inside a chunk")
+    if prefill_checkpoint_of(header) == CHECKPOINT_TAIL:
+        # the backend exports the state at the tail, inside a block: no chunk ends at the
+        # tail's block start, so no state is kept there (vLLM 0.33.0's lookup needs one)
+        why.append("prefill checkpoints exported at a partial tail inside a block")
     if not why:
         return ()
     s = "s" if len(recurrent) > 1 else ""

@@ -104,6 +104,7 @@ def test_doctor_verify_runs_the_oracle_and_keeps_the_outcome(
 
 def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
     from keytrace.vllm.lab.verify import (
+        CHECKPOINT_LAYOUTS,
         DCP_LAYOUTS,
         DRAFTERS,
         LAYOUTS,
@@ -155,6 +156,14 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
         (g, cpu, unit) for g, tiers, cpu, unit in PARTIAL_LAYOUTS if not tiers
     ]
     assert all(s.blocks_per_chunk == 1 and not s.tiers for s in partial)
+    assert not [s for s in specs if s.geometry == "nemotron_h"]  # checkpoints: when asked
+    checkpoint = list(
+        plan(seeds=2, layouts=False, recurrent=False, retention=False, checkpoint=True)
+    )
+    assert [(s.geometry, s.tiers, s.blocks_per_chunk, s.dcp) for s in checkpoint] == [
+        (g, t, bpc, n) for g, t, _, bpc, n in CHECKPOINT_LAYOUTS
+    ] * 2
+    assert [s.seed for s in checkpoint] == [900, 901, 902, 903, 1900, 1901, 1902, 1903]
 
 
 def test_a_workload_vllm_fails_on_is_skipped_with_where_not_a_crash(

@@ -123,6 +123,55 @@ def test_diff_claims_no_agree_on_code_the_oracle_disputed(
     assert "no AGREE" in captured.err and len(captured.err.strip().splitlines()) == 1
 
 
+CKPT = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+"""A Mamba2 layer's spec switches (``mamba_mixer2.py``)."""
+
+
+def test_prefill_checkpoints_at_a_block_boundary_are_judged_and_need_their_own_run() -> None:
+    """vLLM exports the prompt's last state at its block boundary M from inside the final
+    prefill chunk: the state the split keeps, so the recurrent rules hold; a trace needs a
+    run that covered such checkpoints. At a partial tail (a hash unit below the block) no
+    state is kept at the tail's block start: no verdict."""
+    from keytrace.analysis.geometry import NEMOTRON_H, synthetic_header
+    from keytrace.judge.rules import (
+        CHECKPOINT_BLOCK,
+        CHECKPOINT_SPLIT,
+        CHECKPOINT_TAIL,
+        prefill_checkpoint_of,
+    )
+
+    header = synthetic_header(NEMOTRON_H)
+    assert prefill_checkpoint_of(header) == CHECKPOINT_BLOCK
+    assert trust.uncovered(header) == ()
+    assert trust.features(header) == ("recurrent", "recurrent+checkpoint")
+    assert trust.FEATURE_TEXT["recurrent+checkpoint"]
+    dcp = {**header, "dcp_world_size": 2}
+    assert trust.features(dcp) == ("recurrent", "recurrent+dcp", "recurrent+checkpoint")
+    groups = header["recurrent"]["groups"]
+    # vLLM's scheduler takes internal checkpoints only when every Mamba group has
+    # checkpoint blocks and the first one an alignment: else it splits, as before
+    for specs in (
+        {**groups, "1": {**CKPT, "num_prefill_checkpoint_blocks": 0}},
+        {g: {**s, "prefill_checkpoint_alignment": None} for g, s in groups.items()},
+        {},
+    ):
+        split = {**header, "recurrent": {"groups": specs}}
+        assert prefill_checkpoint_of(split) == CHECKPOINT_SPLIT, specs
+        assert trust.features(split) == ("recurrent",) and trust.uncovered(split) == ()
+    # any alignment: with a hash unit equal to the block, M and the chunk's start are both
+    # block multiples; where the alignment does not divide them the scheduler splits at M
+    aligned = {g: {**s, "prefill_checkpoint_alignment": 64} for g, s in groups.items()}
+    assert prefill_checkpoint_of({**header, "recurrent": {"groups": aligned}}) == CHECKPOINT_BLOCK
+    # a hash unit below the block: the checkpoint is the tail, not judged
+    for finer in (
+        {**header, "tokens_per_hash": 16},
+        {**header, "recurrent": {**header["recurrent"], "hash_block_size": 32}},
+    ):
+        assert prefill_checkpoint_of(finer) == CHECKPOINT_TAIL
+        gaps = trust.uncovered(finer)
+        assert len(gaps) == 1 and "prefill checkpoints exported at a partial tail" in gaps[0]
+
+
 def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
     from keytrace.analysis.geometry import RECURRENT, SMALL, synthetic_header
 
@@ -139,8 +188,11 @@ def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
         ({"retention_interval": None}, "retention interval dense (None)"),
         ({"spec_method": "mtp"}, "an EAGLE/MTP drafter without lookahead hashes"),
         (
-            {"recurrent": {"groups": {"0": {"num_prefill_checkpoint_blocks": 1}}}},
-            "prefill checkpoints exported inside a chunk",
+            {
+                "tokens_per_hash": 16,
+                "recurrent": {"groups": {g: {**CKPT} for g in ("0", "1", "2")}},
+            },
+            "prefill checkpoints exported at a partial tail inside a block",
         ),
         ({"recurrent": {"mamba_cache_mode": "all"}}, "mamba cache mode all"),
     ):

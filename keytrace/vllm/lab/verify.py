@@ -124,6 +124,20 @@ hashes are not judged: skipped). No tiered manager: vLLM's CPU primary fails an 
 on partial tails there (docs/findings.md), and keytrace does not judge it
 (`keytrace.judge.trust.uncovered`). Run only when asked (`plan`'s ``partial``)."""
 
+CHECKPOINT_LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None, int, int], ...] = (
+    ("nemotron_h", (), 30, 1, 1),
+    ("nemotron_h", (), 30, 2, 1),
+    ("nemotron_h", ("fs",), 40, 1, 1),
+    ("nemotron_h", (), 30, 1, 2),
+)
+"""(geometry, secondary tiers, CPU chunks, blocks per chunk, decode context parallel
+size): recurrent state groups whose prompt's last state is exported from inside the final
+prefill chunk (the Nemotron-H-like preset: Mamba2's prefill checkpoints,
+`keytrace.judge.rules.CHECKPOINT_BLOCK`), on a CPU tier that evicts, in chunks of one
+block and of two (a state that ends no chunk), under a tiered manager, and under DCP 2
+(a full-attention chunk of two recurrent blocks). Run only when asked (`plan`'s
+``checkpoint``)."""
+
 
 def plan(
     seeds: int = 3,
@@ -133,11 +147,13 @@ def plan(
     dcp: bool | None = None,
     retention: bool = True,
     partial: bool = False,
+    checkpoint: bool = False,
 ) -> Iterator[WorkloadSpec]:
     """The workloads `verify` runs, covering every layout and drafter (``layouts``),
     every recurrent layout (``recurrent``), every DCP layout (``dcp``; None: with the
     recurrent ones), every retention layout (``retention``) and, when asked, every
-    partial-tail layout (``partial``) once before any repeats with another seed."""
+    partial-tail layout (``partial``) and every prefill-checkpoint layout
+    (``checkpoint``) once before any repeats with another seed."""
     dcp = recurrent if dcp is None else dcp
     for seed in range(seeds):
         for i, drafter in enumerate(drafters if layouts else ()):
@@ -198,6 +214,18 @@ def plan(
                 blocks_per_chunk=1,
                 prefix_match_unit=unit,
             )
+        for j, (geometry, tiers, cpu_chunks, bpc, size) in enumerate(
+            CHECKPOINT_LAYOUTS if checkpoint else ()
+        ):
+            yield WorkloadSpec(
+                geometry=geometry,
+                seed=1000 * seed + 900 + j,
+                conversations=10,
+                tiers=tiers,
+                cpu_chunks=cpu_chunks,
+                blocks_per_chunk=bpc,
+                dcp=size,
+            )
 
 
 def first_pass(
@@ -207,6 +235,7 @@ def first_pass(
     dcp: bool | None = None,
     retention: bool = True,
     partial: bool = False,
+    checkpoint: bool = False,
 ) -> int:
     """How many of `plan`'s workloads cover each layout once."""
     dcp = recurrent if dcp is None else dcp
@@ -216,6 +245,7 @@ def first_pass(
         + len(DCP_LAYOUTS) * dcp
         + len(RETENTION_LAYOUTS) * retention
         + len(PARTIAL_LAYOUTS) * partial
+        + len(CHECKPOINT_LAYOUTS) * checkpoint
     )
 
 
@@ -272,6 +302,7 @@ def verify(
     seeds: int = 3,
     dcp: bool | None = None,
     partial: bool = False,
+    checkpoint: bool = False,
 ) -> VerifyOutcome:
     """Run the oracle (and the alarm) on `plan`'s workloads through the installed vLLM
     until ``min_episodes`` shortfalls were checked after every layout and drafter ran once,
@@ -282,8 +313,8 @@ def verify(
     recurrent layouts; ``layouts``: the attention layouts (False: recurrent only);
     ``dcp``: the recurrent layouts under decode context parallelism (None: with
     ``recurrent``); ``retention``: also the retention layouts (`RETENTION_LAYOUTS`);
-    ``partial``: the partial-tail layouts; ``seeds``: how many rounds of every layout the
-    plan holds."""
+    ``partial``: the partial-tail layouts; ``checkpoint``: the prefill-checkpoint layouts;
+    ``seeds``: how many rounds of every layout the plan holds."""
     from keytrace.vllm.hook.support import vllm_info
 
     digest = rulecode.rules_digest()
@@ -298,9 +329,10 @@ def verify(
             dcp=dcp,
             retention=retention,
             partial=partial,
+            checkpoint=checkpoint,
         )
     )
-    once = first_pass(drafters, recurrent, layouts, dcp, retention, partial)
+    once = first_pass(drafters, recurrent, layouts, dcp, retention, partial, checkpoint)
     for n, spec in enumerate(specs):
         elapsed = time.monotonic() - t0
         if elapsed >= budget_seconds or (n >= once and out.episodes >= min_episodes):
@@ -396,6 +428,7 @@ def _failure(exc: BaseException) -> str:
 
 
 __all__ = [
+    "CHECKPOINT_LAYOUTS",
     "DCP_LAYOUTS",
     "DRAFTERS",
     "LAYOUTS",
