@@ -56,6 +56,8 @@ def parse_lengths(spec: str) -> list[int]:
             raise ValueError(f"bad length {part!r}: use N, N,M or START:STOP[:STEP]")
     if not out:
         raise ValueError("no lengths given")
+    if min(out) < 1:
+        raise ValueError("bad length 0: a prompt has at least 1 token")
     return out
 
 

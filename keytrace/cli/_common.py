@@ -212,10 +212,52 @@ def retention_option(help: str) -> Callable[[Any], Any]:
     )
 
 
-def echo_trace_warnings(trace: Trace) -> None:
-    """Warnings and notes from reading go to stderr, one line each."""
-    for w in trace.warnings:
+class OutputPath(click.ParamType):  # type: ignore[type-arg]  # not generic at runtime in older click
+    """A file (or, ``folder=True``, a folder) a command writes: it may be new, but the folder
+    it goes in must exist. Checked when the option is parsed, so a typo in a folder name is
+    one usage error before anything runs, not a failure at the end of the work (a URI such
+    as ``s3://...`` is not checked here). The value stays the string."""
+
+    def __init__(self, *, folder: bool = False) -> None:
+        self.folder = folder
+        self.name = "DIR" if folder else "FILE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        refused = output_refusal(str(value), folder=self.folder)
+        if refused:
+            self.fail(refused, param, ctx)
+        return str(value)
+
+
+def output_refusal(path: str, *, folder: bool = False) -> str | None:
+    """Why ``path`` cannot be written as a new or existing file (``folder``: folder), or
+    None: the folder it goes in must exist, and an existing ``path`` must be of its kind."""
+    if "://" in path:
+        return None
+    if os.path.exists(path):
+        if folder and not os.path.isdir(path):
+            return f"{path} is a file, not a folder"
+        if not folder and os.path.isdir(path):
+            return f"{path} is a folder, not a file"
+        return None
+    parent = os.path.dirname(path.rstrip("/")) or "."
+    if not os.path.isdir(parent):
+        what = "is not a folder" if os.path.exists(parent) else "does not exist"
+        return f"folder {parent} {what}"
+    return None
+
+
+def echo_warnings(warnings: list[str]) -> None:
+    for w in warnings:
         click.echo(f"keytrace: warning: {w}", err=True)
+
+
+def echo_trace_warnings(trace: Trace, *, allow_incomplete: bool = True) -> None:
+    """Warnings and notes from reading go to stderr, one line each. A judging command
+    passes its ``--allow-incomplete``: without it, a trace `check_complete` refuses leaves
+    out the warning the error line repeats (the first thing missing)."""
+    repeated = _named(_incomplete_reasons(trace)) if not allow_incomplete else None
+    echo_warnings([w for w in trace.warnings if w != repeated])
     for n in trace.notes:
         click.echo(f"keytrace: note: {n}", err=True)
 
@@ -227,6 +269,15 @@ allow_incomplete_option = click.option(
     "or missing, stores without their lookups); what it says then says so. Without it such "
     "a trace is exit 2: a verdict on partial evidence can be wrong either way.",
 )
+
+
+def _named(reasons: list[str]) -> str | None:
+    """The warning line that `refuse_incomplete`'s error repeats (its first reason)."""
+    return f"incomplete trace: {reasons[0].removeprefix('incomplete trace: ')}" if reasons else None
+
+
+def _incomplete_reasons(trace: Trace) -> list[str]:
+    return trace.missing + [f"part {p} unreadable" for p in trace.skipped]
 
 
 def refuse_incomplete(reasons: list[str]) -> None:
@@ -250,7 +301,7 @@ def check_complete(trace: Trace, allow_incomplete: bool, *, unlooked: bool = Tru
     if allow_incomplete:
         return
     if trace.incomplete:
-        refuse_incomplete(trace.missing + [f"part {p} unreadable" for p in trace.skipped])
+        refuse_incomplete(_incomplete_reasons(trace))
     if not unlooked:
         return
     from keytrace.analysis.diff import stores_without_lookups

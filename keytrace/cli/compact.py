@@ -6,13 +6,18 @@ import os
 
 import click
 
-from keytrace.cli._common import subcommand
+from keytrace.cli._common import OutputPath, subcommand
 
 
 @subcommand("compact")
 @click.argument("trace_dir", type=str)
 @click.option(
-    "-o", "--out", "out_dir", default=None, help="Output folder [default: TRACE_DIR-compact]."
+    "-o",
+    "--out",
+    "out_dir",
+    type=OutputPath(folder=True),
+    default=None,
+    help="Output folder [default: TRACE_DIR-compact].",
 )
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def command(trace_dir: str, out_dir: str | None, force: bool) -> int:

@@ -8,7 +8,7 @@ import tempfile
 
 import click
 
-from keytrace.cli._common import subcommand
+from keytrace.cli._common import OutputPath, subcommand
 from keytrace.judge.rules import groups_from_header
 from keytrace.report.text import render_diff
 
@@ -18,18 +18,19 @@ from keytrace.report.text import render_diff
     "-o",
     "--out",
     "out_dir",
+    type=OutputPath(folder=True),
     default=None,
     help="A new folder for everything [default: a temporary folder].",
 )
 def command(out_dir: str | None) -> int:
     """Record, diff, regress and sweep on a DeepSeek-V4-like geometry with an MTP group,
-    through the real vLLM 0.33.0 scheduler, OffloadingConnector and CPUOffloadingManager
-    (no GPU, no model download):
+    through the installed vLLM's real scheduler, OffloadingConnector and
+    CPUOffloadingManager (no GPU, no model download):
 
     \b
     1. 18,877 tokens with the store rule vLLM PR #48911 replaced (injected), and stock:
        keytrace names the injected bug and agrees on stock.
-    2. 17,975 tokens on stock vLLM 0.33.0: the upstream case that still misses.
+    2. 17,975 tokens on stock vLLM: the upstream case that still misses.
     3. A pytest regression for the injected case (red with the bug, green without).
     4. A sweep of stock vLLM around 17,975, as a table and a plot.
     """

@@ -13,9 +13,11 @@ from keytrace.analysis.fleet import by_engine
 from keytrace.analysis.results import NO_VERDICT
 from keytrace.analysis.runners import LocalRunner, RayRunner, Runner
 from keytrace.cli._common import (
+    OutputPath,
     allow_incomplete_option,
     check_complete,
     echo_trace_warnings,
+    echo_warnings,
     json_option,
     progress_option,
     refuse_incomplete,
@@ -54,7 +56,7 @@ from keytrace.report.text import render_diff, render_fleet
 @click.option(
     "--html",
     "html_path",
-    type=click.Path(dir_okay=False, writable=True),
+    type=OutputPath(),
     default=None,
     help="Also write a self-contained HTML page: the verdict, the lost-token table and a "
     "chunk map of each shortfall episode (per group: stored, needed, looked up, terminal key).",
@@ -145,7 +147,7 @@ def command(
     if ray_address is not None and jobs != 1:
         raise UsageError("--ray and --jobs choose who judges the engines: give one of them")
     trace = open_trace(list(paths))
-    echo_trace_warnings(trace)
+    echo_trace_warnings(trace, allow_incomplete=allow_incomplete)
     check_complete(trace, allow_incomplete, unlooked=False)  # the report finds those
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
     report = diff(
@@ -158,10 +160,11 @@ def command(
         maps=html_limit if html_path is not None else 0,
         runner=_runner(jobs, ray_address),
     )
-    for w in report.warnings[len(trace.warnings) :]:  # found while judging
-        click.echo(f"keytrace: warning: {w}", err=True)
+    found = report.warnings[len(trace.warnings) :]  # found while judging
     if report.evidence_incomplete and not allow_incomplete:
-        refuse_incomplete(report.warnings[len(trace.warnings) :])
+        echo_warnings(found[1:])  # the first is the error's own line
+        refuse_incomplete(found)
+    echo_warnings(found)
     if by == "engine":
         fleet = by_engine(report)
         if as_json:

@@ -8,6 +8,7 @@ import sys
 import click
 
 from keytrace.cli._common import (
+    OutputPath,
     drafter_option,
     fix_option,
     inject_option,
@@ -24,6 +25,7 @@ from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError, install_hint
     "-o",
     "--out",
     "out_dir",
+    type=OutputPath(folder=True),
     default="keytrace-fuzz",
     show_default=True,
     help="Folder for fuzz.json, the minimal case's trace and the Hypothesis database.",

@@ -10,6 +10,7 @@ import sys
 import click
 
 from keytrace.cli._common import (
+    OutputPath,
     allow_incomplete_option,
     check_complete,
     echo_trace_warnings,
@@ -29,6 +30,7 @@ from keytrace.errors import EXIT_MISMATCH
     "-o",
     "--out",
     "out_dir",
+    type=OutputPath(folder=True),
     default="keytrace-minimal",
     show_default=True,
     help="Folder for the minimal case's trace (minimal-trace/) and minimal.json.",
@@ -46,7 +48,7 @@ def command(
 ) -> int:
     """Shrink a recorded mismatch to the smallest geometry and prompt lengths that keep it.
 
-    The trace's first mismatch (or --request's) is replayed on the real vLLM 0.33.0
+    The trace's first mismatch (or --request's) is replayed on the installed vLLM's real
     scheduler and shrunk step by step (drop sliding-window groups, shorten the prompts by
     whole alignment units keeping P mod A, halve blocks and windows, halve the step budget)
     as long as the replay is still a mismatch with a binding group of the same kind and
@@ -57,14 +59,13 @@ def command(
     """
     from keytrace.analysis.plan import plan_from_trace
     from keytrace.format.reader import open_trace
-    from keytrace.vllm import require_vllm
-    from keytrace.vllm.lab.minimize import minimize
+    from keytrace.vllm.lab.minimize import check_minimizable, minimize
 
     trace = open_trace(list(paths))
-    echo_trace_warnings(trace)
+    echo_trace_warnings(trace, allow_incomplete=allow_incomplete)
     check_complete(trace, allow_incomplete)
-    require_vllm()
-    plan = plan_from_trace(trace, request=request)
+    plan = plan_from_trace(trace, request=request)  # no vLLM yet: `minimize` loads it
+    check_minimizable(plan)
     show = progress if progress is not None else (sys.stderr.isatty() and not as_json)
     os.makedirs(out_dir, exist_ok=True)
     res = minimize(

@@ -7,6 +7,7 @@ import sys
 import click
 
 from keytrace.cli._common import (
+    OutputPath,
     allow_incomplete_option,
     check_complete,
     echo_trace_warnings,
@@ -30,6 +31,7 @@ from keytrace.report.jsonout import write_json
     "-o",
     "--out",
     "out_dir",
+    type=OutputPath(folder=True),
     default=None,
     help="Keep the replay's own trace here [default: a temporary folder].",
 )
@@ -42,8 +44,8 @@ def command(
     as_json: bool,
     allow_incomplete: bool,
 ) -> int:
-    """Rebuild the geometry from the trace header and replay one episode on the real
-    vLLM 0.33.0 scheduler: the requests that stored its chain (cold, stores acknowledged),
+    """Rebuild the geometry from the trace header and replay one episode on the installed
+    vLLM's real scheduler: the requests that stored its chain (cold, stores acknowledged),
     a GPU-prefix-cache-only reset, then the episode's request at identical lengths with
     synthetic token ids. The replay is recorded and diffed; its step schedule is compared
     with the recorded one when the trace has step rows (`keytrace compact` writes them to
@@ -55,7 +57,7 @@ def command(
     a geometry the rules do not describe).
     """
     trace = open_trace(list(paths))
-    echo_trace_warnings(trace)
+    echo_trace_warnings(trace, allow_incomplete=allow_incomplete)
     check_complete(trace, allow_incomplete)
     from keytrace.vllm.lab.replay import replay_trace
 

@@ -8,6 +8,7 @@ import sys
 import click
 
 from keytrace.cli._common import (
+    OutputPath,
     allow_incomplete_option,
     check_complete,
     echo_trace_warnings,
@@ -23,7 +24,14 @@ from keytrace.format.reader import open_trace
 
 @subcommand("report")
 @trace_paths
-@click.option("-o", "--out", "out_dir", required=True, help="Folder to write (new or empty).")
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=OutputPath(folder=True),
+    required=True,
+    help="Folder to write (new or empty).",
+)
 @click.option("--request", default=None, help="The mismatching request [default: the first].")
 @click.option(
     "--sweep-points",
@@ -70,7 +78,7 @@ def command(
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UsageError(f"{out_dir} is not empty; pass a new --out folder")
     trace = open_trace(list(paths))  # an upstream report is a verdict: on whole evidence
-    echo_trace_warnings(trace)
+    echo_trace_warnings(trace, allow_incomplete=allow_incomplete)
     check_complete(trace, allow_incomplete)
     show = progress if progress is not None else sys.stderr.isatty()
     files = write_report(

@@ -16,7 +16,13 @@ from keytrace.report.text import render_summary
 @subcommand("summary")
 @trace_paths
 @json_option
-@click.option("--episodes", default=20, show_default=True, help="How many episodes to list.")
+@click.option(
+    "--episodes",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="How many episodes to list.",
+)
 def command(paths: tuple[str, ...], as_json: bool, episodes: int) -> int:
     """Count stored, offered and looked-up keys per group, and list the first episodes.
 

@@ -17,6 +17,7 @@ from keytrace.analysis.geometry import (
 )
 from keytrace.analysis.sweep import SweepRow, compare_fix, parse_lengths
 from keytrace.cli._common import (
+    OutputPath,
     dcp_option,
     drafter_option,
     exit_for_verdicts,
@@ -29,6 +30,7 @@ from keytrace.cli._common import (
 from keytrace.cli._progress import progress_printer
 from keytrace.errors import UsageError
 from keytrace.report.table import write_rows
+from keytrace.report.text import sweep_line
 
 
 def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
@@ -71,7 +73,12 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
 @click.option(
     "--from", "from_trace", default=None, help="Take the geometry from this trace's header instead."
 )
-@click.option("--budget", type=int, default=None, help="max_num_batched_tokens (tokens per step).")
+@click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    default=None,
+    help="max_num_batched_tokens (tokens per step).",
+)
 @click.option(
     "--prefix-match-unit",
     type=click.IntRange(min=1),
@@ -89,7 +96,12 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     "is a prefix of the prime: it can hit only where the prime's store kept tails below its "
     "own boundary (a retention interval's).",
 )
-@click.option("--blocks-per-chunk", type=int, default=None, help="Offload chunk size in blocks.")
+@click.option(
+    "--blocks-per-chunk",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Offload chunk size in blocks.",
+)
 @drafter_option("Run a speculative drafter ('none': drop the one a --from trace names).")
 @dcp_option("Decode context parallel size (default: the geometry's, 1).")
 @inject_option("Reintroduce a historical store-side bug (testing keytrace itself).")
@@ -103,15 +115,19 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     help="With --fix: also sweep stock vLLM and say how many failing lengths the fix closes "
     "and whether it adds a mismatch (twice the time).",
 )
-@click.option("--csv", "csv_path", default=None, help="Also write the table as CSV.")
-@click.option("--parquet", "parquet_path", default=None, help="Also write the table as Parquet.")
+@click.option("--csv", "csv_path", type=OutputPath(), help="Also write the table as CSV.")
+@click.option(
+    "--parquet", "parquet_path", type=OutputPath(), help="Also write the table as Parquet."
+)
 @click.option(
     "--plot",
     "plot_prefix",
-    default=None,
+    type=OutputPath(),
     help="Write PREFIX.png and PREFIX.svg (needs the plot extra).",
 )
-@click.option("--quiet", is_flag=True, help="No table on stdout (files only).")
+@click.option(
+    "--quiet", is_flag=True, help="No table on stdout, only its one summary line (files only)."
+)
 @plain_progress_option
 def command(
     lengths: str,
@@ -136,9 +152,10 @@ def command(
     """Record prime -> GPU-only reset -> identical resend at every length and diff it
     (--prime-length: a prime of that length sharing the prefix instead).
 
-    Each length runs on a fresh real vLLM 0.33.0 scheduler (CPU, about 0.3 s a length on
-    dsv4). The table gives, per length: the expected boundary E, the external tokens vLLM
-    returned, the verdict, and for a shortfall the binding group, terminal chunk and cause.
+    Each length runs on a fresh real scheduler of the installed vLLM (CPU, about 0.3 s a
+    length on dsv4). The table gives, per length: the expected boundary E, the external
+    tokens vLLM returned, the verdict, and for a shortfall the binding group, terminal chunk
+    and cause; one line after it counts the lengths that mismatch.
 
     \b
     Example: keytrace sweep --lengths 17900:18200 --plot sweep
@@ -174,6 +191,11 @@ def command(
     if dcp is not None:
         changes["dcp"] = dcp
     longest = max(*todo, prime_length or 0)
+    if longest > geo.max_model_len:  # a server refuses the prompt: no verdict to give on it
+        raise UsageError(
+            f"length {longest:,} is over the max_model_len of geometry {geo.name} "
+            f"({geo.max_model_len:,}): vLLM refuses such a prompt"
+        )
     if longest + 64 > geo.max_model_len:
         changes["max_model_len"] = longest + 1024
     changes["num_gpu_blocks"] = None  # sized per length
@@ -205,6 +227,7 @@ def command(
     )
     if not quiet:
         _table(rows, stock)
+    click.echo(sweep_line(rows))  # with --quiet too: what the exit status means, in words
     write_rows(rows, csv_path=csv_path, parquet_path=parquet_path)
     if stock is not None and fix:
         click.echo(compare_fix(stock, rows, fix).text())

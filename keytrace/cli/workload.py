@@ -8,6 +8,7 @@ import tempfile
 import click
 
 from keytrace.cli._common import (
+    OutputPath,
     dcp_option,
     drafter_option,
     fix_option,
@@ -20,13 +21,15 @@ from keytrace.cli._progress import progress_printer
 from keytrace.errors import EXIT_MISMATCH, EXIT_OK, KeytraceError, UsageError
 
 
-def _range(text: str, kind: type) -> tuple:  # type: ignore[type-arg]
+def _range(text: str, kind: type, least: int = 0) -> tuple:  # type: ignore[type-arg]
     try:
         lo, hi = (kind(x) for x in text.split(":"))
     except ValueError:
         raise UsageError(f"bad range {text!r}: use LOW:HIGH") from None
     if hi < lo:
         raise UsageError(f"bad range {text!r}: LOW must not exceed HIGH")
+    if lo < least:
+        raise UsageError(f"bad range {text!r}: LOW must be at least {least}")
     return lo, hi
 
 
@@ -44,7 +47,11 @@ def _tiers(text: str) -> tuple[str, ...]:
 
 @subcommand("workload")
 @click.option(
-    "-o", "--out", "out_dir", default=None, help="Trace folder [default: a new temporary one]."
+    "-o",
+    "--out",
+    "out_dir",
+    type=OutputPath(folder=True),
+    help="Trace folder [default: a new temporary one].",
 )
 @click.option(
     "--geometry",
@@ -56,11 +63,27 @@ def _tiers(text: str) -> tuple[str, ...]:
     help="Built-in geometry ('hybrid': no MTP group, where stock vLLM's rules agree; "
     "'dsv3' and 'recurrent': no sliding window, for --dcp).",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--conversations", type=int, default=24, show_default=True)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seeds every draw: same seed, same traffic.",
+)
+@click.option(
+    "--conversations",
+    type=click.IntRange(min=1),
+    default=24,
+    show_default=True,
+    help="Conversations, each of --turns turns.",
+)
 @click.option("--turns", default="2:4", show_default=True, help="Turns per conversation, LOW:HIGH.")
 @click.option(
-    "--system-prompts", type=int, default=2, show_default=True, help="Shared across conversations."
+    "--system-prompts",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Shared across conversations.",
 )
 @click.option(
     "--system-chunks",
@@ -79,7 +102,7 @@ def _tiers(text: str) -> tuple[str, ...]:
 )
 @click.option(
     "--arrival-steps",
-    type=int,
+    type=click.IntRange(min=0),
     default=40,
     show_default=True,
     help="Conversations start spread over this many steps.",
@@ -92,52 +115,64 @@ def _tiers(text: str) -> tuple[str, ...]:
 )
 @click.option(
     "--resend-rate",
-    type=float,
+    type=click.FloatRange(0, 1),
     default=0.2,
     show_default=True,
     help="Chance a turn is resent identically.",
 )
 @click.option(
     "--engines",
-    type=int,
+    type=click.IntRange(min=1),
     default=2,
     show_default=True,
     help="Data-parallel engines (one CPU tier each).",
 )
 @click.option(
     "--reroute-rate",
-    type=float,
+    type=click.FloatRange(0, 1),
     default=0.25,
     show_default=True,
     help="Chance a turn goes to another engine.",
 )
 @click.option(
-    "--cpu-chunks", type=int, default=None, help="CPU tier size [default: small enough to evict]."
+    "--cpu-chunks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU tier size [default: small enough to evict].",
 )
 @click.option(
     "--gpu-prompts",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=2.0,
     show_default=True,
     help="GPU pool, in average prompts.",
 )
 @click.option(
     "--store-delay",
-    type=int,
+    type=click.IntRange(min=1),
     default=3,
     show_default=True,
     help="Steps before a store is acknowledged.",
 )
 @click.option(
     "--gpu-flush-steps",
-    type=int,
+    type=click.IntRange(min=0),
     default=20,
     show_default=True,
     help="Every N steps vLLM drops the GPU prefix cache and preempts running requests (0: never).",
 )
-@click.option("--async/--no-async", "async_scheduling", default=True, show_default=True)
 @click.option(
-    "--budget", type=int, default=None, help="max_num_batched_tokens [default: the geometry's]."
+    "--async/--no-async",
+    "async_scheduling",
+    default=True,
+    show_default=True,
+    help="vLLM's async scheduling (a step scheduled while the previous one runs).",
+)
+@click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    default=None,
+    help="max_num_batched_tokens [default: the geometry's].",
 )
 @click.option(
     "--tiers",
@@ -197,7 +232,7 @@ def command(
     alarm: bool,
     progress: bool | None,
 ) -> int:
-    """Record seeded, realistic traffic through the real vLLM 0.33.0 scheduler and diff it.
+    """Record seeded, realistic traffic through the installed vLLM's real scheduler, and diff it.
 
     Conversations of several turns (each extends the previous prompt and output), shared
     system prompts, identical resends, several requests in flight, a CPU tier small enough
@@ -210,18 +245,18 @@ def command(
     Exit status: 0 no mismatch, 1 mismatch found, 2 trouble (or the oracle disagreed).
     """
     from keytrace.analysis.geometry import builtin, dcp_refusal, parse_drafter, parse_retention
-    from keytrace.report.text import render_diff
+    from keytrace.report.text import plural, render_diff
     from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
 
     spec = WorkloadSpec(
         geometry=geometry,
         seed=seed,
         conversations=conversations,
-        turns=_range(turns, int),
+        turns=_range(turns, int, 1),
         system_prompts=system_prompts,
         system_chunks=_range(system_chunks, float),
         message_chunks=_range(message_chunks, float),
-        output_tokens=_range(output_tokens, int),
+        output_tokens=_range(output_tokens, int, 1),
         arrival_steps=arrival_steps,
         think_steps=_range(think_steps, int),
         resend_rate=resend_rate,
@@ -252,9 +287,10 @@ def command(
     )
     res, report = study.result, study.report
     click.echo(
-        f"recorded {res.requests} requests ({res.turns} turns, {res.resends} resends, "
-        f"{res.rerouted} rerouted) on {engines} engine(s) in {res.steps} steps, "
-        f"{res.gpu_flushes} GPU cache drops"
+        f"recorded {plural(res.requests, 'request')} ({plural(res.turns, 'turn')}, "
+        f"{plural(res.resends, 'resend')}, {res.rerouted} rerouted) on "
+        f"{plural(engines, 'engine')} in {plural(res.steps, 'step')}, "
+        f"{plural(res.gpu_flushes, 'GPU cache drop')}"
         + (f", {res.aborted} aborted after deferrals without end" if res.aborted else "")
         + f", {res.seconds:.1f}s -> {out}"
     )
@@ -264,17 +300,19 @@ def command(
         same = "the same as the differ's" if counts == report.counts else "NOT the differ's"
         listed = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         click.echo(
-            f"\nlive alarm: {listed} ({same}); {study.alarm_warnings} warning(s), one per "
+            f"\nlive alarm: {listed} ({same}); {plural(study.alarm_warnings, 'warning')}, one per "
             "new engine, group and cause"
         )
     if study.oracle is not None:
         bad = study.disagreements
         click.echo(
-            f"\noracle: {len(study.oracle)} shortfall episode(s) looked up again in isolation, "
-            f"{len(bad)} disagreement(s)"
+            f"\noracle: {plural(len(study.oracle), 'shortfall episode')} looked up again in "
+            f"isolation, {plural(len(bad), 'disagreement')}"
         )
         for c in bad:
             click.echo(f"  DISAGREES: {c.describe()}")
         if bad:
-            raise KeytraceError(f"the isolated-lookup oracle disagrees on {len(bad)} episode(s)")
+            raise KeytraceError(
+                f"the isolated-lookup oracle disagrees on {plural(len(bad), 'episode')}"
+            )
     return EXIT_MISMATCH if report.first_mismatch is not None else EXIT_OK

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import IO, Any
 
 from keytrace.analysis.results import NO_VERDICT
@@ -12,6 +13,27 @@ from keytrace.judge.trust import agree_claim, trust_line
 
 def fmt_int(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
+
+
+def plural(n: int, noun: str) -> str:
+    """``n`` and its noun, singular for one: ``plural(1, "episode")`` is "1 episode",
+    ``plural(2_000, "episode")`` "2,000 episodes" (nouns that take an s)."""
+    return f"{n:,} {noun if n == 1 else noun + 's'}"
+
+
+def sweep_line(rows: Sequence[Any]) -> str:
+    """`keytrace sweep`'s one summary line over its rows (`keytrace.analysis.sweep.SweepRow`):
+    how many lengths mismatch, and where (binding groups and causes)."""
+    bad = [r for r in rows if r.verdict == "mismatch"]
+    line = f"{len(bad)} of {plural(len(rows), 'length')} mismatch"
+    if bad:
+        groups = sorted({r.binding_group for r in bad if r.binding_group is not None})
+        causes = sorted({r.cause or "?" for r in bad})
+        line += f": binding group {', '.join(map(str, groups))}, cause {', '.join(causes)}"
+    unjudged = sum(r.verdict == NO_VERDICT for r in rows)
+    if unjudged:
+        line += f" ({plural(unjudged, 'length')} not judged: no rules for this geometry)"
+    return line
 
 
 def render_header(header: dict[str, Any], file: IO[str]) -> None:
@@ -51,7 +73,8 @@ the count is of keys looked up, not of rows on disk)."""
 def render_summary(s: Summary, file: IO[str]) -> None:
     h = s.header
     file.write(
-        f"trace: {s.parts} part(s) from {s.instances} recorder instance(s); vLLM {h.get('vllm_version')}"
+        f"trace: {plural(s.parts, 'part')} from {plural(s.instances, 'recorder instance')}; "
+        f"vLLM {h.get('vllm_version')}"
         + (" (not a verified release)" if h.get("vllm_verified") is False else "")
         + ", "
         f"model {h.get('model')}, blocks_per_chunk {h.get('blocks_per_chunk')}\n"
@@ -152,10 +175,11 @@ def render_episode(v: Any, file: IO[str], *, header: dict[str, Any]) -> None:
             f"{CAUSE_TEXT.get(n.cause, n.cause)}\n"
         )
     if len(absent) > 12:
-        file.write(f"    ... {len(absent) - 12} more absent chunk(s) (use --json for all)\n")
+        more = plural(len(absent) - 12, "more absent chunk")
+        file.write(f"    ... {more} (use --json for all)\n")
     if unknown:
         file.write(
-            f"    ({unknown} needed chunk(s) of groups the scan never reached; keys unknown)\n"
+            f"    ({plural(unknown, 'needed chunk')} of groups the scan never reached; keys unknown)\n"
         )
 
 
@@ -170,7 +194,7 @@ def render_diff(report: Any, file: IO[str]) -> None:
     if report.verdict == NO_VERDICT:
         n = sum(report.counts.values())
         file.write(
-            f"recorded: {n} lookup episode(s); none judged (`--json` has what the rules "
+            f"recorded: {plural(n, 'lookup episode')}; none judged (`--json` has what the rules "
             "would say where they do not apply, for whoever writes the missing ones)\n"
         )
         return
@@ -196,7 +220,7 @@ def render_diff(report: Any, file: IO[str]) -> None:
         n = sum(report.counts.values())
         of = " of the sampled chains" if report.sample is not None else ""
         claim = agree_claim(report.rules)
-        file.write(f"{claim}{partial}: no store/lookup mismatch in {n} episode(s){of}\n")
+        file.write(f"{claim}{partial}: no store/lookup mismatch in {plural(n, 'episode')}{of}\n")
     if report.sample is not None:
         file.write(
             f"sampled trace (KEYTRACE_SAMPLE={report.sample:g}): every row of "
@@ -218,7 +242,8 @@ def render_diff(report: Any, file: IO[str]) -> None:
         render_episode(v, file, header=report.header)
     hidden = len(report.episodes) - len(shown)
     if hidden > 0 and not report.all_episodes:
-        file.write(f"\n({hidden} more shortfall episode(s) not shown; --all lists every episode)\n")
+        more = plural(hidden, "more shortfall episode")
+        file.write(f"\n({more} not shown; --all lists every episode)\n")
     if report.lost is not None:
         file.write("\n")
         render_lost(report.lost, file, header=report.header)
@@ -243,7 +268,7 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
         bad = [e for e in fleet.engines if e.mismatches]
         head = "MISMATCH" if fleet.verdict == "mismatch" else agree_claim(rules)
         n = len(fleet.engines)
-        file.write(f"{head}{partial}: {len(bad)} of {n} engine(s) with mismatches\n")
+        file.write(f"{head}{partial}: {len(bad)} of {plural(n, 'engine')} with mismatches\n")
     for f in getattr(fleet, "identity", []):  # engines compared before any key
         file.write(f"MISMATCH{partial}: {f.text}\n")
     if fleet.verdict == NO_VERDICT:
@@ -281,10 +306,12 @@ def render_fleet(fleet: Any, file: IO[str]) -> None:
         for r in e.rule_rows[:MAX_RULE_ROWS]:
             group = "" if r.group is None else f" group {r.group}"
             file.write(
-                f"  RULE {r.cause}{group}: {r.tokens:,} tokens in {r.episodes:,} episode(s)\n"
+                f"  RULE {r.cause}{group}: {plural(r.tokens, 'token')} in "
+                f"{plural(r.episodes, 'episode')}\n"
             )
         if len(e.rule_rows) > MAX_RULE_ROWS:
-            file.write(f"  ... {len(e.rule_rows) - MAX_RULE_ROWS} more RULE row(s) (--json)\n")
+            more = plural(len(e.rule_rows) - MAX_RULE_ROWS, "more RULE row")
+            file.write(f"  ... {more} (--json)\n")
 
 
 def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
@@ -300,8 +327,8 @@ def render_lost(lost: Any, file: IO[str], *, header: dict[str, Any]) -> None:
         columns = ["all"]
     total = lost.prompt_tokens.get("all", 0)
     file.write(
-        f"where the tokens to prefill came from ({lost.episodes.get('all', 0):,} lookups, "
-        f"{total:,} tokens):\n"
+        f"where the tokens to prefill came from ({plural(lost.episodes.get('all', 0), 'lookup')}, "
+        f"{plural(total, 'token')}):\n"
     )
     from keytrace.analysis.lost import CATEGORIES
 
@@ -385,9 +412,10 @@ def render_doctor(d: dict[str, Any], file: IO[str], *, checks: bool = False) -> 
 def render_verify(out: Any, file: IO[str]) -> None:
     """``keytrace doctor --verify``: what the oracle checked on the installed code."""
     file.write(
-        f"vLLM {out.vllm} (rules digest {out.digest}): {out.episodes:,} shortfall episode(s) "
-        f"of {out.workloads} workload(s) looked up again in isolation in {out.seconds:.0f}s, "
-        f"{len(out.disagreements)} disagreement(s)\n"
+        f"vLLM {out.vllm} (rules digest {out.digest}): "
+        f"{plural(out.episodes, 'shortfall episode')} of {plural(out.workloads, 'workload')} "
+        f"looked up again in isolation in {out.seconds:.0f}s, "
+        f"{plural(len(out.disagreements), 'disagreement')}\n"
     )
     for line in out.disagreements:
         file.write(f"  DISAGREES: {line}\n")

@@ -427,3 +427,29 @@ def test_compact_says_what_it_set_aside(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["compact", str(d), "-o", str(tmp_path / "c")]) == 0
     err = capsys.readouterr().err
     assert "keytrace: warning: writer " in err and "last flush (3) has only its store" in err
+
+
+@pytest.mark.parametrize("gap", ["torn flush", "stores without lookups"])
+@pytest.mark.parametrize("command", ["diff", "replay", "minimize", "report"])
+def test_a_refusal_is_said_once(
+    gap: str, command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The error line names what is missing; no warning line says it again before it."""
+    d = tmp_path / "t"
+    if gap == "torn flush":
+        _two_requests(d)
+        [torn] = [p for p in _parts(d, "lookup") if _flush_of(p) == 2]
+        torn.unlink()
+    else:
+        b = new_builder(d)
+        b.prime("r1", "c", 64)
+        b.store("ghost", "g", 0, [0, 1])
+        b.close()
+    extra = ["-o", str(tmp_path / "out")] if command in ("minimize", "report") else []
+    assert main([command, str(d), *extra]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("keytrace: error: the trace is incomplete: "), err
+    # with --allow-incomplete the warnings are all there is to say it
+    if command == "diff":
+        assert main([command, str(d), "--allow-incomplete"]) == 0
+        assert "keytrace: warning: incomplete trace: " in capsys.readouterr().err

@@ -115,3 +115,56 @@ def test_replay_needs_a_complete_header(tmp_path: Path, capsys: pytest.CaptureFi
         err
         == "keytrace: error: cannot replay: trace header lacks 'max_num_batched_tokens', which replay needs"
     )
+
+
+def test_an_output_pytest_would_not_collect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a .py file: refused before the trace is read. A .py name pytest's default
+    ``python_files`` misses: written (a project may collect it), with one warning."""
+    assert main(["fixture", str(DATA / "v1"), "-o", str(tmp_path / "x.txt")]) == 2
+    assert "x.txt is not a .py file: pytest would not collect it" in capsys.readouterr().err
+    assert not (tmp_path / "x.txt").exists()
+    assert main(["fixture", str(DATA / "v1"), "-o", str(tmp_path / "case.py")]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        "keytrace: warning: pytest collects test_*.py and *_test.py by default, not case.py: "
+        "rename it or list it in python_files\n"
+    )
+    for name in ("test_case.py", "case_test.py"):
+        assert main(["fixture", str(DATA / "v1"), "-o", str(tmp_path / name)]) == 0
+        assert capsys.readouterr().err == ""
+
+
+def test_a_missing_folder_is_refused_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no" / "test_x.py"
+    assert main(["fixture", str(DATA / "v1"), "-o", str(out)]) == 2
+    assert f"folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+    # a folder given as such (trailing slash) is still made, in an existing folder
+    assert main(["fixture", str(DATA / "v1"), "-o", str(tmp_path / "new") + "/"]) == 0
+    assert len(list((tmp_path / "new").glob("test_keytrace_*.py"))) == 1
+
+
+def test_a_fixture_for_a_hit_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.factories import TINY, new_builder
+
+    d = tmp_path / "t"
+    b = new_builder(d, geometry=TINY.with_(groups=TINY.groups[:2]))
+    b.prime("r1", "c", 100, swa_chunks={1: [4, 5]})
+    fa = [(c, "HIT") for c in range(6)]
+    b.episode("r2", 100, external=96, chain="c", scans=[(0, fa), (1, [(5, "HIT"), (4, "HIT")])])
+    b.close()
+    assert main(["diff", str(d)]) == 0  # AGREE
+    capsys.readouterr()
+    assert main(["fixture", str(d), "-o", str(tmp_path / "test_hit.py")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "keytrace: note: the test is for request r2's hit episode, not a mismatch: green "
+        "today, red if vLLM stops reaching E"
+    ]
+    # the first mismatch: nothing to say
+    assert main(["fixture", str(DATA / "v1"), "-o", str(tmp_path / "test_bad.py")]) == 0
+    assert capsys.readouterr().err == ""

@@ -68,7 +68,7 @@ def test_by_engine_text_and_json(fleet: tuple[Path, list[list[str]]]) -> None:
     assert text.returncode == 1, text.stderr
     n_bad = len({e for e, _ in planted})
     first = text.stdout.splitlines()[0]
-    assert first == f"MISMATCH: {n_bad} of {ENGINES} engine(s) with mismatches"
+    assert first == f"MISMATCH: {n_bad} of {ENGINES} engines with mismatches"
     assert "first: request " in text.stdout and "RULE " in text.stdout
     doc = json.loads(_cli("--by", "engine", "--json", str(trace)).stdout)
     assert doc["verdict"] == "mismatch" and len(doc["engines"]) == ENGINES
@@ -86,7 +86,7 @@ def test_an_agreeing_engine_has_no_first_mismatch(tmp_path: Path) -> None:
     b.close()
     out = _cli("--by", "engine", str(tmp_path / "t"))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("AGREE: 0 of 1 engine(s) with mismatches\n")
+    assert out.stdout.startswith("AGREE: 0 of 1 engine with mismatches\n")
     assert "first:" not in out.stdout and "RULE " not in out.stdout.split("\n", 2)[2]
     v3 = _cli("--by", "engine", str(ROOT / "tests" / "data" / "v3"))
     assert v3.returncode == 1

@@ -50,7 +50,7 @@ def test_explained_and_agree_reports(tmp_path: Path) -> None:
     report = diff(open_trace(str(d)), all_episodes=True)
     lines = _text(render_diff, report)
     assert lines[:2] == [
-        "AGREE: no store/lookup mismatch in 2 episode(s)",
+        "AGREE: no store/lookup mismatch in 2 episodes",
         "episodes: cold 1, explained 1",
     ]
     assert (
@@ -66,7 +66,7 @@ def test_explained_and_agree_reports(tmp_path: Path) -> None:
 def test_summary(tmp_path: Path) -> None:
     trace = open_trace(str(_build(tmp_path, swa1=[5], episode_external=0)))
     assert _text(render_summary, summarize(trace)) == [
-        "trace: 2 part(s) from 1 recorder instance(s); vLLM 0.33.0, model None, blocks_per_chunk 1",
+        "trace: 2 parts from 1 recorder instance; vLLM 0.33.0, model None, blocks_per_chunk 1",
         "recorded: store events 14, key lookups 13, episodes 2, load events 0, step rows 0",
         "",
         "group  kind        tpc    stored prepared  not new evicted   lookups      HIT     MISS "
@@ -133,3 +133,67 @@ def test_a_chunk_on_a_secondary_tier_is_not_listed_as_absent() -> None:
         "    group 0 chunk 4 [64, 80): lookup MISS; on a secondary tier; no CPU slot to promote "
         "it into, though the request fits the CPU tier beside the transfers in flight"
     ]
+
+
+def test_counts_take_the_plural_they_need() -> None:
+    from keytrace.report.text import plural
+
+    assert [plural(n, "lookup") for n in (0, 1, 2, 1_000)] == [
+        "0 lookups",
+        "1 lookup",
+        "2 lookups",
+        "1,000 lookups",
+    ]
+
+
+def test_one_lookup_one_episode(tmp_path: Path) -> None:
+    """A trace of one episode reads "1 lookup" and "1 episode", never "(s)"."""
+    b = new_builder(tmp_path / "t")
+    b.episode("r1", 64, external=0, scans=[(0, [(0, "MISS")])], chain="c")
+    b.close()
+    text = "\n".join(_text(render_diff, diff(open_trace(str(tmp_path / "t")))))
+    assert "no store/lookup mismatch in 1 episode\n" in text
+    assert "(1 lookup, 64 tokens)" in text
+    assert "(s)" not in text
+    summary = _text(render_summary, summarize(open_trace(str(tmp_path / "t"))))
+    assert summary[0].startswith("trace: 1 part from 1 recorder instance; ")
+
+
+def test_sweep_line() -> None:
+    from keytrace.analysis.sweep import SweepRow
+    from keytrace.report.text import sweep_line
+
+    hit = SweepRow(1030, 512, 1, 1024, 1024, "hit", None, None, None, 0.1)
+    miss = SweepRow(1028, 512, 1, 1024, 0, "mismatch", 2, 60, "never_offered", 0.1)
+    assert sweep_line([hit]) == "0 of 1 length mismatch"
+    assert sweep_line([hit, miss, miss]) == (
+        "2 of 3 lengths mismatch: binding group 2, cause never_offered"
+    )
+
+
+def test_replay_names_its_cause_once() -> None:
+    """The replay's line names the cause in the reason, not a second time around it."""
+    from keytrace.vllm.lab.replay import ReplayResult
+
+    r = ReplayResult(
+        external_tokens=0,
+        local_tokens=0,
+        expected_E=17_920,
+        verdict="mismatch",
+        binding_group=2,
+        binding_label="SWA, EAGLE",
+        terminal_chunk=277,
+        cause="never_offered",
+        reason="lookup needed chunks the store path did not keep: never offered by the store path",
+        steps=[],
+        trace_dir="t",
+    )
+    assert r.explain() == (
+        "replay got 0 external tokens; expected boundary E=17,920; verdict mismatch; binding "
+        "group 2 (SWA, EAGLE), terminal chunk 277: lookup needed chunks the store path did "
+        "not keep: never offered by the store path; trace: t"
+    )
+    other = ReplayResult(**{**r.__dict__, "reason": "a reason of its own"})
+    assert other.explain().endswith(
+        "terminal chunk 277: never offered by the store path (a reason of its own); trace: t"
+    )

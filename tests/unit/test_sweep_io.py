@@ -43,3 +43,32 @@ def test_write_rows_with_null_leading_columns(tmp_path: Path) -> None:
     assert (tmp_path / "s.csv").read_text().splitlines()[
         -1
     ] == "1153,8192,1,1152,0,mismatch,2,69,never_offered,0.1"
+
+
+def test_a_length_is_at_least_one_token() -> None:
+    for bad in ("0", "0:8", "5,0"):
+        with pytest.raises(ValueError, match="bad length 0: a prompt has at least 1 token"):
+            parse_lengths(bad)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_sweep_says_how_many_lengths_mismatch(
+    quiet: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One summary line after the table, and with --quiet instead of it: exit 1 always
+    comes with the line that says why."""
+    import keytrace.vllm.lab.sweep as lab
+    from keytrace.cli import main
+
+    def fake(geo: object, lengths: list[int], **kw: object) -> list[SweepRow]:
+        miss = SweepRow(1028, 512, 1, 1024, 0, "mismatch", 2, 64, "never_offered", 0.1)
+        return [miss] + [
+            SweepRow(n, 512, 1, 1024, 1024, "hit", None, None, None, 0.1) for n in lengths[1:]
+        ]
+
+    monkeypatch.setattr(lab, "run_sweep", fake)
+    argv = ["sweep", "--geometry", "small", "--lengths", "1028:1036:4", "--no-progress"]
+    assert main(argv + (["--quiet"] if quiet else [])) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "1 of 3 lengths mismatch: binding group 2, cause never_offered"
+    assert len(out) == (1 if quiet else 5)  # the header, three rows and the line

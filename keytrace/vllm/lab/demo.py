@@ -53,9 +53,9 @@ def run_demo(
     out_dir: str, *, log: Callable[[str], None] = lambda s: None, sweep_step: int = 8
 ) -> DemoResult:
     """Run the whole loop into ``out_dir`` (must be new or empty)."""
-    require_vllm()
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UsageError(f"{out_dir} is not empty; pass a new --out folder")
+    require_vllm()  # after what needs no vLLM to refuse: loading it takes seconds
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.monotonic()
     res = DemoResult(out_dir=out_dir)

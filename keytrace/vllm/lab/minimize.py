@@ -58,6 +58,18 @@ def scenario_from_plan(plan: ReplayPlan) -> Scenario:
     return Scenario(geo, tuple(plan.prime_lengths), plan.episode_length)
 
 
+def check_minimizable(plan: ReplayPlan) -> None:
+    """Raise `UsageError` unless ``plan``'s recorded episode is a mismatch with a binding
+    group and cause (what `minimize` keeps). Needs no vLLM."""
+    from keytrace.errors import UsageError
+
+    if plan.recorded_verdict != "mismatch" or plan.binding_group is None or plan.cause is None:
+        raise UsageError(
+            f"request {plan.request} is a {plan.recorded_verdict}, not a mismatch: nothing to "
+            "minimize"
+        )
+
+
 def minimize(
     plan: ReplayPlan,
     *,
@@ -66,15 +78,14 @@ def minimize(
 ) -> Minimized:
     """Shrink the mismatch of ``plan`` (from `keytrace.analysis.plan.plan_from_trace`).
 
-    Raises `UsageError` when the plan's episode is not a mismatch, or its replay no longer
-    is one (then there is nothing to keep)."""
+    Raises `UsageError` when the plan's episode is not a mismatch (`check_minimizable`,
+    before vLLM is loaded), or its replay no longer is one (then there is nothing to keep)."""
     from keytrace.errors import UsageError
+    from keytrace.vllm import require_vllm
 
-    if plan.recorded_verdict != "mismatch" or plan.binding_group is None or plan.cause is None:
-        raise UsageError(
-            f"request {plan.request} is a {plan.recorded_verdict}, not a mismatch: nothing to "
-            "minimize"
-        )
+    check_minimizable(plan)
+    assert plan.binding_group is not None and plan.cause is not None  # checked just above
+    require_vllm()  # `_check` reads any replay error as "not smaller": say this one first
     start = scenario_from_plan(plan)
     bound = start.geometry.groups[plan.binding_group]
     signature = (bound.kind, bound.eagle, plan.cause)

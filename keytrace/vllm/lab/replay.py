@@ -61,10 +61,12 @@ class ReplayResult:
             msg += f"; binding group {self.binding_group} ({self.binding_label})"
         if self.terminal_chunk is not None:
             msg += f", terminal chunk {self.terminal_chunk:,}"
-        if self.cause is not None:
-            msg += f": {CAUSE_TEXT.get(self.cause, self.cause)}"
-        if self.reason:
-            msg += f" ({self.reason})"
+        cause = CAUSE_TEXT.get(self.cause, self.cause) if self.cause is not None else None
+        if cause is not None and cause in self.reason:  # the reason names the cause: once
+            msg += f": {self.reason}"
+        else:
+            msg += f": {cause}" if cause is not None else ""
+            msg += f" ({self.reason})" if self.reason else ""
         return msg + f"; trace: {self.trace_dir}"
 
 

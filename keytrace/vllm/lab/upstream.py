@@ -65,7 +65,6 @@ def write_report(
     from keytrace.vllm.lab.sweep import run_sweep
     from keytrace.vllm.mods.catalog import FIXES, fix_names
 
-    require_vllm()
     trace = open_trace(list(paths))
     report = diff(trace, request=request, maps=DEFAULT_LIMIT)
     if verdict_withheld(report.rules):
@@ -74,6 +73,7 @@ def write_report(
     v = report.first_mismatch
     if v is None or v.E is None:
         raise UsageError("no mismatch in this trace: nothing to report (keytrace diff says why)")
+    require_vllm()  # after the diff, which needs no vLLM: loading it takes seconds
     os.makedirs(out_dir, exist_ok=True)
     header = trace.header
     plan = plan_for(trace, v)

@@ -315,8 +315,10 @@ def verify(
     ``recurrent``); ``retention``: also the retention layouts (`RETENTION_LAYOUTS`);
     ``partial``: the partial-tail layouts; ``checkpoint``: the prefill-checkpoint layouts;
     ``seeds``: how many rounds of every layout the plan holds."""
+    from keytrace.vllm import require_vllm
     from keytrace.vllm.hook.support import vllm_info
 
+    require_vllm()  # one line, not every workload skipped for the same reason
     digest = rulecode.rules_digest()
     out = VerifyOutcome(digest=digest, vllm=vllm_info().version or "?")
     t0 = time.monotonic()
