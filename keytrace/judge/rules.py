@@ -202,8 +202,9 @@ def lookup_cap(
     given a bound, and within ``local + max_load`` when the request asked for one
     (``kv_transfer_params.max_load_tokens``, `request_limits`); no further than the
     request's keys reach (``num_tokens - lookahead``: a block's key exists once the
-    lookahead tokens past it do, and vLLM caps every group's hit at its keys); rounded down
-    to a multiple of every group's chunk size; at least 0.
+    lookahead tokens past it do, and vLLM caps every group's hit at its keys); a chunk below
+    the last keyed one of a full-attention group that drops a block for its drafter
+    (`peek_cap`); rounded down to a multiple of every group's chunk size; at least 0.
 
     Where the ``- 1`` falls is a switch (`trim_first_of`): vLLM 0.33.0 subtracts it after the
     caps, so a cap of ``k`` chunks serves at most ``k - 1`` with a sliding-window group;
@@ -218,12 +219,29 @@ def lookup_cap(
         cap = least(cap, local + max_load)
     if trim and not trim_first:
         cap = cap - 1
+    for g in groups:
+        if g.full_attention and g.drop:
+            cap = least(cap, peek_cap(g, num_tokens))
     short = sub_chunk_cap(groups, cap, local, False if max_load is None else known(max_load))
     lookahead = max((g.lookahead for g in groups), default=0)
     if lookahead:
         cap = least(cap, num_tokens - lookahead)
     u = unit(groups)
     return cases([(short, 0)], greatest(0, cap // u * u))
+
+
+def peek_cap(g: Group, num_tokens: Num) -> Num:
+    """How far a full-attention group that drops a block for its drafter (`Group.drop`) lets
+    a hit reach: vLLM's lookup queries one *peek* chunk past the hit, within the group's
+    keys, and pops the last chunk it confirmed (``_lookup_complete_chunks``: ``query_max =
+    min(max_hit + tpc, len(offload_keys) * tpc)``, then ``num_hit_chunks -= 1``), so the hit
+    ends at least one chunk below the last keyed one: ``(num_tokens // tpc - 1) * tpc``
+    (a chunk is keyed once its tokens are: a chunk is a multiple of the hash unit, and
+    legacy hashes look no further). The store path keeps every full-attention chunk, so the
+    chunk below serves: this is the drop's design (the drafter's last block is
+    recomputed), not a store/lookup disagreement. A sliding-window group's peek is judged
+    by `needed_range` instead: its store path keeps tails for one boundary only."""
+    return (num_tokens // g.tpc - 1) * g.tpc
 
 
 def sub_chunk_cap(groups: Sequence[Group], cap: Num, local: Num, capped: Truth) -> Truth:

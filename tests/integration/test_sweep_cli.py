@@ -90,3 +90,28 @@ def test_sweep_compare_a_fix_with_stock(tmp_path: Path, capsys: pytest.CaptureFi
     assert main([*args, "--fix", "mtp_left_chunk", "--compare"]) == 1
     assert "with fix mtp_left_chunk: 0 of 3 failing lengths hit" in capsys.readouterr().out
     assert main([*args, "--compare"]) == 2  # --compare without a fix
+
+
+def test_a_full_attention_mtp_group_is_served_one_chunk_below_its_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DeepSeek-V3-like MLA with an MTP draft group on the real scheduler: vLLM serves an
+    identical resend one chunk below its last keyed chunk (the drafter's popped peek,
+    `keytrace.judge.rules.peek_cap`) and keytrace expects exactly that: E = external, hit,
+    exit 0 (before: E at the store boundary, a mismatch with no cause on every length)."""
+    code = main(
+        [
+            "sweep",
+            "--geometry",
+            "dsv3",
+            "--lengths",
+            "1000:1024:12",
+            "--parquet",
+            str(tmp_path / "s.parquet"),
+        ]
+    )
+    capsys.readouterr()
+    df = pl.read_parquet(tmp_path / "s.parquet")
+    assert code == 0 and df["verdict"].to_list() == ["hit"] * 3
+    # 1,000 and 1,012 key 15 chunks of 64 (served 896); 1,024 keys 16 (served 960)
+    assert df["external"].to_list() == df["E"].to_list() == [896, 896, 960]

@@ -26,6 +26,7 @@ from keytrace.judge.rules import (
     needed_chunks,
     needed_range,
     partial_anchor_of,
+    peek_cap,
     request_limits,
     store_boundary,
     trim_first_of,
@@ -374,3 +375,21 @@ def test_a_null_max_load_tokens_row_is_not_rounded_like_a_bounded_one() -> None:
     caps = df.select(c=lookup_cap(groups, pl.col("N"), pl.col("S"), None, pl.col("ml")))["c"]
     assert caps.to_list() == [512, 0]
     assert [lookup_cap(groups, 513, 257, None, m) for m in (None, 300)] == [512, 0]
+
+
+def test_a_full_attention_drafter_group_pops_its_last_keyed_chunk() -> None:
+    """vLLM 0.33.0's lookup (and 0.34.0's without lookahead hashes) queries an EAGLE/MTP
+    group one chunk past the hit within its keys and pops the last chunk it confirmed: a
+    full-attention draft group (DeepSeek-V3's MLA MTP) serves one chunk below its last
+    keyed one. A 1,000-token resend keys 15 chunks of 64 and is served 896 (the lab's real
+    scheduler, tests/integration/test_sweep_cli.py); E is 896, not a mismatch at 960."""
+    mla, mtp = Group(0, 64, None, kind="mla"), Group(1, 64, None, eagle=True, kind="mla")
+    assert peek_cap(mtp, 1000) == 896
+    assert lookup_cap([mla, mtp], 1000) == 896
+    assert lookup_cap([mla, mtp], 1024) == 960  # 16 keyed: the peek past 960 is keyed
+    assert lookup_cap([mla], 1000) == 960  # no drafter group: no pop
+    # lookahead hashes (vLLM 0.34.0 with a drafter): no block is dropped
+    ahead = dataclasses.replace(mtp, lookahead=1)
+    assert not ahead.drop and lookup_cap([mla, ahead], 1001) == 960
+    # the pop leaves under one chunk past a local hit: nothing to load
+    assert lookup_cap([mla, mtp], 1000, local=896) == 0
