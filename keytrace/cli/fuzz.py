@@ -50,6 +50,13 @@ from keytrace.errors import EXIT_MISMATCH, EXIT_OK, UsageError, install_hint
     is_flag=True,
     help="Only sliding windows that are whole blocks (skip the k*block+1 window class).",
 )
+@click.option(
+    "--recurrent",
+    is_flag=True,
+    help="Draw recurrent hybrids instead: a full-attention group and 1-3 recurrent "
+    "(Mamba) groups, with or without prefill checkpoints, partial tails (a hash unit below "
+    "the block) and decode context parallelism 2; no drafter.",
+)
 @drafter_option(
     "Run each case with a speculative drafter, drawn from those given (repeat the option; "
     "'none' for no drafter; shrinking prefers the first given). Default: none.",
@@ -65,6 +72,7 @@ def command(
     max_examples: int,
     budget_seconds: float | None,
     aligned_windows: bool,
+    recurrent: bool,
     drafters: tuple[str, ...],
     inject: str | None,
     fix: str | None,
@@ -77,7 +85,8 @@ def command(
     most one EAGLE/MTP; block sizes, windows, blocks per chunk, step budget) and a traffic
     shape (identical resend after a GPU-only reset, or the next turn), and, with
     --drafter, a speculative drafter (vLLM 0.34.0 then hashes each block over the next
-    tokens), records it through the installed vLLM's real scheduler and diffs it. The first mismatch is shrunk to a minimal
+    tokens), records it through the installed vLLM's real scheduler and diffs it (with
+    --recurrent: recurrent hybrids instead). The first mismatch is shrunk to a minimal
     case (fewest groups, smallest blocks and lengths), whose trace is kept under
     OUT/minimal-trace for `keytrace diff`, `fixture` and `replay`. Reruns with the same
     OUT start from the examples it found.
@@ -85,8 +94,11 @@ def command(
     \b
     Example: keytrace fuzz --seed 1 --max-examples 200 --aligned-windows
              keytrace fuzz --drafter none --drafter eagle --drafter mtp:2:3
+             keytrace fuzz --recurrent --max-examples 50
     Exit status: 0 no mismatch found, 1 a mismatch (minimal case printed), 2 trouble.
     """
+    if recurrent and drafters and set(drafters) != {"none"}:
+        raise UsageError("--recurrent draws recurrent hybrids without a drafter: drop --drafter")
     try:
         import hypothesis  # noqa: F401
     except ImportError as exc:
@@ -106,6 +118,7 @@ def command(
         fix=fix,
         aligned_windows=aligned_windows,
         drafters=tuple(parse_drafter(d) for d in drafters) or (None,),
+        recurrent=recurrent,
         progress=progress_printer() if show else None,
     )
     if as_json:

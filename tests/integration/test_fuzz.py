@@ -84,3 +84,22 @@ def test_a_spent_budget_stops_the_search_at_once(tmp_path: Path) -> None:
     res = fuzz(str(tmp_path / "f"), seed=1, max_examples=100_000, budget_seconds=0.0)
     assert res.stopped_by_budget and res.cases == 0 and res.failure is None
     assert json.loads((tmp_path / "f" / "fuzz.json").read_text())["stopped_by_budget"] is True
+
+
+def test_recurrent_hybrids_find_a_state_that_ends_no_chunk(tmp_path: Path) -> None:
+    """`--recurrent` draws recurrent hybrids and finds a documented write-only class: a
+    prompt's last recurrent state kept where it ends no chunk the lookup reaches (under
+    decode context parallelism a full-attention chunk spans two recurrent blocks, or
+    chunks of two blocks: docs/findings.md), named `no_checkpoint` on a recurrent group,
+    0 external tokens, shrunk to one recurrent group and the full-attention one."""
+    res = fuzz(str(tmp_path / "f"), seed=1, max_examples=15, recurrent=True)
+    assert res.failure is not None and res.cases > 0
+    geo = res.failure.geometry
+    bound = geo.groups[res.verdict["binding_group"]]
+    assert bound.recurrent and res.verdict["cause"] == "no_checkpoint"
+    assert [g.recurrent for g in geo.groups] == [True, False]  # shrunk to two groups
+    assert res.verdict["external_tokens"] == 0 and res.verdict["E"] > 0
+    # the state at the prompt's last block boundary ends no full-attention chunk
+    M = (res.failure.prime - 1) // bound.block_size * bound.block_size
+    assert M % (geo.groups[1].block_size * geo.dcp * geo.blocks_per_chunk) != 0
+    assert main(["diff", str(tmp_path / "f" / "minimal-trace")]) == 1

@@ -164,6 +164,10 @@ def _refused(argv: list[str], tmp_path: Path) -> str:
         (["workload", "--system-prompts", "-1"], "'--system-prompts': -1 is not in the range"),
         (["workload", "--turns", "0:3"], "bad range '0:3': LOW must be at least 1"),
         (["summary", "{bad}", "--episodes", "-1"], "'--episodes': -1 is not in the range"),
+        (
+            ["fuzz", "-o", "{tmp}/f", "--recurrent", "--drafter", "eagle"],
+            "--recurrent draws recurrent hybrids without a drafter",
+        ),
     ],
 )
 def test_bad_values_are_usage_errors_before_vllm(

@@ -17,8 +17,16 @@ What is drawn (every value a multiple of what vLLM requires, so a case is a real
 - a speculative drafter among those asked for (none by default): vLLM builds its own
   ``SpeculativeConfig`` and, on 0.34.0, hashes every block over the next L tokens.
 
+With ``recurrent`` (`_recurrent_case_strategy`), recurrent hybrids instead: one
+full-attention group and 1..3 recurrent (Mamba, gated DeltaNet) groups of one block size
+(16..64: vLLM's ``align`` cache mode), with or without the prefill checkpoints Mamba2 asks
+for, a hash unit of the block or a quarter or half of it (partial tails), decode context
+parallelism 1 or 2; the same chunking, budgets and traffic.
+
 A case vLLM refuses to build (a geometry it does not support) is rejected, counted and
-reported, never a failure. Imports vLLM (through replay) and Hypothesis lazily.
+reported, never a failure; so is one keytrace has no rules for (its verdict would be
+``no_verdict``: `keytrace.judge.trust.uncovered`). Imports vLLM (through replay) and
+Hypothesis lazily.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from keytrace.analysis.geometry import Drafter, Geometry, GroupGeom, describe
+from keytrace.analysis.results import NO_VERDICT
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -119,6 +128,44 @@ def _case_strategy(aligned_windows: bool, drafters: tuple[Drafter | None, ...] =
     return case()
 
 
+def _recurrent_case_strategy() -> Any:
+    from hypothesis import strategies as st
+
+    @st.composite
+    def case(draw: Any) -> Case:
+        block = draw(st.sampled_from([64, 32, 16]))  # shrinks towards the presets' 64
+        checkpoints = draw(st.booleans())
+        states = tuple(
+            GroupGeom(
+                "mamba",
+                block,
+                name=f"r{i}",
+                prefill_checkpoint_alignment=1 if checkpoints else None,
+            )
+            for i in range(draw(st.integers(1, 3)))
+        )
+        unit = draw(st.sampled_from([None, block // 4, block // 2]))
+        bpc = draw(st.integers(1, 2))
+        A = block * bpc
+        budget = block * draw(st.integers(2, 32))
+        prime = A * draw(st.integers(2, 48)) + draw(st.integers(0, A - 1))
+        shape = draw(st.sampled_from(["resend", "next_turn"]))
+        episode = prime if shape == "resend" else prime + block * draw(st.integers(1, 3))
+        geo = Geometry(
+            name="fuzz",
+            groups=(*states, GroupGeom("full_attention", block, name="fa")),
+            blocks_per_chunk=bpc,
+            max_num_batched_tokens=budget,
+            max_model_len=episode + 4 * A * 2 + 1024,
+            cpu_chunks=100_000,
+            prefix_match_unit=unit,
+            dcp=draw(st.sampled_from([1, 2])),
+        )
+        return Case(geo, shape, prime, episode)
+
+    return case()
+
+
 def run_case(case: Case, *, trace_dir: str | None = None) -> dict[str, Any]:
     """Record and diff one case on the real scheduler; the episode's verdict as a dict.
     Without ``trace_dir`` the trace goes to a temporary directory, removed after the diff
@@ -141,14 +188,19 @@ def fuzz(
     fix: str | None = None,
     aligned_windows: bool = False,
     drafters: tuple[Drafter | None, ...] = (None,),
+    recurrent: bool = False,
     progress: ProgressFn | None = None,
 ) -> FuzzResult:
     """Search for a mismatch; shrink the first one found. Writes ``out_dir/fuzz.json`` (and
     the minimal case's trace under ``out_dir/minimal-trace``); the Hypothesis example
     database lives in ``out_dir/hypothesis`` so a rerun starts from what it found.
-    ``drafters``: each case runs one of these (None: no drafter), drawn."""
+    ``drafters``: each case runs one of these (None: no drafter), drawn; ``recurrent``:
+    draw recurrent hybrids instead (no drafter: keytrace judges a recurrent group under a
+    drafter only with lookahead hashes, which `RECURRENT_MTP`'s oracle layouts cover)."""
     if not drafters:
         raise ValueError("fuzz needs at least one drafter choice (None: no drafter)")
+    if recurrent and drafters != (None,):
+        raise ValueError("fuzz draws recurrent hybrids without a drafter")
     from hypothesis import HealthCheck, given, reject, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -175,7 +227,7 @@ def fuzz(
         print_blob=False,
         report_multiple_bugs=False,
     )
-    @given(_case_strategy(aligned_windows, drafters))
+    @given(_recurrent_case_strategy() if recurrent else _case_strategy(aligned_windows, drafters))
     def prop(case: Case) -> None:
         key = repr(case)
         if key not in seen:
@@ -186,7 +238,7 @@ def fuzz(
                 raise _BudgetSpent  # not an Exception: Hypothesis lets it through at once
             seen[key] = _outcome(case, res, progress, max_examples)
         v = seen[key]
-        if v is None:  # a configuration vLLM does not build
+        if v is None or v["verdict"] == NO_VERDICT:  # vLLM does not build it, or no rules
             reject()
         if v["verdict"] == "mismatch":
             failures.append((case, v))
@@ -219,6 +271,10 @@ def _outcome(
         res.rejected += 1
         res.first_rejection = res.first_rejection or f"{type(exc).__name__}: {exc}"[:300]
         return None
+    if v["verdict"] == NO_VERDICT:
+        res.rejected += 1
+        res.first_rejection = res.first_rejection or f"no verdict: {case.describe()}"[:300]
+        return v
     res.cases += 1
     if progress is not None:
         progress("cases", res.cases, max_examples)
