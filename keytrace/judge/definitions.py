@@ -164,16 +164,20 @@ SHORTFALLS: tuple[Verdict, ...] = (Verdict.EXPLAINED, Verdict.MISMATCH)
 # ------------------------------------------------------------------ F and the ceiling
 
 
-def fa_prefix_end(S: Num, tpc: int, lead: MaybeNum) -> Num:
+def fa_prefix_end(S: Num, tpc: int, lead: MaybeNum, drop: bool = False) -> Num:
     """How far one full-attention group is resident from S, by the manager's own word: its
     first scan runs left to right from S, so its ``lead`` HITs end at ``(S // tpc + lead) *
-    tpc``. A group the episode never scanned (``lead`` unknown) gives S, and so does a run
-    that ends less than one chunk past S: vLLM's lookup then loads nothing ("We can only
-    load less than a chunk, so skip", ``_lookup_complete_chunks``), which a local hit that
-    ends inside a chunk can meet (``blocks_per_chunk`` > 1)."""
+    tpc``; one chunk less for a group that drops a block for its drafter (``drop``:
+    `Group.drop`), whose lookup queries a peek chunk past the hit and pops the last chunk
+    it confirmed (``num_hit_chunks -= 1`` in ``_lookup_complete_chunks``): a hit at b
+    needs the chunk past b resident too. A group the episode never scanned (``lead``
+    unknown) gives S, and so does a run that ends less than one chunk past S: vLLM's lookup
+    then loads nothing ("We can only load less than a chunk, so skip",
+    ``_lookup_complete_chunks``), which a local hit that ends inside a chunk can meet
+    (``blocks_per_chunk`` > 1)."""
 
     def end() -> Num:
-        return (S // tpc + cast("Num", lead)) * tpc
+        return (S // tpc + cast("Num", lead) - int(drop)) * tpc
 
     return cases([(unknown(lead), S), (lambda: lt(end(), S + tpc), S)], end)
 
@@ -190,7 +194,7 @@ def resident_prefix(S: Num, groups: Sequence[Group], lead: Callable[[int], Maybe
     """F: the smallest `fa_prefix_end` over the full-attention groups (``lead(gid)``: the
     leading HITs of that group's first scan, unknown if never scanned); None when there is
     no full-attention group (no constraint)."""
-    ends = [fa_prefix_end(S, g.tpc, lead(g.gid)) for g in groups if g.full_attention]
+    ends = [fa_prefix_end(S, g.tpc, lead(g.gid), g.drop) for g in groups if g.full_attention]
     return least(*ends) if ends else None
 
 

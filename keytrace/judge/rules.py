@@ -504,7 +504,9 @@ def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, 
 def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, Num]:
     """``[lo, hi)``: the chunks of ``g`` vLLM's lookup needs for a hit ending at ``E``.
 
-    Full attention: every chunk in ``[local, E)``. A sliding-window group: the run its
+    Full attention: every chunk in ``[local, E)``, and the peek chunk past it for a group
+    that drops a block for its drafter (when keyed; `peek_cap` keeps E below the last keyed
+    chunk). A sliding-window group: the run its
     right-to-left scan must find, ending at the end of its query slice. A group that drops
     a block for its drafter (`Group.drop`: EAGLE/MTP with legacy hashes) queries one extra
     *peek* chunk past ``E`` when that chunk is keyed, needs one more consecutive hit, then
@@ -519,6 +521,8 @@ def needed_range(g: Group, local: Num, E: Num, keyed_chunks: Num) -> tuple[Num, 
     tpc = g.tpc
     start = local // tpc
     if g.window is None:
+        if g.drop:  # the peek chunk past E, when keyed: popped, but it must hit
+            return start, least(E // tpc + 1, keyed_chunks)
         return start, E // tpc
     if g.drop:
         query_max = least(E + tpc, keyed_chunks * tpc)

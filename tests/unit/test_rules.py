@@ -393,3 +393,19 @@ def test_a_full_attention_drafter_group_pops_its_last_keyed_chunk() -> None:
     assert not ahead.drop and lookup_cap([mla, ahead], 1001) == 960
     # the pop leaves under one chunk past a local hit: nothing to load
     assert lookup_cap([mla, mtp], 1000, local=896) == 0
+
+
+def test_a_full_attention_drafter_group_needs_its_peek_chunk_resident() -> None:
+    """Below its last keyed chunk the pop takes the peek: a hit at b needs the chunk past b
+    to hit too, so such a group's resident prefix F ends one chunk before its leading HITs
+    (the oracle's tiered DeepSeek-V3-like layout under DCP: E 1280 with the chunk past it
+    absent, vLLM served 1152), and the peek chunk is needed where it is keyed."""
+    from keytrace.judge.definitions import fa_prefix_end
+
+    mtp = Group(1, 128, None, eagle=True, kind="mla")
+    assert fa_prefix_end(0, 128, 10) == 1280
+    assert fa_prefix_end(0, 128, 10, drop=True) == 1152
+    assert fa_prefix_end(1152, 128, 1, drop=True) == 1152  # nothing past S: S
+    assert needed_range(mtp, 0, 1152, 16) == (0, 10)  # the peek chunk 9 ([1152, 1280))
+    assert needed_range(mtp, 0, 1920, 16) == (0, 16)  # the last keyed chunk is the peek
+    assert needed_range(dataclasses.replace(mtp, lookahead=1), 0, 1152, 16) == (0, 9)
