@@ -76,6 +76,21 @@ def _recurrent_groups(header: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _fa_drafter_groups(header: Mapping[str, Any]) -> list[str]:
+    """Offloaded full-attention EAGLE/MTP draft groups that drop a block for the drafter
+    (legacy hashes: no lookahead), whose lookup pops its peek chunk (`rules.peek_cap`)."""
+    if int(header.get("num_hash_lookahead_tokens") or 0):
+        return []
+    return [
+        str(g.get("group_id"))
+        for g in header.get("groups", [])
+        if g.get("offloaded")
+        and g.get("is_eagle")
+        and g.get("sliding_window") is None
+        and not is_recurrent(g)
+    ]
+
+
 ATTENTION = "attention"
 """The feature of every trace without a recurrent group; a run recorded before runs said
 what they covered (``covers`` empty) covered exactly this."""
@@ -83,6 +98,10 @@ RETENTION = "retention"
 """A positive ``retention_interval``: sliding-window tails every that many tokens too."""
 DENSE = "retention-dense"
 """A dense ``retention_interval`` (None): every block of every window kept."""
+FA_DRAFTER = "attention+fa-drafter"
+"""A full-attention EAGLE/MTP draft group with legacy hashes (DeepSeek-V3-like MLA + MTP
+on vLLM 0.33.0): its lookup pops the peek chunk, a rule the attention layouts without such
+a group never exercised (the DCP layouts' `dsv3` ones do)."""
 ATTENTION_DCP = "attention+dcp"
 """Attention groups under decode context parallelism: vLLM scales an attention block by
 the DCP size and keeps a replicated draft group's block as it is, so chunk sizes differ
@@ -90,6 +109,7 @@ across groups in ways the runs without DCP never exercised."""
 FEATURE_TEXT = {
     ATTENTION: "attention groups",
     ATTENTION_DCP: "attention groups under decode context parallelism",
+    FA_DRAFTER: "a full-attention EAGLE/MTP draft group without lookahead hashes",
     RETENTION: "a retention interval",
     DENSE: "dense retention",
     "recurrent": "recurrent state groups",
@@ -127,7 +147,8 @@ def features(header: Mapping[str, Any]) -> tuple[str, ...]:
     `CHECKPOINT_BLOCK`: Mamba2's prefill checkpoints)."""
     if not _recurrent_groups(header):
         dcp = (ATTENTION_DCP,) if _dcp(header) > 1 else ()
-        return (ATTENTION, *dcp, *_retention_feature(header))
+        drafter = (FA_DRAFTER,) if _fa_drafter_groups(header) else ()
+        return (ATTENTION, *dcp, *drafter, *_retention_feature(header))
     needs = ["recurrent"]
     if int(header.get("num_hash_lookahead_tokens") or 0):
         needs.append("recurrent+lookahead")
@@ -173,6 +194,15 @@ def uncovered(header: Mapping[str, Any]) -> tuple[str, ...]:
     tell them from real ones (docs/diff.md, "Retention intervals")."""
     recurrent = _recurrent_groups(header)
     if not recurrent:
+        drafters = _fa_drafter_groups(header)
+        if drafters and header.get("secondary_tiers"):
+            # the oracle's tiered MLA + MTP layout disagreed (E one chunk above what an
+            # isolated lookup serves, on explained episodes): no rule verified there
+            s = "s" if len(drafters) > 1 else ""
+            return (
+                f"full-attention EAGLE/MTP draft group{s} {', '.join(drafters)} without "
+                "lookahead hashes on a tiered manager",
+            )
         return ()
     why = []
     if header.get("supports_partial_tail") and not (header.get("recurrent") or {}).get(

@@ -159,16 +159,28 @@ def test_doctor_verify_runs_the_dcp_layouts(
     assert out.episodes >= 50 and out.disagreements == [], out.disagreements
     assert sum(r.episodes.get("mismatch", 0) for r in out.runs) > 0  # states that end no chunk
     mtp = [g for g, *_ in DCP_LAYOUTS if g == "recurrent_mtp"]
+    # MLA + MTP on a tiered manager: recorded, not judged (trust.uncovered)
+    tiered_mla = [g for g, tiers, *_ in DCP_LAYOUTS if g == "dsv3" and tiers]
     if (vllm_info().version or "").startswith(("0.31", "0.32", "0.33")):
         # no lookahead hashes before 0.34.0: the MTP layout is recorded and not judged
-        assert out.workloads == len(DCP_LAYOUTS) - len(mtp) and len(out.skipped) == len(mtp)
+        skipped = len(mtp) + len(tiered_mla)
         lookahead = set()
     else:
-        assert out.workloads == len(DCP_LAYOUTS) and not out.skipped
+        skipped = len(tiered_mla)
         lookahead = {"recurrent+lookahead"}
-    # the attention layouts (DeepSeek-V3-like MLA under DCP) cover attention+dcp
-    assert set(out.covers) == {"recurrent", "recurrent+dcp", "attention", "attention+dcp"} | (
-        lookahead
+    assert out.workloads == len(DCP_LAYOUTS) - skipped and len(out.skipped) == skipped
+    # the attention layouts (DeepSeek-V3-like MLA + MTP under DCP) cover attention+dcp and
+    # the full-attention drafter's popped peek
+    assert (
+        set(out.covers)
+        == {
+            "recurrent",
+            "recurrent+dcp",
+            "attention",
+            "attention+dcp",
+            "attention+fa-drafter",
+        }
+        | lookahead
     )
 
 

@@ -355,3 +355,24 @@ def test_a_retention_interval_needs_an_oracle_run_that_covered_one() -> None:
     rec = synthetic_header(RECURRENT.with_(retention_interval=128))
     assert "retention interval 128" in trust.uncovered(rec)[0]
     assert trust.trace_rules({**rec, "rules_digest": "d"}).trust is RulesTrust.UNCOVERED  # type: ignore[union-attr]
+
+
+def test_a_full_attention_drafter_group_needs_runs_that_had_one() -> None:
+    """A DeepSeek-V3-like MLA + MTP trace with legacy hashes: its lookup pops the draft
+    group's peek chunk, which only the `dsv3` oracle layouts exercise (`attention+fa-drafter`);
+    with lookahead hashes it is plain attention; on a tiered manager, where the oracle's
+    layout disagreed, no verdict."""
+    from keytrace.analysis.geometry import DSV3, synthetic_header
+
+    h = synthetic_header(DSV3)
+    assert trust.features(h) == ("attention", "attention+fa-drafter") and trust.uncovered(h) == ()
+    assert trust.features({**h, "dcp_world_size": 2}) == (
+        "attention",
+        "attention+dcp",
+        "attention+fa-drafter",
+    )
+    assert trust.features({**h, "num_hash_lookahead_tokens": 1}) == ("attention",)
+    tiered = {**h, "secondary_tiers": [{"medium": "fs"}]}
+    [gap] = trust.uncovered(tiered)
+    assert "draft group 1 without lookahead hashes on a tiered manager" in gap
+    assert trust.uncovered({**tiered, "num_hash_lookahead_tokens": 1}) == ()
