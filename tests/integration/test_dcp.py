@@ -122,16 +122,19 @@ def test_sweep_and_workload_take_dcp(capsys: pytest.CaptureFixture[str]) -> None
     assert "sliding-window" in capsys.readouterr().err
 
 
-def test_the_oracle_agrees_with_the_differ_on_attention_under_dcp(tmp_path: Path) -> None:
-    """Attention only (MLA and its MTP group, blocks of 64 x 2 tokens): every shortfall
-    looked up again alone agrees with the differ, and the live alarm counts the same."""
+def test_attention_under_dcp_is_served_as_keytrace_expects(tmp_path: Path) -> None:
+    """Attention only (MLA and its MTP group, blocks of 64 x 2 tokens): the MTP group's
+    lookup pops its peek chunk (`rules.peek_cap`, `definitions.fa_prefix_end`), so no
+    resend falls short of E: this workload once read 20+ mismatches, each one chunk short
+    by vLLM's design, which the oracle could not refute (it checks shortfalls against what
+    was offered). Now: hits, no shortfall, the live alarm counting the same."""
     from keytrace.vllm.lab.workload import WorkloadSpec, study_workload
 
     spec = WorkloadSpec(geometry=DSV3.name, seed=0, conversations=10, dcp=2)
     study = study_workload(spec, str(tmp_path / "t"), alarm=True, oracle=True)
     assert study.report.header["dcp_world_size"] == 2
-    assert study.oracle is not None and len(study.oracle) >= 20
-    assert study.disagreements == [], [c.describe() for c in study.disagreements]
+    assert study.report.counts.get("hit", 0) >= 10
+    assert not study.report.counts.get("mismatch") and not study.oracle
     assert study.alarm_counts == study.report.counts
 
 
@@ -169,19 +172,15 @@ def test_doctor_verify_runs_the_dcp_layouts(
         skipped = len(tiered_mla)
         lookahead = {"recurrent+lookahead"}
     assert out.workloads == len(DCP_LAYOUTS) - skipped and len(out.skipped) == skipped
-    # the attention layouts (DeepSeek-V3-like MLA + MTP under DCP) cover attention+dcp and
-    # the full-attention drafter's popped peek
-    assert (
-        set(out.covers)
-        == {
-            "recurrent",
-            "recurrent+dcp",
-            "attention",
-            "attention+dcp",
-            "attention+fa-drafter",
-        }
-        | lookahead
-    )
+    assert set(out.covers) == {"recurrent", "recurrent+dcp"} | lookahead
+    # DeepSeek-V3-like MLA + MTP under DCP on a CPU tier: every resend the traffic makes is
+    # served as keytrace expects (before the popped peek was a rule, every shortfall was a
+    # false mismatch: E one chunk above what vLLM serves by design); the LRU tier evicts a
+    # prefix from its start, so no shortfall is left for the oracle, which checks only
+    # those: attention+dcp stays unverified by these runs
+    mla = [r for r in out.runs if r.workload.startswith("dsv3")]
+    assert len(mla) == 2 and all(r.episodes.get("hit", 0) > 0 for r in mla)
+    assert not any(r.episodes.get("mismatch") for r in mla)
 
 
 SENDS_034 = """
