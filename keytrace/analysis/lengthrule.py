@@ -4,7 +4,7 @@ alignment A mismatch, as ranges, and whether that rule explains every swept leng
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from keytrace.analysis.sweep import SweepRow
 
@@ -16,6 +16,9 @@ class LengthRule:
     lengths: int
     mismatches: int
     violations: list[int]  # lengths whose residue is in a range but did not mismatch
+    unswept: list[tuple[int, int]] = field(default_factory=list)
+    """Inclusive ranges of residues next to a mismatching range that no swept length had: a
+    sweep with a step samples the residues, so a range's true ends may lie in them."""
 
     @property
     def holds(self) -> bool:
@@ -24,13 +27,22 @@ class LengthRule:
     def text(self) -> str:
         if not self.mismatches:
             return f"no swept length mismatched ({self.lengths} lengths)"
-        ranges = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in self.residues)
+        rule = f"mismatch iff P mod {self.alignment} in {{{_ranges(self.residues)}}}"
+        if self.unswept:
+            rule += (
+                f" as sampled (residues {_ranges(self.unswept, ' and ')} were not swept: "
+                "a range may reach into them)"
+            )
         verdict = (
             f"holds for all {self.lengths} swept lengths"
             if self.holds
             else f"violated by {len(self.violations)} length(s), e.g. {self.violations[:3]}"
         )
-        return f"mismatch iff P mod {self.alignment} in {{{ranges}}}: {verdict}"
+        return f"{rule}: {verdict}"
+
+
+def _ranges(ranges: Sequence[tuple[int, int]], sep: str = ", ") -> str:
+    return sep.join(f"{a}" if a == b else f"{a}..{b}" for a, b in ranges)
 
 
 def length_rule(rows: Sequence[SweepRow], alignment: int) -> LengthRule:
@@ -54,6 +66,14 @@ def length_rule(rows: Sequence[SweepRow], alignment: int) -> LengthRule:
         elif bad:
             ranges.append((res, res))
         previous_bad = bad
+    swept = sorted(seen)
+    unswept: list[tuple[int, int]] = []
+    for a, b in ranges:
+        before = max((r for r in swept if r < a), default=-1)
+        after = min((r for r in swept if r > b), default=alignment)
+        for lo, hi in ((before + 1, a - 1), (b + 1, after - 1)):
+            if lo <= hi and (lo, hi) not in unswept:
+                unswept.append((lo, hi))
     mixed = {res for res, v in seen.items() if len(v) == 2}
     violations = sorted(
         r.length for r in rows if r.length % alignment in mixed and r.verdict != "mismatch"
@@ -64,4 +84,5 @@ def length_rule(rows: Sequence[SweepRow], alignment: int) -> LengthRule:
         lengths=len(rows),
         mismatches=sum(r.verdict == "mismatch" for r in rows),
         violations=violations,
+        unswept=unswept,
     )

@@ -29,7 +29,11 @@ def test_report_of_the_17975_miss(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "| r2 | 17,975 | 0 | 17,920 | 17,920 | 0 |" in md
     assert "terminal key chunk 277 (tokens 17,728–17,792) looked up as MISS" in md
     # 16 lengths over two periods of A = 256, every 32 tokens: residues 55 and 23 fail
-    assert "**mismatch iff P mod 256 in {23..55}: holds for all 16 swept lengths**" in md
+    # (the true range is 1..63: the ends are said to be as sampled)
+    assert (
+        "**mismatch iff P mod 256 in {23..55} as sampled (residues 0..22 and 56..86 were not "
+        "swept: a range may reach into them): holds for all 16 swept lengths**"
+    ) in md
     assert "2 groups [g0 mla" in md and " MTP]" in md
     fixture = [p for p in out.iterdir() if p.name.startswith("test_keytrace_recorded_17975_")]
     assert len(fixture) == 1 and f"[`{fixture[0].name}`]" in md

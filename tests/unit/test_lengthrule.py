@@ -31,7 +31,17 @@ def test_sampled_residues_merge_into_one_range() -> None:
     # 17,700 = 69*256 + 36: the sampled residues are 4, 12, ..., 252 (all = 4 mod 8)
     assert rule.residues == [(4, 60)]
     assert rule.holds and rule.violations == []
-    assert rule.text() == "mismatch iff P mod 256 in {4..60}: holds for all 64 swept lengths"
+    # a range's ends are as sampled: the true one (1..63) reaches into the unswept residues
+    assert rule.unswept == [(0, 3), (61, 67)]
+    assert rule.text() == (
+        "mismatch iff P mod 256 in {4..60} as sampled (residues 0..3 and 61..67 were not "
+        "swept: a range may reach into them): holds for all 64 swept lengths"
+    )
+    # every residue swept: the range is exact, said plainly
+    every = _rows({n: "mismatch" if 1 <= n % 256 <= 63 else "hit" for n in range(17_920, 18_176)})
+    assert length_rule(every, 256).text() == (
+        "mismatch iff P mod 256 in {1..63}: holds for all 256 swept lengths"
+    )
 
 
 def test_a_residue_that_both_fails_and_passes_is_a_violation() -> None:
@@ -48,7 +58,10 @@ def test_no_mismatch() -> None:
 def test_ranges_and_singletons_and_the_first_three_violations() -> None:
     verdicts = {259: "mismatch", 261: "hit", 263: "mismatch", 264: "mismatch", 265: "mismatch"}
     rule = length_rule(_rows(verdicts), 256)
-    assert rule.text() == "mismatch iff P mod 256 in {3, 7..9}: holds for all 5 swept lengths"
+    assert rule.text() == (
+        "mismatch iff P mod 256 in {3, 7..9} as sampled (residues 0..2 and 4 and 6 and 10..255 "
+        "were not swept: a range may reach into them): holds for all 5 swept lengths"
+    )
     # residue 3 mismatched once and passed four times: all four are violations, three shown
     mixed = {259: "mismatch", 515: "hit", 771: "hit", 1027: "hit", 1283: "hit"}
     assert (
