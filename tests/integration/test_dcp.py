@@ -110,7 +110,9 @@ def test_a_resend_past_one_attention_chunk_loads_nothing_and_keytrace_names_the_
 def test_sweep_and_workload_take_dcp(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["sweep", "--geometry", "recurrent", "--dcp", "2", "--no-progress"]
     assert main([*argv, "--lengths", "700,1000"]) == 1
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("1 of 2 lengths mismatch")  # the summary line, then the table
+    rows = [line.split() for line in lines[1:-1]]
     assert [(r[0], r[4], r[5]) for r in rows] == [("700", "640", "hit"), ("1,000", "0", "mismatch")]
     assert rows[1][-1] == "no_checkpoint"
     # vLLM refuses DCP with sliding-window groups: said before vLLM is asked
