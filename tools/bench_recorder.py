@@ -218,12 +218,43 @@ def _profiled(part: str, toggles: Any) -> dict[str, int]:
             )
         return observed(rec, sched, where, *rest)
 
-    def hot_counted(where: str, after: Any) -> Any:
+    def uncollected(fn: Any) -> Any:
+        """vLLM's own call inside a collected part: not counted as keytrace's."""
+
+        def outside(*args: Any, **kwargs: Any) -> Any:
+            inner = depth[0] > 0
+            if inner:
+                toggles.kt_toggle()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if inner:
+                    toggles.kt_toggle()
+
+        return outside
+
+    def hot_counted(where: str, after: Any, direct: Any = None) -> Any:
         def counting(*args: Any) -> Any:
             counted["lookup keys"] += 1
             return (collected(after) if where in wanted else after)(*args)
 
-        return hot(where, counting)
+        if direct is None:
+            return hot(where, counting)
+
+        def direct_counted(rec: Any, sched: Any, w: Any, wrapped: Any, aft: Any) -> Any:
+            # the plain form a real manager gets: keytrace's code around vLLM's call
+            if where not in wanted:
+                inner = direct(rec, sched, w, wrapped, aft)
+            else:
+                inner = collected(direct(rec, sched, w, uncollected(wrapped), aft))
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                counted["lookup keys"] += 1
+                return inner(*args, **kwargs)
+
+            return call
+
+        return hot(where, counting, direct_counted)
 
     wrappers._observed = observed_counted  # type: ignore[assignment]
     wrappers.observe_hot = hot_counted  # type: ignore[assignment]

@@ -7,11 +7,15 @@ change what they see. These tests drive the real table rows against such a mock.
 
 from __future__ import annotations
 
+import enum
+import inspect
+import types
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
 import pytest
+import wrapt
 
 from keytrace.vllm.hook import layers, patches
 from keytrace.vllm.hook.compat import resolve
@@ -186,6 +190,79 @@ def test_the_hot_path_wrapper_keeps_observes_contract(factory: Any) -> None:
     with pytest.raises(KeyError, match="from vLLM"):
         wrapper(vllm_raises, None, (b"k", "ctx"), {})
     assert len(seen) == 2
+
+
+class _VllmResult(enum.Enum):
+    """Stands for vLLM's ``LookupResult`` (an ``Enum``: keytrace maps it by name)."""
+
+    HIT = 1
+    MISS = 2
+
+
+class RealManager:
+    """A manager whose ``lookup`` is a real method (not a mock's child)."""
+
+    def lookup(self, key: bytes, req_context: Any, **kw: Any) -> _VllmResult:
+        if key == b"boom":
+            raise KeyError("from vLLM")
+        return _VllmResult.HIT if key.startswith(b"h") else _VllmResult.MISS
+
+
+class LookupRecorder(FakeRecorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups: list[tuple[bytes, str, str, bool]] = []
+
+    def lookup(
+        self, key: bytes, req_id: str, position: Any, result: Any, secondary: bool = False
+    ) -> None:
+        if key == b"bad":
+            raise RuntimeError("recorder bug")
+        self.lookups.append((key, req_id, str(result), secondary))
+
+
+def test_a_real_managers_lookup_gets_the_plain_form_with_observes_contract() -> None:
+    """On a real manager the per-key row is a plain function, not a wrapt proxy (about half
+    its cost per call), with the method's identity and `observe`'s contract: the result
+    passes through, an observer failure is counted, vLLM's exception propagates with
+    nothing recorded, any other call form takes the generic observer, and the undo puts
+    the method back."""
+    m, rec = RealManager(), LookupRecorder()
+    ctx = SimpleNamespace(req_id="r1", get_offload_key_position=lambda k: 16)
+    apply_instance("record", "manager", m, (rec, SimpleNamespace()))
+    try:
+        plain = m.lookup
+        assert type(plain) is types.FunctionType and not isinstance(plain, wrapt.ObjectProxy)
+        assert plain.__wrapped__.__func__ is RealManager.lookup and plain.__self__ is m
+        assert plain.__func__ is RealManager.lookup and plain.__name__ == "lookup"
+        assert inspect.signature(plain) == inspect.signature(RealManager().lookup)
+        assert m.lookup(b"hk", ctx) is _VllmResult.HIT
+        assert m.lookup(b"mk", req_context=ctx) is _VllmResult.MISS  # the generic observer
+        assert rec.lookups == [(b"hk", "r1", "HIT", False), (b"mk", "r1", "MISS", False)]
+        assert m.lookup(b"bad", ctx) is _VllmResult.MISS and rec.failures == ["manager.lookup"]
+        with pytest.raises(KeyError, match="from vLLM"):
+            m.lookup(b"boom", ctx)
+        assert len(rec.lookups) == 2 and rec.failures == ["manager.lookup"]
+    finally:
+        disable("record")
+    assert "lookup" not in vars(m) and m.lookup.__func__ is RealManager.lookup
+
+
+def test_a_mock_managers_lookup_stays_a_proxied_mock(manager: Any) -> None:
+    """vLLM's tests set ``side_effect``/``return_value`` on a mock manager's ``lookup`` and
+    read its calls: the per-key row keeps the proxy there, whose writes reach the mock."""
+    child = manager.lookup
+    rec = LookupRecorder()
+    _record_manager(manager, rec)
+    try:
+        assert isinstance(manager.lookup, MagicMock) and manager.lookup.__wrapped__ is child
+        manager.lookup.return_value = _VllmResult.HIT
+        ctx = SimpleNamespace(req_id="r1", get_offload_key_position=lambda k: 16)
+        assert manager.lookup(b"k", ctx) is _VllmResult.HIT and child.call_count == 1
+        assert rec.lookups == [(b"k", "r1", "HIT", False)]
+    finally:
+        disable("record")
+    assert manager.lookup is child
 
 
 def test_table_is_well_formed() -> None:

@@ -354,6 +354,32 @@ def lookup(
     rec.lookup(key, ctx.req_id, ctx.get_offload_key_position, _result_name(result), secondary)
 
 
+def lookup_direct(
+    rec: Recorder, sched: Any, where: str, wrapped: Callable[..., Any], after: Any
+) -> Callable[..., Any]:
+    """`lookup` as the plain function `keytrace.vllm.hook.layers` installs on a real
+    manager (`keytrace.vllm.hook.wrappers.observe_hot`): vLLM's call with its arguments as
+    given, then, for the scheduler's own ``lookup(key, req_context)``, the recorder's
+    append inline; any other call goes to ``after`` (`lookup`). An observer failure is
+    counted (`Recorder.fail`), a vLLM exception propagates with nothing recorded."""
+    record, fail, by_id = rec.lookup, rec.fail, _RESULT_BY_ID
+
+    def lookup_call(*args: Any, **kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            if len(args) == 2 and not kwargs:
+                key, ctx = args
+                name = by_id.get(id(result)) or _result_name(result)
+                record(key, ctx.req_id, ctx.get_offload_key_position, name)
+            else:
+                after(rec, sched, result, args, kwargs)
+        except Exception as exc:
+            fail(where, exc)
+        return result
+
+    return lookup_call
+
+
 _RESULT_NAMES: dict[Any, LookupResult] = {}
 """vLLM's ``LookupResult`` members -> keytrace's (`keytrace.format.schema.LookupResult`)."""
 _RESULT_BY_ID: dict[int, LookupResult] = {}

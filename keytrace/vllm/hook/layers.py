@@ -16,8 +16,10 @@ the table and what starts a recording import each other in one direction only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,7 +145,7 @@ class _Slot:
             return
         fn = self.original
         for layer in sorted(self.layers, key=lambda x: (_rank(x.feature), x.order)):
-            fn = wrapt.FunctionWrapper(fn, layer.row.make(layer.binding))
+            fn = _wrap(fn, layer.row.make(layer.binding))
         # the wrapper holds its slot (`_State.slots` only weakly): what an instance's
         # slot holds (the bound original, bindings naming the scheduler or the harness)
         # then lives exactly as long as the instance, not as long as the process
@@ -164,6 +166,21 @@ class _Slot:
             vars(owner).pop(self.attr, None)
         else:
             vars(owner)[self.attr] = value
+
+
+def _wrap(fn: Any, wrapper: Wrapper) -> Any:
+    """``fn`` wrapped by one layer: a ``wrapt`` proxy, or, for a hot row's plain form
+    (`keytrace.vllm.hook.wrappers.observe_hot`) over a real bound method, a plain function
+    carrying the method's names, ``__wrapped__``, ``__self__`` and ``__func__``. A proxy
+    also forwards attribute writes and ``isinstance``, which only a stand-in (a test's
+    ``MagicMock`` child) needs; a real method gets the plain form, whose call costs about
+    half of the proxy's (`tools/bench_recorder.py`)."""
+    direct = getattr(wrapper, "direct", None)
+    if direct is None or not isinstance(fn, types.MethodType):
+        return wrapt.FunctionWrapper(fn, wrapper)
+    plain: Any = functools.update_wrapper(direct(fn), fn)
+    plain.__self__, plain.__func__ = fn.__self__, fn.__func__
+    return plain
 
 
 _ABSENT = object()

@@ -123,7 +123,7 @@ TABLE: tuple[Patch, ...] = (
         "record",
         "manager",
         "lookup",
-        observe_hot("manager.lookup", hooks.lookup),
+        observe_hot("manager.lookup", hooks.lookup, hooks.lookup_direct),
         params=("key", "req_context"),
     ),
     Patch(

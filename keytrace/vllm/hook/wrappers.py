@@ -16,6 +16,9 @@ from keytrace.vllm.hook import hooks
 from keytrace.vllm.hook.layers import Binding, Wrapper
 
 Observer = Callable[..., Any]
+Direct = Callable[[Recorder, Any, str, Callable[..., Any], Observer], Callable[..., Any]]
+"""A hot row's plain-function form: ``(rec, sched, where, wrapped, after) -> function``
+called as vLLM calls the wrapped method, with `observe`'s contract (`observe_hot`)."""
 
 
 def _observed(
@@ -69,10 +72,19 @@ def _after(
         rec.fail(where, exc)
 
 
-def observe_hot(where: str, after: Observer) -> Callable[[Binding], Wrapper]:
+def observe_hot(
+    where: str, after: Observer, direct: Direct | None = None
+) -> Callable[[Binding], Wrapper]:
     """`observe` for an instance row on the per-key hot path (``manager.lookup``, called
     once per chunk of every scan): the same semantics as ``observe(where, after=after)``
-    without `_observed`'s and `_after`'s frames."""
+    without `_observed`'s and `_after`'s frames.
+
+    With ``direct``, the wrapper also carries a plain-function form
+    (``wrapper.direct(wrapped)``: ``direct(rec, sched, where, wrapped, after)``), which
+    `keytrace.vllm.hook.layers` installs instead of a ``wrapt`` proxy where the wrapped
+    attribute is a real bound method (never a test's ``MagicMock``, whose attribute reads
+    and writes must reach the mock): a wrapt proxy and its generic wrapper cost about half
+    of what recording adds to each of vLLM's per-key lookups (`tools/bench_recorder.py`)."""
 
     def make(binding: Binding) -> Wrapper:
         if binding is None:
@@ -87,6 +99,8 @@ def observe_hot(where: str, after: Observer) -> Callable[[Binding], Wrapper]:
                 rec.fail(where, exc)
             return result
 
+        if direct is not None:
+            hot.direct = lambda wrapped: direct(rec, sched, where, wrapped, after)  # type: ignore[attr-defined]
         return hot
 
     return make
