@@ -203,6 +203,9 @@ def test_modes_and_layout(tmp_path: Path) -> None:
     # min/max only where a reader can prune by them: never a random hash's
     assert cols["key"].statistics is None
     assert cols["seq"].statistics is not None and cols["seq"].statistics.has_min_max
+    # growing integers are delta-packed (an eighth of their plain size before zstd)
+    assert "DELTA_BINARY_PACKED" in cols["seq"].encodings
+    assert "DELTA_BINARY_PACKED" in cols["ts_ns"].encodings
 
 
 def test_a_small_lookup_part_is_one_row_group_a_big_one_one_per_group(tmp_path: Path) -> None:
@@ -222,6 +225,12 @@ def test_a_small_lookup_part_is_one_row_group_a_big_one_one_per_group(tmp_path: 
     gids = set(small.column("group_id").to_pylist())  # episode rows have none
     assert len(gids) >= 3
     assert pq.ParquetFile(part).metadata.num_row_groups == 1
+    # a scan's integer lists (sequence numbers, end tokens, chunks) are delta-packed
+    rg = pq.ParquetFile(part).metadata.row_group(0)
+    encodings = {rg.column(i).path_in_schema: rg.column(i).encodings for i in range(rg.num_columns)}
+    lists = [c for c in encodings if c.endswith(".list.element") and "keys" not in c]
+    assert "head_seqs.list.element" in lists and "tail_chunks.list.element" in lists
+    assert all("DELTA_BINARY_PACKED" in encodings[c] for c in lists if "results" not in c)
     for split, groups in ((len(small), len(gids)), (len(small) + 1, 1)):
         fh = io.BytesIO()
         write_parquet(small, fh, split)
