@@ -99,9 +99,17 @@ def run_demo(
         res.plots = plot_sweep(
             res.sweep,
             [os.path.join(out_dir, "sweep.png"), os.path.join(out_dir, "sweep.svg")],
-            title=f"stock vLLM 0.33.0, dsv4: {bad} of {len(res.sweep)} lengths mismatch",
+            title=f"stock vLLM {_installed()}, dsv4: {bad} of {len(res.sweep)} lengths mismatch",
         )
     except Exception as exc:  # the plot is optional (matplotlib is an extra)
         log(f"no plot: {exc}")
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _installed() -> str:
+    """The installed vLLM's version (the demo runs on whatever is installed; the plot's
+    title says which)."""
+    import vllm
+
+    return str(vllm.__version__)
