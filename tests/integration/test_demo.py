@@ -39,6 +39,9 @@ def test_demo_whole_loop(tmp_path: Path) -> None:
     )
     files = set(os.listdir(out))
     assert {"sweep.csv", "sweep.png", "sweep.svg", "chunkmap-dsv4-17975-stock.html"} <= files
+    import vllm  # the plot names the vLLM the demo ran on
+
+    assert f"stock vLLM {vllm.__version__}, dsv4: " in (out / "sweep.svg").read_text()
     assert "chunk map   chunkmap-dsv4-17975-stock.html" in text
     page = (out / "chunkmap-dsv4-17975-stock.html").read_text()
     assert '"terminal":{"group":2,"chunk":277' in page
