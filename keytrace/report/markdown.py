@@ -43,6 +43,9 @@ class ReportPage:
     fix_text: str = ""
     no_standalone: str = ""
     """Why there is no vLLM-only test (`keytrace.report.standalone.unsupported`)."""
+    standalone_recurrent: bool = False
+    """The vLLM-only test is the recurrent one (it runs vLLM's scheduler:
+    `keytrace.report.standalone.is_recurrent_plan`)."""
 
 
 def _case(page: ReportPage | StalledPage) -> dict[str, Any]:
@@ -82,6 +85,7 @@ def render_report(page: ReportPage) -> str:
         plot=page.plot,
         minimal=page.minimal,
         minimal_trace=page.minimal_trace,
+        standalone_recurrent=page.standalone_recurrent,
     )
 
 

@@ -180,22 +180,24 @@ def test_the_oracle_and_the_alarm_agree_with_the_differ_on_recurrent_traffic(
     assert mismatches > 0  # chunks of two blocks: states that end no chunk
 
 
-def test_the_report_writes_no_vllm_only_test_it_cannot_make_fail(
+def test_the_report_writes_the_vllm_only_test_that_runs_the_core(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The vLLM-only test drives vLLM's store path by hand with attention specs; a
-    recurrent group's states come from vLLM's core, so such a test would treat the group
-    as full attention and pass on the bug. The report says so instead of writing it, and
-    keeps the keytrace test (red on stock)."""
+    """A recurrent group's states come from vLLM's core, so the report's vLLM-only test
+    for a recurrent finding runs the core (a real ``Scheduler``; red inside vLLM's own
+    tree: tests/integration/test_standalone_recurrent.py), beside the keytrace test, and
+    report.md says what it runs."""
     _prime_and_resend(BPC2, tmp_path / "t", 760, caplog)
     out = tmp_path / "report"
     argv = ["report", str(tmp_path / "t"), "-o", str(out), "--no-minimize", "--no-progress"]
     assert main(argv) == 1
     names = [p.name for p in out.iterdir()]
-    assert not [n for n in names if n.startswith("test_offload_regression_")]
+    (standalone,) = [n for n in names if n.startswith("test_offload_regression_760_")]
     assert [n for n in names if n.startswith("test_keytrace_recorded_760_")]
+    text = (out / standalone).read_text()
+    assert "Scheduler(" in text and "EXPECTED_EXTERNAL_TOKENS = 640\n" in text
     md = (out / "report.md").read_text()
-    assert "No vLLM-only test: the geometry has recurrent state groups" in md
+    assert "No vLLM-only test" not in md and "it runs the core: a real `Scheduler`" in md
     assert "no_checkpoint" in md.splitlines()[0]
 
 

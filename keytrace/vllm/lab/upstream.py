@@ -13,7 +13,7 @@ from typing import Any
 from keytrace.analysis.lengthrule import LengthRule, length_rule
 from keytrace.analysis.sweep import FixComparison, SweepRow, compare_fix
 from keytrace.judge.trust import no_verdict_error, verdict_withheld
-from keytrace.report.standalone import unsupported
+from keytrace.report.standalone import is_recurrent_plan, unsupported
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -135,6 +135,7 @@ def write_report(
             fixture=os.path.basename(fixture),
             standalone=os.path.basename(standalone) if standalone else None,
             no_standalone=unsupported(plan) or "",
+            standalone_recurrent=is_recurrent_plan(plan),
             trace=" ".join(paths),
             html=os.path.basename(html),
             plot=os.path.basename(plots[0]) if plots else None,
