@@ -41,24 +41,7 @@ def test_literal_deterministic_and_vllm_only(tmp_path: Path) -> None:
 
 def test_formatted_as_vllm_formats_code(tmp_path: Path) -> None:
     text, _ = _text(tmp_path)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ruff",
-            "format",
-            "--check",
-            "--line-length",
-            "88",
-            "--stdin-filename",
-            "t.py",
-            "-",
-        ],
-        input=text,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    _ruff_format_check(text)
 
 
 def _recurrent_plan(geometry: Any, **changes: Any) -> ReplayPlan:
