@@ -79,10 +79,11 @@ class Alarm:
         self.interval = interval
         self.warn = warn
         self._lock = threading.Lock()
-        self.keys = KeyStore(max_bytes // BYTES_PER_RECORD)
+        group_ids = [int(g["group_id"]) for g in header.get("groups", [])]
+        self.keys = KeyStore(max_bytes // BYTES_PER_RECORD, group_ids)
         self.judge = Judge(
             self.groups,
-            [int(g["group_id"]) for g in header.get("groups", [])],
+            group_ids,
             int(header.get("tokens_per_hash") or 1),
             self.tiered,
             header.get("cpu_num_chunks"),
@@ -262,8 +263,9 @@ class Alarm:
 
     @property
     def stored(self) -> Counter[tuple[str, str, str]]:
-        """(engine, group, event) -> keys stored."""
-        return self.keys.stored
+        """(engine, group, event) -> keys stored (a copy: the counts as of now)."""
+        with self._lock:
+            return Counter(self.keys.stored)
 
     @property
     def max_records(self) -> int:

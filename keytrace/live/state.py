@@ -4,21 +4,26 @@ hold. These are the facts `keytrace.analysis.history` reads from a trace; here t
 kept instead of read, in bounded memory. Nothing here judges: `keytrace.live.judge` does,
 with `keytrace.judge.definitions`.
 
-Key records of every instance live in one flat dict (key + the instance's 2-byte tag: a
-dict per key would double a record's cost), in least-recently-touched order, capped by a
-record count; the least recently touched tenth goes when it is full (`KeyStore.forgotten`
-counts them, and the judgement then never warns on what a forgotten record could change).
+Key records live in one dict per instance, keyed by vLLM's own key objects (their hash is
+computed once, by vLLM's dicts; a key concatenated with an instance tag was a new object to
+hash on every touch), each in least-recently-touched order. One cap counts the records of
+every instance; when a store call takes the count over it, the least recently touched tenth
+goes, from each instance in proportion to its records (`KeyStore.forgotten` counts them, and
+the judgement then never warns on what a forgotten record could change).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from keytrace.format.keys import key_hash, key_tails, make_key, tail_gid
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from keytrace.format.keys import GID_BYTES, key_hash, key_tails, make_key, tail_gid
 from keytrace.format.schema import LIMIT_EVENTS, LookupResult, StoreEvent, TierEvent
 from keytrace.judge import definitions as d
 from keytrace.judge.rules import OFFER_EVENTS
@@ -29,10 +34,14 @@ from keytrace.record.events import Health, StoreCall, TierCall
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+COUNT_BATCH = 100_000
+"""Stored keys held back before `KeyStore.stored` counts them (their calls' key lists stay
+alive until then: a few MB at most)."""
+
 BYTES_PER_RECORD = 280
-"""What one key record costs in CPython (its tagged key, the record, the dict slot):
-204 bytes measured with tracemalloc at 50k records (tests/unit/test_alarm.py checks it);
-the margin covers the dict's growth steps."""
+"""What one key record costs in CPython (its key, which the record keeps alive, the record,
+the dict slot): measured with tracemalloc at 50k records (tests/unit/test_alarm.py checks
+it); the margin covers the dict's growth steps."""
 
 
 class KeyRecord:
@@ -84,7 +93,7 @@ class InstanceState:
     book: ChainBook
     """The recorder's chain book: the intended boundaries (`keytrace.record.chain`)."""
     tag: bytes = b""
-    """2 bytes appended to a key to name its record on this instance."""
+    """Names the instance's table of key records (`KeyStore`)."""
     reset: int | None = None
     first_prep: dict[int, int] = field(default_factory=dict)
     """Group id -> the first sequence number it reached the store path at."""
@@ -130,39 +139,62 @@ class KeyStore:
     """Every instance's key records (see the module docstring) and the counters of what
     was stored, by engine, group and event."""
 
-    def __init__(self, max_records: int) -> None:
+    def __init__(self, max_records: int, group_ids: Iterable[int] = ()) -> None:
         self.max_records = max(1024, max_records)
-        self._keys: dict[bytes, KeyRecord] = {}
+        self._tables: dict[bytes, dict[bytes, KeyRecord]] = {}
+        """Instance tag -> key -> its record, least recently touched first."""
+        self._count = 0
+        """Records in every table (the cap's count)."""
         self.forgotten = 0
         """Key records dropped to stay under the cap."""
-        self.stored: Counter[tuple[str, str, str]] = Counter()
-        """(engine, group, event) -> keys."""
+        self.group_ids = frozenset(group_ids)
+        """The header's group ids: once an instance's store path has reached every one of
+        them, a prepared call needs no per-group pass (`InstanceState.first_prep`)."""
+        self._stored: Counter[tuple[str, str, str]] = Counter()
+        self._uncounted: list[tuple[str, str, Sequence[bytes]]] = []
+        """Store calls (engine, event, keys) not yet counted into `stored`: counted by the
+        hundred thousand keys, in Arrow (a key's group from its last 4 bytes: ~1,500
+        instructions per key and call in Python, on the scheduler's thread)."""
+        self._uncounted_keys = 0
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return self._count
+
+    def _table(self, st: InstanceState) -> dict[bytes, KeyRecord]:
+        table = self._tables.get(st.tag)
+        if table is None:
+            table = self._tables[st.tag] = {}
+        return table
 
     def get(self, st: InstanceState, key: bytes) -> KeyRecord | None:
-        return self._keys.get(key + st.tag)
+        table = self._tables.get(st.tag)
+        return table.get(key) if table is not None else None
 
     def touch(self, st: InstanceState, key: bytes) -> KeyRecord:
         """The record of a key on an instance, most recently touched now."""
-        tagged = key + st.tag
-        rec = self._keys.pop(tagged, None)
+        table = self._table(st)
+        rec = table.pop(key, None)
         if rec is None:
             rec = KeyRecord()
-            if len(self._keys) >= self.max_records:
-                self._forget()
-        self._keys[tagged] = rec
+            self._count += 1
+        table[key] = rec
+        if self._count > self.max_records:
+            self._forget()
         return rec
 
     def _forget(self) -> None:
-        """Drop the least recently touched tenth of the records, in one pass (deleting
-        from a dict's front one at a time and asking ``next(iter(d))`` again rescans every
-        deleted slot: quadratic in what is dropped)."""
-        victims = list(itertools.islice(self._keys, max(1, self.max_records // 10)))
-        for tagged in victims:
-            del self._keys[tagged]
-        self.forgotten += len(victims)
+        """Drop the least recently touched tenth of the cap's records, each table's in
+        proportion to its share, in one pass per table (deleting from a dict's front one at
+        a time and asking ``next(iter(d))`` again rescans every deleted slot: quadratic in
+        what is dropped). The records just touched are at the tables' ends: they stay."""
+        tenth = max(1, self.max_records // 10)
+        total = self._count
+        for table in self._tables.values():
+            share = min(len(table), -(-tenth * len(table) // total))  # rounded up
+            for key in list(itertools.islice(table, share)):
+                del table[key]
+            self._count -= share
+            self.forgotten += share
 
     # ------------------------------------------------------------- stores
     def store(self, st: InstanceState, call: StoreCall) -> None:
@@ -172,24 +204,25 @@ class KeyStore:
             st.reset = seq
             return
         keys = call.keys
-        for tail, n in Counter(key_tails(keys)).items():  # per group, not key
-            self.stored[(st.engine, str(tail_gid(tail)), event)] += n
-            if event is StoreEvent.PREPARED:
+        self._uncounted.append((st.engine, event, keys))
+        self._uncounted_keys += len(keys)
+        if self._uncounted_keys >= COUNT_BATCH:
+            self.count_stored()
+        if event is StoreEvent.PREPARED and not self.group_ids <= st.first_prep.keys():
+            for tail in set(key_tails(keys)):
                 st.first_prep.setdefault(tail_gid(tail), seq)
         attr = _SET_ON.get(event)
         limit = (seq, event) if event in LIMIT_EVENTS else None
         offered_ts = call.ts if event in OFFER_EVENTS else None
         rejected = event is StoreEvent.REJECTED
         # `touch` inlined: this loop runs once per stored key, the alarm's per-key work
-        records, tag, cap = self._keys, st.tag, self.max_records
+        table, new = self._table(st), 0
         for key in keys:
-            tagged = key + tag
-            rec = records.pop(tagged, None)
+            rec = table.pop(key, None)
             if rec is None:
                 rec = KeyRecord()
-                if len(records) >= cap:
-                    self._forget()
-            records[tagged] = rec
+                new += 1
+            table[key] = rec
             rec.limit = limit
             if attr is not None:
                 setattr(rec, attr, seq)
@@ -197,6 +230,30 @@ class KeyStore:
                 rec.rejected = True
             if offered_ts is not None and rec.offered_ts is None:
                 rec.offered_ts = offered_ts
+        self._count += new
+        if self._count > self.max_records:
+            self._forget()
+
+    @property
+    def stored(self) -> Counter[tuple[str, str, str]]:
+        """(engine, group, event) -> keys (the caller holds the alarm's lock)."""
+        self.count_stored()
+        return self._stored
+
+    def count_stored(self) -> None:
+        """Count the store calls not yet counted into `stored`, by group, in Arrow."""
+        batches: dict[tuple[str, str], list[bytes]] = {}
+        for engine, event, keys in self._uncounted:
+            batches.setdefault((engine, event), []).extend(keys)
+        self._uncounted, self._uncounted_keys = [], 0
+        for (engine, event), keys in batches.items():
+            tails = pc.value_counts(
+                pc.binary_slice(pc.drop_null(pa.array(keys, pa.binary())), -GID_BYTES)
+            )
+            values = cast("list[bytes]", tails.field("values").to_pylist())  # no nulls left
+            counts = cast("list[int]", tails.field("counts").to_pylist())
+            for tail, n in zip(values, counts, strict=True):
+                self._stored[(engine, str(tail_gid(tail)), event)] += n
 
     # -------------------------------------------------------------- tiers
     @staticmethod

@@ -300,13 +300,14 @@ def test_state_stays_under_its_cap_and_forgetting_never_cries_wolf(tmp_path: Pat
 
 def test_a_record_costs_what_the_cap_assumes() -> None:
     """`BYTES_PER_RECORD` turns the byte cap into a record count: measured through the
-    alarm's own store path (the keys themselves belong to vLLM and the recorder)."""
+    alarm's own store path. A record holds vLLM's key object, which may outlive vLLM's
+    own use of it: the keys are counted too, as if the alarm alone kept them alive."""
     alarm = Alarm(factories.synthetic_header(GEO))
     alarm.instance_started(InstanceInfo(7, "i", "e", 0, None, lambda: None), ChainBook([]))
     n = 50_000
-    keys = [i.to_bytes(32, "big") + (1).to_bytes(4, "big") for i in range(n)]
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
+    keys = [i.to_bytes(32, "big") + (1).to_bytes(4, "big") for i in range(n)]
     for i in range(0, n, 100):
         call = StoreCall(i, i, StoreEvent.COMPLETED, None, keys[i : i + 100], [None] * 100)
         alarm.store_called(7, call)
@@ -480,3 +481,53 @@ def _state() -> InstanceState:
 
 def _tier_call(seq: int, event: str, req: Any, keys: list[Any], ep: Any) -> TierCall:
     return TierCall(seq, seq, TierEvent(event), req, None, keys, [None] * len(keys), ep)
+
+
+def test_the_cap_forgets_each_instances_least_recently_touched_records() -> None:
+    """Over the cap, a tenth of it goes: each instance's least recently touched records,
+    in proportion to its share; a key touched again moves to the back; the call that went
+    over keeps its own keys."""
+    keys = KeyStore(1_024)
+    a, b = _state(), _state()
+    a.tag, b.tag = b"\x00\x00", b"\x00\x01"
+
+    def stored(st: InstanceState, seq: int, ks: list[bytes]) -> None:
+        call = StoreCall(seq, seq, StoreEvent.COMPLETED, None, ks, [None] * len(ks))
+        keys.store(st, call)
+
+    a_keys = [i.to_bytes(4, "big") for i in range(768)]
+    b_keys = [i.to_bytes(4, "big") for i in range(256)]  # the same bytes: other records
+    stored(a, 1, a_keys)
+    stored(b, 2, b_keys)
+    stored(a, 3, a_keys[:10])  # touched again: the back of a's order
+    assert len(keys) == 1_024 and keys.forgotten == 0
+    stored(b, 4, [b"new!"])  # one over the cap: 102 go, 77 of a's and 26 of b's (rounded up)
+    assert keys.forgotten == 77 + 26 and len(keys) == 1_025 - 103
+    assert all(keys.get(a, k) is not None for k in a_keys[:10])
+    assert [keys.get(a, k) is None for k in a_keys[10:88]] == [True] * 77 + [False]
+    assert [keys.get(b, k) is None for k in b_keys[:27]] == [True] * 26 + [False]
+    assert keys.get(b, b"new!") is not None
+    rec = keys.get(b, b_keys[26])
+    assert rec is not None and rec.completed == 2
+
+
+def test_stored_counts_every_key_by_group_and_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`KeyStore.stored` counts in batches (Arrow, off the per-key path): what it reports,
+    whether a batch was counted as it filled or when read, is each call's keys by group."""
+    from collections import Counter
+
+    from keytrace.live import state
+
+    monkeypatch.setattr(state, "COUNT_BATCH", 7)
+    keys = KeyStore(1_024, group_ids=[0, 1, 300])
+    st_ = _state()
+    expected: Counter[tuple[str, str, str]] = Counter()
+    for seq in range(1, 13):  # the last call's key is left for the read to count
+        event = (StoreEvent.PREPARED, StoreEvent.COMPLETED, StoreEvent.EVICTED)[seq % 3]
+        gids = [seq % 2, 1, 300, 300][: 1 + seq % 4]
+        ks = [seq.to_bytes(32, "big") + g.to_bytes(4, "big") for g in gids]
+        keys.store(st_, StoreCall(seq, seq, event, None, ks, [None] * len(ks)))
+        for g in gids:
+            expected[("e", str(g), event)] += 1
+    assert keys.stored == expected
+    assert st_.first_prep == {0: 6, 1: 3, 300: 3}  # each group's first prepared call

@@ -248,6 +248,39 @@ def test_a_real_managers_lookup_gets_the_plain_form_with_observes_contract() -> 
     assert "lookup" not in vars(m) and m.lookup.__func__ is RealManager.lookup
 
 
+class PairManager:
+    """A manager whose ``lookup`` has the CPU manager's exact signature."""
+
+    def lookup(self, key: bytes, req_context: Any) -> _VllmResult:
+        return RealManager().lookup(key, req_context)
+
+
+@pytest.mark.parametrize("cls", [PairManager, RealManager])
+def test_the_cpu_managers_signature_gets_a_two_argument_row(cls: type) -> None:
+    """``lookup(key, req_context)`` (the CPU manager's) gets a two-argument function, with
+    no per-call packing of ``*args, **kwargs``; any other signature keeps the generic form.
+    Either way the contract holds: positional and keyword calls are recorded alike, an
+    observer failure is counted, vLLM's exception propagates with nothing recorded."""
+    m, rec = cls(), LookupRecorder()
+    ctx = SimpleNamespace(req_id="r1", get_offload_key_position=lambda k: 16)
+    apply_instance("record", "manager", m, (rec, SimpleNamespace()))
+    try:
+        code = m.lookup.__code__
+        packs = bool(code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS))
+        assert packs is (cls is RealManager)
+        assert code.co_argcount == (0 if cls is RealManager else 2)
+        assert m.lookup(b"hk", ctx) is _VllmResult.HIT
+        assert m.lookup(key=b"mk", req_context=ctx) is _VllmResult.MISS
+        assert rec.lookups == [(b"hk", "r1", "HIT", False), (b"mk", "r1", "MISS", False)]
+        assert m.lookup(b"bad", ctx) is _VllmResult.MISS and rec.failures == ["manager.lookup"]
+        with pytest.raises(KeyError, match="from vLLM"):
+            m.lookup(b"boom", ctx)
+        assert len(rec.lookups) == 2
+    finally:
+        disable("record")
+    assert m.lookup.__func__ is cls.lookup
+
+
 def test_a_mock_managers_lookup_stays_a_proxied_mock(manager: Any) -> None:
     """vLLM's tests set ``side_effect``/``return_value`` on a mock manager's ``lookup`` and
     read its calls: the per-key row keeps the proxy there, whose writes reach the mock."""
