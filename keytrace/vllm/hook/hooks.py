@@ -21,6 +21,7 @@ from keytrace.format.schema import LookupResult, TierEvent
 from keytrace.judge.rules import request_limits
 from keytrace.judge.trust import uncovered
 from keytrace.live.registry import AlarmSettings
+from keytrace.record.events import DICT_GETTERS
 from keytrace.record.recorder import Recorder, env_float, env_int, env_sample
 from keytrace.vllm.mods.catalog import PROOF_FIX
 
@@ -364,6 +365,7 @@ def lookup_direct(
     append inline; any other call goes to ``after`` (`lookup`). An observer failure is
     counted (`Recorder.fail`), a vLLM exception propagates with nothing recorded."""
     record, fail, by_id = rec.lookup, rec.fail, _RESULT_BY_ID
+    register_key_positions()
     if _takes_key_and_context(wrapped):
         # the CPU manager's signature: a two-argument function, no argument packing (a
         # ``*args, **kwargs`` closure builds a tuple and a dict per call, and calls vLLM
@@ -394,6 +396,43 @@ def lookup_direct(
         return result
 
     return lookup_call
+
+
+def _positions_reference(self: Any, key: Any) -> Any:
+    return self._offload_key_positions.get(key)
+
+
+def register_dict_getter(fn: Any, attr: str, reference: Callable[..., Any]) -> bool:
+    """Register ``fn`` in `keytrace.record.events.DICT_GETTERS` as a read of ``self.<attr>``
+    when its code is ``reference``'s (the same bytecode, constants and names, two
+    positional parameters, no packing), compiled here by the same interpreter. A vLLM that
+    changes the method in any way keeps its own method. Whether it was registered."""
+    code, ref = getattr(fn, "__code__", None), reference.__code__
+    packing = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+    same = (
+        code is not None
+        and code.co_code == ref.co_code
+        and code.co_consts == ref.co_consts
+        and code.co_names == ref.co_names
+        and code.co_argcount == ref.co_argcount == 2
+        and code.co_kwonlyargcount == 0
+        and not code.co_flags & packing
+    )
+    if same:
+        DICT_GETTERS[fn] = attr
+    return same
+
+
+def register_key_positions() -> bool:
+    """vLLM's ``ReqContext.get_offload_key_position`` is ``return
+    self._offload_key_positions.get(key)`` (0.31.0 to 0.34.0): a scan closing reads its
+    end tokens from that dict directly (`keytrace.record.events.direct_getter`)."""
+    try:
+        from vllm.v1.kv_offload.base import ReqContext
+    except Exception:  # another layout: every key through vLLM's own method
+        return False
+    fn = getattr(ReqContext, "get_offload_key_position", None)
+    return register_dict_getter(fn, "_offload_key_positions", _positions_reference)
 
 
 def _takes_key_and_context(fn: Callable[..., Any]) -> bool:
