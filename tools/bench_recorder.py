@@ -113,6 +113,15 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def scrape_alarms() -> None:
+    """What one Prometheus scrape makes the live alarms do, counted with the run: the
+    stored keys it held back are counted (`keytrace.live.state.KeyStore.stored`)."""
+    from keytrace.live.registry import alarms
+
+    for alarm in alarms():
+        _ = alarm.stored
+
+
 def _toggles():  # type: ignore[no-untyped-def]
     """callgrind's start/stop client requests, callable from Python: a two-function C
     library compiled here (gcc and valgrind's header), so only the workload is counted,
@@ -156,6 +165,7 @@ def one_run(mode: str, seed: int, conversations: int, part: str | None = None) -
             if counted is not None:
                 counted.update(dict.fromkeys(counted, 0))
         run_workload(s, d, alarm=alarm)  # recording: its final flush included
+        scrape_alarms()
         if not warm:
             toggles.kt_stop()
         if d is not None:
@@ -427,6 +437,7 @@ def main() -> int:
                 os.environ["KEYTRACE_SAMPLE"] = "0.01"
             t, c, th = time.perf_counter(), time.process_time(), time.thread_time()
             run_workload(s, d, alarm=alarm)  # recording: the final flush happens inside
+            scrape_alarms()
             times[mode].append(time.perf_counter() - t)
             cpu[mode].append(time.process_time() - c)
             own[mode].append(time.thread_time() - th)

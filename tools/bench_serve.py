@@ -239,7 +239,10 @@ def main() -> int:
     ap.add_argument(
         "--modes",
         default=",".join(MODES),
-        help=f"comma-separated modes to run, off first (default: {','.join(MODES)})",
+        # argparse formats help with %: "record 1%" must reach it as "record 1%%"
+        help=f"comma-separated modes to run, off first (default: {','.join(MODES)})".replace(
+            "%", "%%"
+        ),
     )
     ap.add_argument("--venv", type=Path, default=serve_e2e.DEFAULT_VENV)
     ap.add_argument("--json", action="store_true", help="one JSON document")

@@ -21,6 +21,7 @@ that could still write, so the failure is handed in; vLLM's tiering manager does
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -84,6 +85,10 @@ def fail_first_promotion(h: Any) -> Callable[[], None]:
 
 
 def main() -> int:
+    # no options: a parser so that --help explains and exits, never regenerates
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     out = os.path.join(os.path.dirname(__file__), "..", "tests", "data", f"v{SCHEMA_VERSION}")
     out = os.path.normpath(out)
     with tempfile.TemporaryDirectory() as tmp:

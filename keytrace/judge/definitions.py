@@ -538,7 +538,7 @@ def cause(facts: KeyFacts) -> Cause | Expr:
     table to `cases` (the same first-that-holds order, over columns)."""
     for name, test in CAUSES:
         holds = test(facts)
-        if is_expr(holds):
+        if type(holds) is not bool and is_expr(holds):
             break
         if holds:
             return name

@@ -94,6 +94,8 @@ def known(x: Expr) -> Expr: ...
 def known(x: Plain) -> bool: ...
 def known(x: Expr | Plain) -> Truth:
     """``x`` is not unknown."""
+    if type(x) in _PLAIN_TYPES:  # the alarm's case, without a call (as in `unknown`)
+        return x is not None
     return as_expr(x).is_not_null() if is_expr(x) else x is not None
 
 
@@ -103,11 +105,13 @@ def unknown(x: Expr) -> Expr: ...
 def unknown(x: Plain) -> bool: ...
 def unknown(x: Expr | Plain) -> Truth:
     """``x`` is unknown (None / null)."""
+    if type(x) in _PLAIN_TYPES:
+        return x is None
     return as_expr(x).is_null() if is_expr(x) else x is None
 
 
 def _compare(a: MaybeNum, b: MaybeNum, op: Callable[[Any, Any], Any]) -> Truth:
-    if is_expr(a, b):
+    if (type(a) not in _PLAIN_TYPES or type(b) not in _PLAIN_TYPES) and is_expr(a, b):
         return as_expr(op(lit(a), lit(b))).fill_null(False)
     return a is not None and b is not None and bool(op(a, b))
 
@@ -184,6 +188,8 @@ def negate(a: bool) -> bool: ...
 def negate(a: Expr) -> Expr: ...
 def negate(a: Truth) -> Truth:
     """``not a`` for a known truth value (``~`` on a Python bool is an int, never False)."""
+    if type(a) is bool:
+        return not a
     return ~as_expr(a) if is_expr(a) else not a
 
 
@@ -277,10 +283,6 @@ def _value(x: T | Callable[[], T]) -> T:
     return x() if callable(x) else x
 
 
-def _truth(x: Truth | Callable[[], Truth]) -> Truth:
-    return x() if callable(x) else x
-
-
 def cases(choices: Sequence[Case[T]], default: T | Callable[[], T]) -> T | Expr:
     """The value of the first choice whose condition holds, else ``default``.
 
@@ -291,8 +293,8 @@ def cases(choices: Sequence[Case[T]], default: T | Callable[[], T]) -> T | Expr:
     string literals in polars."""
     evaluated: list[tuple[Truth, T]] = []
     for condition, value in choices:
-        c = _truth(condition)
-        if not is_expr(c):
+        c = condition() if callable(condition) else condition
+        if type(c) is bool or not is_expr(c):
             if c and not evaluated:
                 return _value(value)
             if not c:
