@@ -206,6 +206,8 @@ def member(x: Plain, values: Sequence[object]) -> bool: ...
 def member(x: Expr, values: Sequence[object]) -> Expr: ...
 def member(x: Plain | Expr, values: Sequence[object]) -> Truth:
     """``x in values`` (False for an unknown ``x``)."""
+    if x is None or isinstance(x, str):  # a name (a StrEnum member too): never an expression
+        return x in values
     if is_expr(x):
         return as_expr(x).is_in(plain(values)).fill_null(False)
     return x in values

@@ -11,10 +11,10 @@ is only which records each rule reads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property, partial
-from typing import Any
+from functools import partial
+from typing import Any, Generic, TypeVar, overload
 
 from keytrace.format.keys import chunk_ending_at, gid_tail, key_hash
 from keytrace.format.schema import LookupResult
@@ -32,6 +32,8 @@ from keytrace.judge.rules import (
 from keytrace.live.judged import Judged
 from keytrace.live.state import InstanceState, KeyRecord, KeyStore
 from keytrace.record.events import Episode, Scan
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -503,6 +505,29 @@ class Judge:
     """Every instance of the alarm (set by it): ``other_engine`` reads their records."""
 
 
+class _lazy(Generic[T]):
+    """A fact computed at its first read and kept in the instance's ``__dict__`` (which
+    then answers every later read): `functools.cached_property` without the lock Python
+    3.11 takes on each first read (a third of a shortfall's fact gathering)."""
+
+    def __init__(self, compute: Callable[[Any], T]) -> None:
+        self.compute = compute
+        self.name = compute.__name__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _lazy[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> T | _lazy[T]:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.compute(obj)
+        return value
+
+
 class _Facts(d.KeyFacts):
     """`keytrace.judge.definitions.KeyFacts` of one key at an episode, for `Judge.cause`:
     the key record's own facts set at once, the others (another engine's offers, a
@@ -543,21 +568,21 @@ class _Facts(d.KeyFacts):
         )
         self._judge, self._at, self._key, self._gid = judge, at, key, gid
 
-    @cached_property
+    @_lazy
     def other_engine(self) -> bool:
         j, at = self._judge, self._at
         return j.keys.offered_elsewhere(at.st, self._key, at.t, j.instances)
 
-    @cached_property
+    @_lazy
     def sibling_stored(self) -> bool:
         j = self._judge
         return j.keys.sibling_stored(self._at.st, self._key, self._gid, j.group_ids)
 
-    @cached_property
+    @_lazy
     def durable(self) -> bool:
         return self._judge.keys.durable(self._at.st, self._key, self._at.excluded)
 
-    @cached_property
+    @_lazy
     def excluded(self) -> bool:
         at, keys = self._at, self._judge.keys
         return (
@@ -566,18 +591,18 @@ class _Facts(d.KeyFacts):
             and not keys.durable(at.st, self._key, at.excluded)
         )
 
-    @cached_property
+    @_lazy
     def held(self) -> bool:
         return bool(d.resident(*self._at.st.held))
 
-    @cached_property
+    @_lazy
     def no_room(self) -> bool:
         return self._key in self._at.st.no_room.get(self._at.s, ())
 
-    @cached_property
+    @_lazy
     def own_promotion_evicted(self) -> bool:
         return self._key in self._at.st.promoted_out.get(self._at.req_id, ())
 
-    @cached_property
+    @_lazy
     def evicted_now(self) -> bool:
         return self._key in self._at.st.promoted_now.get(self._at.s, ())
