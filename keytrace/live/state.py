@@ -7,8 +7,8 @@ with `keytrace.judge.definitions`.
 Key records live in one dict per instance, keyed by vLLM's own key objects (their hash is
 computed once, by vLLM's dicts; a key concatenated with an instance tag was a new object to
 hash on every touch), each in least-recently-touched order. One cap counts the records of
-every instance; when a store call takes the count over it, the least recently touched tenth
-goes, from each instance in proportion to its records (`KeyStore.forgotten` counts them, and
+every instance; before a store call could take the count over it, the least recently
+touched tenth goes, from each instance in proportion to its records (`KeyStore.forgotten` counts them, and
 the judgement then never warns on what a forgotten record could change).
 """
 
@@ -135,6 +135,11 @@ class InstanceState:
         return len(self.deferred) + len(self.promoted_out) + len(self.judged) + len(self.promoting)
 
 
+def _new_keys(table: dict[bytes, KeyRecord], keys: Sequence[bytes]) -> int:
+    """How many of ``keys`` have no record in ``table`` (asked only near the cap)."""
+    return sum(1 for key in keys if key not in table)
+
+
 class KeyStore:
     """Every instance's key records (see the module docstring) and the counters of what
     was stored, by engine, group and event."""
@@ -175,18 +180,19 @@ class KeyStore:
         table = self._table(st)
         rec = table.pop(key, None)
         if rec is None:
+            if self._count >= self.max_records:
+                self._forget()  # before the new record: never the record just touched
             rec = KeyRecord()
             self._count += 1
         table[key] = rec
-        if self._count > self.max_records:
-            self._forget()
         return rec
 
     def _forget(self) -> None:
         """Drop the least recently touched tenth of the cap's records, each table's in
         proportion to its share, in one pass per table (deleting from a dict's front one at
         a time and asking ``next(iter(d))`` again rescans every deleted slot: quadratic in
-        what is dropped). The records just touched are at the tables' ends: they stay."""
+        what is dropped). Called before the records that would go over the cap are added,
+        so a call never forgets its own keys."""
         tenth = max(1, self.max_records // 10)
         total = self._count
         for table in self._tables.values():
@@ -215,8 +221,11 @@ class KeyStore:
         limit = (seq, event) if event in LIMIT_EVENTS else None
         offered_ts = call.ts if event in OFFER_EVENTS else None
         rejected = event is StoreEvent.REJECTED
-        # `touch` inlined: this loop runs once per stored key, the alarm's per-key work
         table, new = self._table(st), 0
+        cap = self.max_records
+        if self._count + len(keys) > cap and self._count + _new_keys(table, keys) > cap:
+            self._forget()  # before the call's new records take the count over the cap
+        # `touch` inlined: this loop runs once per stored key, the alarm's per-key work
         for key in keys:
             rec = table.pop(key, None)
             if rec is None:
@@ -231,8 +240,6 @@ class KeyStore:
             if offered_ts is not None and rec.offered_ts is None:
                 rec.offered_ts = offered_ts
         self._count += new
-        if self._count > self.max_records:
-            self._forget()
 
     @property
     def stored(self) -> Counter[tuple[str, str, str]]:

@@ -501,7 +501,7 @@ def test_the_cap_forgets_each_instances_least_recently_touched_records() -> None
     stored(b, 2, b_keys)
     stored(a, 3, a_keys[:10])  # touched again: the back of a's order
     assert len(keys) == 1_024 and keys.forgotten == 0
-    stored(b, 4, [b"new!"])  # one over the cap: 102 go, 77 of a's and 26 of b's (rounded up)
+    stored(b, 4, [b"new!"])  # one over the cap: first 102 go, 77 of a's, 26 of b's (rounded up)
     assert keys.forgotten == 77 + 26 and len(keys) == 1_025 - 103
     assert all(keys.get(a, k) is not None for k in a_keys[:10])
     assert [keys.get(a, k) is None for k in a_keys[10:88]] == [True] * 77 + [False]
