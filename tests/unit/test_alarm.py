@@ -531,3 +531,17 @@ def test_stored_counts_every_key_by_group_and_event(monkeypatch: pytest.MonkeyPa
             expected[("e", str(g), event)] += 1
     assert keys.stored == expected
     assert st_.first_prep == {0: 6, 1: 3, 300: 3}  # each group's first prepared call
+
+
+def test_a_touch_at_the_cap_keeps_the_record_it_returns() -> None:
+    """At the cap, the record a tier call touches is made after the forgetting: a new
+    instance's first record is never its own tenth."""
+    keys = KeyStore(1_024)
+    a, b = _state(), _state()
+    a.tag, b.tag = b"\x00\x00", b"\x00\x01"
+    ks = [i.to_bytes(4, "big") for i in range(1_024)]
+    keys.store(a, StoreCall(1, 1, StoreEvent.COMPLETED, None, ks, [None] * len(ks)))
+    keys.tier(b, _tier_call(2, "promotion_prepared", "r", [b"k5"], None))
+    assert keys.forgotten == 102 and keys.get(a, ks[101]) is None and keys.get(a, ks[102])
+    rec = keys.get(b, b"k5")
+    assert rec is not None and rec.prepared == 2
