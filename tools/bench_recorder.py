@@ -20,7 +20,9 @@ counts the instructions each mode's workload executes under valgrind's callgrind
 (one process per mode; imports and a warm-up run in the same mode are not counted, so
 what a process pays once, such as the writer's first pyarrow conversion, is not charged
 to the steps): the same number on a busy or an idle machine, where the timings below swing
-by a third.
+by a third. Two counts of the same code still differ by up to ~20 million (0.15%): the
+writer thread's turns move where work lands. With the alarm on, every measure also runs
+what one Prometheus scrape makes the alarm do (`scrape_alarms`).
 
     python tools/bench_recorder.py --profile [--conversations 8]
 
