@@ -44,6 +44,7 @@ class Scan:
     methods that run in C."""
 
     __slots__ = (
+        "appendable",
         "counts",
         "ends",
         "episode",
@@ -80,6 +81,10 @@ class Scan:
         """The group id its calls' keys end with (read per call by the judgements: kept)."""
         self.position = position
         """Key -> its end token (the request's own map, read when the scan closes)."""
+        self.appendable = position is not None and not secondary
+        """A later call of the same request and group is three appends, nothing else: the
+        scan reads its end tokens from the request's map, and it is not a secondary tier's
+        (`Recorder.open_scan`)."""
         self.ts = time.time_ns()
         self.seqs: list[int] = []
         self.ends: list[int | None] = []

@@ -74,6 +74,10 @@ P = ParamSpec("P")
 _SEQ = itertools.count()
 """One sequence shared by every recorder and kind in this process: total order of calls."""
 
+next_seq = _SEQ.__next__
+"""The shared sequence's next number, as a plain callable: what a hook's fast path that
+appends to `Recorder.open_scan` numbers its call with."""
+
 _FAILURES_LOGGED: set[str] = set()
 """Where a failure was already logged in this process: one line per place, not per row or
 per scheduler (a test suite builds thousands of schedulers)."""
@@ -146,7 +150,12 @@ class Recorder:
         """The request of the episode in progress when the sampler left its chain out: its
         lookups are not recorded, judged or summarised (`lookup` returns at once)."""
         self.exact_scans = False
-        self._scan: Scan | None = None
+        self.open_scan: Scan | None = None
+        """The scan being recorded. A hook may append a call to it directly (its three
+        lists, numbered by `next_seq`) when the call continues it: the same request, a
+        group key ending in its ``gid_bytes``, and ``sc.appendable``. Every other call goes
+        through `lookup`. An open scan's request is always followed (the sampler's choice
+        changes only at an episode's start or end, after `end_scan`)."""
         self._pending: dict[str, Episode] = {}
         self.failures = 0
         self.identity_settled = False
@@ -464,7 +473,7 @@ class Recorder:
         (vLLM's ``get_offload_key_position``), called once the scan ends."""
         if req_id == self.unfollowed:
             return
-        sc = self._scan
+        sc = self.open_scan
         if (
             sc is None
             or sc.req_id != req_id
@@ -480,7 +489,7 @@ class Recorder:
                 sc is not None and sc.req_id == req_id and key[-4:] != sc.gid_bytes
             ):
                 self.scan += 1
-            sc = self._scan = Scan(
+            sc = self.open_scan = Scan(
                 self.episode,
                 max(self.scan, 0),
                 req_id,
@@ -497,10 +506,10 @@ class Recorder:
 
     def end_scan(self) -> None:
         """Write the scan in progress as one lookup row: its summary and its raw lists."""
-        sc = self._scan
+        sc = self.open_scan
         if sc is None:
             return
-        self._scan = None
+        self.open_scan = None
         sc.close()
         ep = self._pending.get(sc.req_id)
         if ep is not None and ep.seq == sc.episode:
