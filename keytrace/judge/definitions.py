@@ -530,13 +530,41 @@ LAST_CAUSE = Cause.NOT_KEYABLE
 """No earlier request on the chain was long enough to key it."""
 
 
+GATES: dict[Cause, str] = {
+    **dict.fromkeys(
+        (
+            Cause.ON_TIER,
+            Cause.PROMOTING,
+            Cause.PROMOTIONS_HELD,
+            Cause.PROMOTION_NO_ROOM,
+            Cause.PROMOTION_EVICTED,
+            Cause.PRIMARY_BUSY,
+            Cause.PROMOTION_STARVED,
+            Cause.SECONDARY_RESIDENT,
+        ),
+        "durable",
+    ),
+    Cause.TIER_EXCLUDED: "excluded",
+}
+"""The fact each of these causes' tests is a conjunction with: where it is plainly false
+the test cannot hold, and `cause` does not run it (a key on no secondary tier, every key
+of a CPU-only manager, skips eight of the table's tests). A gate only saves work: a test
+that holds without its gate would be a bug in this table (tests/unit/test_causes.py
+checks every gate against its test)."""
+
+_PLAIN_CAUSES = tuple((name, test, GATES.get(name)) for name, test in CAUSES)
+
+
 def cause(facts: KeyFacts) -> Cause | Expr:
     """The cause of ``facts``: the first of `CAUSES` that holds, else `LAST_CAUSE`.
 
     Plain facts (the live alarm, once per needed key of a shortfall) are tested in turn
-    with no `cases` chain built; the first test that gives an expression hands the whole
-    table to `cases` (the same first-that-holds order, over columns)."""
-    for name, test in CAUSES:
+    with no `cases` chain built, a test whose gate (`GATES`) is plainly false skipped;
+    the first test that gives an expression hands the whole table to `cases` (the same
+    first-that-holds order, over columns)."""
+    for name, test, gate in _PLAIN_CAUSES:
+        if gate is not None and getattr(facts, gate) is False:
+            continue
         holds = test(facts)
         if type(holds) is not bool and is_expr(holds):
             break

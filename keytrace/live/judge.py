@@ -535,6 +535,11 @@ class _Facts(d.KeyFacts):
     records the first time `keytrace.judge.definitions.cause` asks for them. The same
     facts, so the same cause: only fewer of them gathered."""
 
+    _judge: Judge
+    _at: _Moment
+    _key: bytes
+    _gid: int
+
     def __init__(
         self,
         judge: Judge,
@@ -565,8 +570,13 @@ class _Facts(d.KeyFacts):
             crowded=at.crowded,
             unsettled=bool(d.unsettled(result)),
             unasked=result is None,
+            # what the lazy facts read: in the same update (an attribute set on a frozen
+            # dataclass's subclass is a Python call of its generated ``__setattr__``)
+            _judge=judge,
+            _at=at,
+            _key=key,
+            _gid=gid,
         )
-        self._judge, self._at, self._key, self._gid = judge, at, key, gid
 
     @_lazy
     def other_engine(self) -> bool:
