@@ -2,7 +2,8 @@
 `vllm serve` (vLLM 0.32.0, CPU build: tools/serve_e2e.py) with keytrace off, recording,
 the live alarm alone, and recording 1% of prefix chains, side by side in one run.
 
-    python tools/bench_serve.py [--rounds 8] [--clients 4] [--requests 48] [--pause 2] [--json]
+    python tools/bench_serve.py [--rounds 8] [--clients 4] [--requests 48] [--pause 2]
+                                [--together] [--json]
 
 One server per mode, all started first (start-up is not what is measured) and warmed with
 one unmeasured round; then rounds interleave the modes (the order rotates each round), and
@@ -31,6 +32,16 @@ is paired by round, and its mean comes with a 95% confidence interval (bootstrap
 rounds, a fixed seed): recording's cost is decided when the interval is narrower than the
 goal (issue 41: 2%).
 ``--modes off,record`` measures only those.
+
+``--together``: every mode's server takes each round's prompts at the same time, from its
+own clients. A shared machine's speed drifts from one round to the next and even within
+one (its clock, its host's other tenants): measured one after another, two modes' rounds
+see different machines, and the paired ratio carries that (2026-12-05, 20 interleaved
+rounds: a round's ratio spread 12%); measured over the same seconds, the drift weighs on
+every mode alike and cancels in the ratio (12 rounds together: 5.8%, and 4.0% at 1%
+sampling), so the same interval needs a quarter of the rounds. The servers then share
+the cores: each one's CPU time per request is still its own, its throughput and TTFT are
+not what it would get alone (read those from an interleaved run).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_e2e  # the server recipe: one definition
@@ -194,6 +206,45 @@ def one_round(
     return n / wall, statistics.median(firsts), 1000 * (cpu - cpu0) / n, 1000 * (main - main0) / n
 
 
+def together_round(
+    servers: dict[str, serve_e2e.Server], batch: list[list[int]], clients: int, pause: float
+) -> dict[str, tuple[float, float, float, float]]:
+    """`one_round` on every server at once: each gets the same prompts from its own
+    ``clients`` clients over the same seconds, so what the machine does meanwhile (its
+    clock, the other tenants of its host) weighs on every mode alike, and the paired ratio
+    cancels it. The servers share the cores: each mode's CPU time is its own, its
+    throughput and TTFT are not what it would get alone."""
+    pids = {m: s.engine_pid() for m, s in servers.items()}
+    start = {m: work_seconds(s, pids[m]) if pids[m] else (0.0, 0.0) for m, s in servers.items()}
+    for s in servers.values():
+        s.reset_prefix_cache()
+    pools = {m: ThreadPoolExecutor(clients) for m in servers}
+    t0 = time.perf_counter()
+    # submitted in turns, one prompt per server, so no server starts ahead of another
+    futures: dict[str, list[Any]] = {m: [] for m in servers}
+    for ids in batch:
+        for m, s in servers.items():
+            futures[m].append(pools[m].submit(ttft, s.url(""), ids))
+    walls: dict[str, float] = {}
+    firsts: dict[str, list[float]] = {}
+    for m in servers:
+        firsts[m] = [f.result() for f in futures[m]]
+        walls[m] = time.perf_counter() - t0
+        pools[m].shutdown()
+    time.sleep(pause)
+    n = len(batch)
+    out = {}
+    for m, s in servers.items():
+        cpu, main = work_seconds(s, pids[m]) if pids[m] else (float("nan"), float("nan"))
+        out[m] = (
+            n / walls[m],
+            statistics.median(firsts[m]),
+            1000 * (cpu - start[m][0]) / n,
+            1000 * (main - start[m][1]) / n,
+        )
+    return out
+
+
 def mean_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
     """(mean, low, high): the mean of ``ratios`` and its bootstrap percentile interval
     (10,000 resamples, a fixed seed: the same data give the same interval)."""
@@ -244,6 +295,13 @@ def main() -> int:
             "%", "%%"
         ),
     )
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="every mode's server takes each round's traffic at the same time (the "
+        "machine's drift cancels in the paired CPU ratio; throughput and TTFT are then "
+        "shared-core figures)",
+    )
     ap.add_argument("--venv", type=Path, default=serve_e2e.DEFAULT_VENV)
     ap.add_argument("--json", action="store_true", help="one JSON document")
     args = ap.parse_args()
@@ -268,8 +326,15 @@ def main() -> int:
             order = modes[r % len(modes) :] + modes[: r % len(modes)]
             batch = prompts(r, args.requests)
             time.sleep(args.pause)
-            for mode in order:
-                tput, first, cpu, main = one_round(servers[mode], batch, args.clients, args.pause)
+            if args.together:
+                measured = together_round(
+                    {m: servers[m] for m in order}, batch, args.clients, args.pause
+                )
+            else:
+                measured = {
+                    m: one_round(servers[m], batch, args.clients, args.pause) for m in order
+                }
+            for mode, (tput, first, cpu, main) in measured.items():
                 results[mode].throughput.append(tput)
                 results[mode].ttft.append(first)
                 results[mode].cpu_ms.append(cpu)
@@ -295,7 +360,8 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace) -> None:
         print(json.dumps({m: asdict(r) for m, r in results.items()}, indent=2))
         return
     print(
-        f"vllm serve (CPU, vLLM 0.32.0, tiny Gemma-2), {args.rounds} rounds interleaved, "
+        f"vllm serve (CPU, vLLM 0.32.0, tiny Gemma-2), {args.rounds} rounds "
+        f"{'together (shared cores)' if args.together else 'interleaved'}, "
         f"{args.requests} requests/round from {args.clients} clients: {PREFIXES} shared "
         f"{PREFIX_TOKENS}-token prefixes from the CPU tier + {SUFFIX_TOKENS} new tokens, "
         f"{OUTPUT_TOKENS} output tokens"

@@ -79,3 +79,50 @@ def test_the_wait_meter_counts_the_cpu_time_of_message_queue_reads(
     assert 0.045 <= waited < 0.2
     _all, main = bench_serve.work_seconds(server, pid)  # type: ignore[arg-type]
     assert 0.015 <= main - work0[1] < 0.045  # the spin is not counted as work
+
+
+class _StandIn:
+    """A server for `together_round`: its engine core's CPU seconds grow by ``cost`` per
+    prompt it answers, and it records what it was sent and when its cache was reset."""
+
+    def __init__(self, name: str, cost: float, cpu: float) -> None:
+        self.name, self.cost, self.cpu, self.prompts, self.resets = name, cost, cpu, [], 0
+
+    def engine_pid(self) -> int:
+        return id(self)
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+    def url(self, path: str) -> str:
+        return f"http://{self.name}{path}"
+
+
+def test_together_round_sends_every_prompt_to_every_server_and_keeps_each_ones_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # engine cores that have run for different times before the round
+    servers = {"off": _StandIn("off", 0.001, 5.0), "record": _StandIn("record", 0.0013, 9.0)}
+    by_url = {s.url(""): s for s in servers.values()}
+
+    def ttft(base: str, ids: list[int]) -> float:
+        s = by_url[base]
+        s.prompts.append(ids)
+        s.cpu += s.cost
+        return 0.01
+
+    monkeypatch.setattr(bench_serve, "ttft", ttft)
+    monkeypatch.setattr(
+        bench_serve,
+        "work_seconds",
+        lambda server, pid: (server.cpu, server.cpu / 2),
+    )
+    batch = [[i, i + 1] for i in range(12)]
+    out = bench_serve.together_round(servers, batch, clients=3, pause=0.0)  # type: ignore[arg-type]
+    assert set(out) == {"off", "record"}
+    for name, s in servers.items():
+        assert sorted(s.prompts) == sorted(batch) and s.resets == 1
+        _tput, first, cpu_ms, main_ms = out[name]
+        assert cpu_ms == pytest.approx(1000 * s.cost) and main_ms == pytest.approx(500 * s.cost)
+        assert first == pytest.approx(0.01)
+    assert out["record"][2] / out["off"][2] == pytest.approx(1.3)
