@@ -142,6 +142,8 @@ class ModeResult:
     """Engine-core CPU milliseconds per request, one per measured round."""
     main_ms: list[float] = field(default_factory=list)
     """Of which its main thread's."""
+    block: list[int] = field(default_factory=list)
+    """The block (servers started afresh) of each measured round."""
     trace_rows: int | None = None
     trace_bytes: int | None = None
     verdict: str | None = None
@@ -245,12 +247,29 @@ def together_round(
     return out
 
 
-def mean_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
+def mean_interval(
+    ratios: list[float], level: float = 0.95, blocks: list[int] | None = None
+) -> tuple[float, float, float]:
     """(mean, low, high): the mean of ``ratios`` and its bootstrap percentile interval
-    (10,000 resamples, a fixed seed: the same data give the same interval)."""
+    (10,000 resamples, a fixed seed: the same data give the same interval).
+
+    ``blocks``: the block (the servers' start) of each ratio. With more than one, whole
+    blocks are resampled: a server carries its own bias through its life (where its
+    processes landed on the cores), which rounds on the same servers never sample, and
+    an interval over rounds alone would be narrower than the truth."""
     rng = random.Random(0)
     n = len(ratios)
-    means = sorted(sum(rng.choices(ratios, k=n)) / n for _ in range(10_000))
+    clusters: list[list[float]] = [[r] for r in ratios]
+    if blocks is not None and len(set(blocks)) > 1:
+        by_block: dict[int, list[float]] = {}
+        for b, r in zip(blocks, ratios, strict=True):
+            by_block.setdefault(b, []).append(r)
+        clusters = list(by_block.values())
+    means = []
+    for _ in range(10_000):
+        drawn = [r for c in rng.choices(clusters, k=len(clusters)) for r in c]
+        means.append(sum(drawn) / len(drawn))
+    means.sort()
     tail = (1 - level) / 2
     return sum(ratios) / n, means[int(tail * len(means))], means[int((1 - tail) * len(means)) - 1]
 
@@ -281,6 +300,56 @@ def trace_facts(py: Path, trace: Path) -> tuple[int, int, str]:
     return rows, size, f"exit {diff.returncode}: {line[0] if line else ''}"
 
 
+def run_block(
+    py: Path,
+    root: Path,
+    modes: tuple[str, ...],
+    block: int,
+    rounds: range,
+    args: argparse.Namespace,
+    results: dict[str, ModeResult],
+) -> dict[str, Path]:
+    """Start one server per mode (in an order that rotates by block: no mode always
+    starts first), warm each with one unmeasured round, measure ``rounds``, stop them.
+    Each mode's folder, by mode."""
+    servers: dict[str, serve_e2e.Server] = {}
+    works: dict[str, Path] = {}
+    start_order = modes[block % len(modes) :] + modes[: block % len(modes)]
+    try:
+        for mode in start_order:  # one at a time: start-up is CPU-bound
+            work = works[mode] = root / mode.replace(" ", "-").replace("%", "pct")
+            work.mkdir(parents=True)
+            trace, env = mode_env(mode, work)
+            servers[mode] = serve_e2e.Server(py, work, trace, None, extra_env=env)
+            servers[mode].wait_healthy()
+            one_round(servers[mode], prompts(-1, args.requests), args.clients)  # warm-up
+            print(f"block {block + 1}: started {mode}", file=sys.stderr)
+        for r in rounds:
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
+            batch = prompts(r, args.requests)
+            time.sleep(args.pause)
+            if args.together:
+                measured = together_round(
+                    {m: servers[m] for m in order}, batch, args.clients, args.pause
+                )
+            else:
+                measured = {
+                    m: one_round(servers[m], batch, args.clients, args.pause) for m in order
+                }
+            for mode, (tput, first, cpu, main) in measured.items():
+                results[mode].throughput.append(tput)
+                results[mode].ttft.append(first)
+                results[mode].cpu_ms.append(cpu)
+                results[mode].main_ms.append(main)
+                results[mode].block.append(block)
+            print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
+    finally:
+        for s in servers.values():
+            s.stop()
+            s.remove_shm()
+    return works
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8, help="measured rounds per mode")
@@ -302,6 +371,13 @@ def main() -> int:
         "machine's drift cancels in the paired CPU ratio; throughput and TTFT are then "
         "shared-core figures)",
     )
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=1,
+        help="start the servers afresh this many times, the rounds split between them; "
+        "the interval then resamples whole blocks (a server's own bias counted)",
+    )
     ap.add_argument("--venv", type=Path, default=serve_e2e.DEFAULT_VENV)
     ap.add_argument("--json", action="store_true", help="one JSON document")
     args = ap.parse_args()
@@ -311,41 +387,14 @@ def main() -> int:
 
     py = serve_e2e.ensure_venv(args.venv)
     root = Path(tempfile.mkdtemp(prefix="kt-bench-serve-"))
-    servers: dict[str, serve_e2e.Server] = {}
     results = {m: ModeResult(m) for m in modes}
-    try:
-        for mode in modes:  # one at a time: start-up is CPU-bound
-            work = root / mode.replace(" ", "-").replace("%", "pct")
-            work.mkdir()
-            trace, env = mode_env(mode, work)
-            servers[mode] = serve_e2e.Server(py, work, trace, None, extra_env=env)
-            servers[mode].wait_healthy()
-            one_round(servers[mode], prompts(-1, args.requests), args.clients)  # warm-up
-            print(f"started {mode}", file=sys.stderr)
-        for r in range(args.rounds):
-            order = modes[r % len(modes) :] + modes[: r % len(modes)]
-            batch = prompts(r, args.requests)
-            time.sleep(args.pause)
-            if args.together:
-                measured = together_round(
-                    {m: servers[m] for m in order}, batch, args.clients, args.pause
-                )
-            else:
-                measured = {
-                    m: one_round(servers[m], batch, args.clients, args.pause) for m in order
-                }
-            for mode, (tput, first, cpu, main) in measured.items():
-                results[mode].throughput.append(tput)
-                results[mode].ttft.append(first)
-                results[mode].cpu_ms.append(cpu)
-                results[mode].main_ms.append(main)
-            print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
-    finally:
-        for s in servers.values():
-            s.stop()
-            s.remove_shm()
+    blocks = max(1, min(args.blocks, args.rounds))
+    last: dict[str, Path] = {}
+    for b in range(blocks):
+        rounds = range(b * args.rounds // blocks, (b + 1) * args.rounds // blocks)
+        last = run_block(py, root / f"block{b}", modes, b, rounds, args, results)
     for mode in modes:
-        trace, _ = mode_env(mode, root / mode.replace(" ", "-").replace("%", "pct"))
+        trace, _ = mode_env(mode, last[mode])
         if trace is not None and trace.exists():
             res = results[mode]
             res.trace_rows, res.trace_bytes, res.verdict = trace_facts(py, trace)
@@ -361,7 +410,8 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace) -> None:
         return
     print(
         f"vllm serve (CPU, vLLM 0.32.0, tiny Gemma-2), {args.rounds} rounds "
-        f"{'together (shared cores)' if args.together else 'interleaved'}, "
+        f"{'together (shared cores)' if args.together else 'interleaved'} in "
+        f"{len(set(off.block))} block(s) of fresh servers, "
         f"{args.requests} requests/round from {args.clients} clients: {PREFIXES} shared "
         f"{PREFIX_TOKENS}-token prefixes from the CPU tier + {SUFFIX_TOKENS} new tokens, "
         f"{OUTPUT_TOKENS} output tokens"
@@ -391,7 +441,9 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace) -> None:
     for m, res in results.items():
         cells = []
         for mine, base in ((res.cpu_ms, off.cpu_ms), (res.main_ms, off.main_ms)):
-            mean, lo, hi = mean_interval([a / b for a, b in zip(mine, base, strict=True)])
+            mean, lo, hi = mean_interval(
+                [a / b for a, b in zip(mine, base, strict=True)], blocks=res.block
+            )
             cells.append(
                 f"{statistics.median(mine):11.2f} {mean:14.3f} [{lo:.3f}, {hi:.3f}] "
                 f"(+-{(hi - lo) / 2 * 100:4.1f}%)"

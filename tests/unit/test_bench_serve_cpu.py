@@ -126,3 +126,18 @@ def test_together_round_sends_every_prompt_to_every_server_and_keeps_each_ones_c
         assert cpu_ms == pytest.approx(1000 * s.cost) and main_ms == pytest.approx(500 * s.cost)
         assert first == pytest.approx(0.01)
     assert out["record"][2] / out["off"][2] == pytest.approx(1.3)
+
+
+def test_blocks_resample_whole_servers() -> None:
+    """Two fresh starts of the servers that disagree by 6% while each one's rounds agree
+    within 1%: the rounds alone give an interval that rules out what either start
+    measured, whole blocks one that covers both."""
+    ratios = [1.00, 1.01, 0.99, 1.00, 1.06, 1.07, 1.05, 1.06]
+    blocks = [0, 0, 0, 0, 1, 1, 1, 1]
+    mean, lo, hi = bench_serve.mean_interval(ratios)
+    b_mean, b_lo, b_hi = bench_serve.mean_interval(ratios, blocks=blocks)
+    assert b_mean == pytest.approx(mean)
+    assert b_lo <= 1.0 and b_hi >= 1.06  # both blocks' own means are inside
+    assert lo > 1.0 and hi < 1.06  # the rounds alone rule both out
+    # one block: the rounds are all there is
+    assert bench_serve.mean_interval(ratios, blocks=[0] * 8) == (mean, lo, hi)
