@@ -212,6 +212,10 @@ class LookupRecorder(FakeRecorder):
     def __init__(self) -> None:
         super().__init__()
         self.lookups: list[tuple[bytes, str, str, bool]] = []
+        # what the two-argument row reads of a real recorder before it calls `lookup`
+        # (no open scan: every call comes here)
+        self.open_scan = None
+        self.unfollowed: str | None = None
 
     def lookup(
         self, key: bytes, req_id: str, position: Any, result: Any, secondary: bool = False
@@ -317,3 +321,100 @@ def test_table_is_well_formed() -> None:
     assert {f for f in patches.FEATURES if f.startswith("inject:")} == {
         f"inject:{name}" for name in patches.catalog.INJECTIONS
     }
+
+
+class _Episodes:
+    """A recorder's listener that keeps the episodes it is told have ended."""
+
+    def __init__(self) -> None:
+        self.ended: list[Any] = []
+
+    def episode_ended(self, inst: int, ep: Any) -> None:
+        self.ended.append(ep)
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def _gkey(name: str, gid: int) -> bytes:
+    return name.encode().ljust(32, b".") + gid.to_bytes(4, "big")
+
+
+def test_the_two_argument_row_appends_to_the_open_scan_as_the_recorder_would() -> None:
+    """The row's own appends (a call that continues the open scan) and the recorder's
+    `lookup` (any other) make the same scans: one per request and group, every call in
+    order, each result its own; a request the sampler left out records nothing."""
+    from keytrace.analysis.geometry import synthetic_header
+    from keytrace.format.schema import LookupResult
+    from keytrace.record.recorder import Recorder
+    from tests.factories import TINY
+
+    class CountingRecorder(Recorder):
+        """The recorder, counting the calls that reach its `lookup`."""
+
+        calls = 0
+
+        def lookup(self, *args: Any, **kwargs: Any) -> None:
+            CountingRecorder.calls += 1
+            super().lookup(*args, **kwargs)
+
+    episodes = _Episodes()
+    rec = CountingRecorder(
+        None,
+        synthetic_header(TINY),
+        engine_id="e",
+        dp_rank=0,
+        tokens_per_chunk={0: 16, 1: 16, 2: 16},
+        listener=episodes,
+    )
+    m = PairManager()
+    apply_instance("record", "manager", m, (rec, SimpleNamespace()))
+    ends = {_gkey(f"h{c}", g): 16 * (c + 1) for c in range(3) for g in (0, 1)}
+    ends[_gkey("miss", 0)] = 64
+
+    def ctx(req_id: str) -> Any:
+        return SimpleNamespace(req_id=req_id, get_offload_key_position=ends.get)
+
+    try:
+        rec.episode_begin("r1", 0, None, 64, 64, 4)
+        calls = [("h0", 0), ("h1", 0), ("h2", 0), ("h0", 1), ("h1", 1), ("miss", 0)]
+        for name, g in calls:
+            m.lookup(_gkey(name, g), ctx("r1"))
+        rec.episode_end("r1", 0, False)
+        assert rec.failures == 0
+        (ep,) = episodes.ended
+        scans = [(sc.gid, sc.keys, [str(r) for r in sc.results], sc.ends) for sc in ep.scans]
+        hit = ["HIT"] * 3
+        assert scans == [
+            (0, [_gkey(f"h{c}", 0) for c in range(3)], hit, [16, 32, 48]),
+            (1, [_gkey("h0", 1), _gkey("h1", 1)], hit[:2], [16, 32]),
+            (0, [_gkey("miss", 0)], ["MISS"], [64]),
+        ]
+        seqs = [s for sc in ep.scans for s in sc.seqs]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(calls)
+        # only the calls that open a scan reached the recorder: the rest were appended
+        assert CountingRecorder.calls == 3
+        # another request's call ends r1's scan even with the same group's key
+        rec.episode_begin("r2", 0, None, 64, 64, 4)
+        m.lookup(_gkey("h0", 0), ctx("r2"))
+        m.lookup(_gkey("h1", 0), ctx("r3"))
+        assert rec.open_scan is not None and rec.open_scan.req_id == "r3"
+        rec.episode_end("r2", 0, False)
+        assert [[k for k in sc.keys] for sc in episodes.ended[-1].scans] == [[_gkey("h0", 0)]]
+        # a secondary tier's scan of the request is not continued by its primary lookup
+        rec.episode_begin("r5", 0, None, 64, 64, 4)
+        rec.lookup(_gkey("h0", 0), "r5", ends.get, LookupResult.HIT, secondary=True)
+        m.lookup(_gkey("h1", 0), ctx("r5"))
+        rec.episode_end("r5", 0, False)
+        assert [sc.secondary for sc in episodes.ended[-1].scans] == [True, False]
+        # a request the sampler left out: nothing recorded, nothing open, and its calls
+        # never reach the recorder
+        rec.episode_begin("r4", 0, None, 64, 64, 4)
+        rec.unfollowed = "r4"
+        before = CountingRecorder.calls
+        m.lookup(_gkey("h0", 0), ctx("r4"))
+        m.lookup(_gkey("h1", 0), ctx("r4"))
+        assert rec.open_scan is None and rec.failures == 0
+        assert CountingRecorder.calls == before
+    finally:
+        disable("record")

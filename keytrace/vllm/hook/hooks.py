@@ -374,7 +374,6 @@ def lookup_direct(
         def lookup_pair(key: Any, req_context: Any) -> Any:
             result = wrapped(key, req_context)
             try:
-                name = by_id.get(id(result)) or _result_name(result)
                 sc = rec.open_scan
                 if (
                     sc is not None
@@ -386,8 +385,11 @@ def lookup_direct(
                     # here (a second Python frame per key was a fifth of the row's cost)
                     sc.seqs.append(next_seq())
                     sc.keys.append(key)
-                    sc.results.append(name)
-                else:
+                    sc.results.append(by_id.get(id(result)) or _result_name(result))
+                elif req_context.req_id != rec.unfollowed:
+                    # (a request the sampler left out: `Recorder.lookup` would return at
+                    # once; with sampling on that is most keys, and no frame is spent)
+                    name = by_id.get(id(result)) or _result_name(result)
                     record(key, req_context.req_id, req_context.get_offload_key_position, name)
             except Exception as exc:
                 fail(where, exc)
