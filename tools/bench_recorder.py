@@ -231,8 +231,12 @@ def _profiled(part: str, toggles: Any) -> dict[str, int]:
         return observed(rec, sched, where, *rest)
 
     def uncollected(fn: Any) -> Any:
-        """vLLM's own call inside a collected part: not counted as keytrace's."""
+        """vLLM's own call inside a collected part: not counted as keytrace's. It keeps
+        ``fn``'s signature (``__wrapped__``): the row keytrace builds around it depends on
+        that signature (the CPU manager's ``lookup(key, req_context)`` gets its own), and
+        the part must count the row a server runs."""
 
+        @functools.wraps(fn)
         def outside(*args: Any, **kwargs: Any) -> Any:
             inner = depth[0] > 0
             if inner:
