@@ -548,8 +548,8 @@ GATES: dict[Cause, str] = {
 }
 """The fact each of these causes' tests is a conjunction with: where it is plainly false
 the test cannot hold, and `cause` does not run it (a key on no secondary tier, every key
-of a CPU-only manager, skips eight of the table's tests). A gate only saves work: a test
-that holds without its gate would be a bug in this table (tests/unit/test_causes.py
+of a CPU-only manager, skips nine of the table's tests). A gate only saves work: a test
+that holds without its gate would be a bug in this table (tests/unit/test_cause_gates.py
 checks every gate against its test)."""
 
 _PLAIN_CAUSES = tuple((name, test, GATES.get(name)) for name, test in CAUSES)

@@ -8,8 +8,8 @@ Key records live in one dict per instance, keyed by vLLM's own key objects (thei
 computed once, by vLLM's dicts; a key concatenated with an instance tag was a new object to
 hash on every touch), each in least-recently-touched order. One cap counts the records of
 every instance; before a store call could take the count over it, the least recently
-touched tenth goes, from each instance in proportion to its records (`KeyStore.forgotten` counts them, and
-the judgement then never warns on what a forgotten record could change).
+touched tenth goes, from each instance in proportion to its records (`KeyStore.forgotten`
+counts them, and the judgement then never warns on what a forgotten record could change).
 """
 
 from __future__ import annotations
