@@ -195,6 +195,12 @@ class Recorder:
         except Exception as exc:
             self.fail("alarm", exc)
 
+    def follows(self, req_id: str | None) -> bool:
+        """Whether rows of ``req_id`` are recorded: always without sampling; with it, the
+        sampler's decision for the request's chain (`ChainSampler.request`). The hooks ask
+        before reading what only a followed request's rows need."""
+        return self.sampler is None or self.sampler.request(req_id)
+
     # --------------------------------------------------------------- episodes
     def episode_begin(
         self,
@@ -211,8 +217,26 @@ class Recorder:
         """A ``get_num_new_matched_tokens`` call begins: a new episode (and no scan yet).
         ``first_hash``: the request's first block hash (what a sampled trace decides by).
         ``limits``: what the request asked of the connector
-        (`keytrace.judge.rules.request_limits`)."""
-        lim = limits or {}
+        (`keytrace.judge.rules.request_limits`). `start_episode`, then, for a followed
+        request, `open_episode`: the hook calls the two itself, reading the request's
+        values only for a followed one."""
+        if self.start_episode(req_id, first_hash):
+            self.open_episode(
+                req_id,
+                local_tokens,
+                max_new_tokens,
+                num_prompt_tokens,
+                num_tokens,
+                num_hashes,
+                shared_prefix_boundary,
+                limits,
+            )
+
+    def start_episode(self, req_id: str, first_hash: bytes | None = None) -> bool:
+        """An episode of ``req_id`` begins: the open scan and any earlier episode of the
+        request end, the episode is numbered, and the sampler decides for its chain.
+        Whether it is followed (False: a chain the sampler left out, and nothing else of
+        the episode is recorded: `unfollowed`)."""
         self.end_scan()
         self.close_episode(req_id)
         self.episode = next(_SEQ)
@@ -220,8 +244,24 @@ class Recorder:
         self.scan = -1
         if self.sampler is not None and not self.sampler.decide(req_id, first_hash):
             self.unfollowed = req_id  # numbered as any episode, nothing else
-            return
+            return False
         self.unfollowed = None
+        return True
+
+    def open_episode(
+        self,
+        req_id: str,
+        local_tokens: int,
+        max_new_tokens: int | None,
+        num_prompt_tokens: int,
+        num_tokens: int,
+        num_hashes: int,
+        shared_prefix_boundary: int | None = None,
+        limits: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The followed episode `start_episode` began: its row-to-be, its chain's
+        boundaries, the listener told."""
+        lim = limits or {}
         ep = self._pending[req_id] = Episode(
             seq=self.episode,
             ts=time.time_ns(),
@@ -576,6 +616,19 @@ class Recorder:
             )
             if not keys:
                 return
+        self._store_kept(seq, event, req_id, keys, positions, job_id)
+
+    def _store_kept(
+        self,
+        seq: int,
+        event: StoreEvent,
+        req_id: str | None,
+        keys: Sequence[bytes],
+        positions: Sequence[int | None],
+        job_id: int | None,
+    ) -> None:
+        """A store call's rows as the trace keeps them (after sampling): the chain book,
+        the listener, the writer."""
         call = StoreCall(seq, time.time_ns(), event, req_id, keys, positions, job_id)
         if event in STORE_OFFERS:
             self.book.offered(req_id, keys, positions, call.seq)
@@ -613,6 +666,31 @@ class Recorder:
             return req_id, keys, positions, job_id
         return req_id, (), (), job_id
 
+    def _unsampled_prepared(
+        self,
+        offered: Sequence[bytes],
+        positions: Mapping[bytes, int],
+        keys_to_store: Iterable[bytes] | None,
+    ) -> None:
+        """A ``prepare_store`` call of a chain the sampler left out: of what a sampled trace
+        keeps (`_sampled_store`), only the first prepared key of a group new to the
+        instance can be here (its evictions are written apart), so nothing else of the call
+        is listed, looked up or judged: with sampling on this is most calls."""
+        sm = self.sampler
+        assert sm is not None
+        if not keys_to_store:
+            return
+        chosen = (
+            keys_to_store if isinstance(keys_to_store, (set, frozenset)) else set(keys_to_store)
+        )
+        prepared = offered if len(chosen) == len(offered) else [k for k in offered if k in chosen]
+        first = sm.first_of_groups(prepared)
+        if first:
+            pos = positions.get
+            self._store_kept(
+                next(_SEQ), StoreEvent.PREPARED, None, first, [pos(k) for k in first], None
+            )
+
     def store_prepared(
         self,
         req_id: str,
@@ -629,6 +707,10 @@ class Recorder:
         pos = positions.get
         if evicted:
             self._store(StoreEvent.EVICTED, req_id, evicted, [pos(k) for k in evicted])
+        sm = self.sampler
+        if sm is not None and not sm.request(req_id):
+            self._unsampled_prepared(offered, positions, keys_to_store)
+            return
         if keys_to_store is None:
             self._store(StoreEvent.FAILED, req_id, offered, [pos(k) for k in offered])
             return
@@ -671,6 +753,8 @@ class Recorder:
         job_id: int | None,
         success: bool,
     ) -> None:
+        if self.sampler is not None and not self.sampler.request(req_id):
+            return  # (a chain the sampler left out: nothing of a completion is kept)
         ks = list(keys)
         pos = positions.get
         event = StoreEvent.COMPLETED if success else StoreEvent.FAILED
@@ -770,8 +854,10 @@ class Recorder:
     def load(
         self, event: str, req_id: str, keys: Iterable[bytes], positions: Mapping[bytes, int]
     ) -> None:
+        if self.sampler is not None and not self.sampler.request(req_id):
+            return
         ks = list(keys)
-        if not ks or (self.sampler is not None and not self.sampler.request(req_id)):
+        if not ks:
             return
         pos = positions.get
         row = (next(_SEQ), time.time_ns(), *self._common_tail, self.step, event, req_id)

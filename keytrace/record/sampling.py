@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from keytrace.format.keys import chain_sampled, key_tail
+from keytrace.format.keys import chain_sampled, key_tail, key_tails
 
 MAX_FINISHED = 1 << 16
 """Decisions of finished requests remembered (oldest forgotten first): a store's completion
@@ -96,11 +96,16 @@ class ChainSampler:
     def first_of_groups(self, keys: Sequence[bytes]) -> list[bytes]:
         """Of an unsampled chain's prepared keys, the first of each group no key of this
         instance was prepared in before (usually none: a list of every group seen is cheap
-        to check)."""
+        to check: the call's tails are gathered in C, and only a call with a new group
+        walks its keys in Python)."""
+        fresh = set(key_tails(keys)).difference(self._prepared_groups)
+        if not fresh:
+            return []
         new: list[bytes] = []
         for k in keys:
             tail = key_tail(k)
-            if tail not in self._prepared_groups:
+            if tail in fresh:
+                fresh.discard(tail)
                 self._prepared_groups.add(tail)
                 new.append(k)
         return new

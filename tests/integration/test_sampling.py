@@ -143,6 +143,17 @@ def test_sampled_verdicts_equal_full_verdicts_on_the_sampled_chains(
     render_diff(sampled, text)
     assert f"sampled trace (KEYTRACE_SAMPLE={FRACTION:g})" in text.getvalue()
     assert to_jsonable(sampled)["sample"] == FRACTION
+    # the rows of a request the sampler left out are not built: no step, store or load
+    # row names one (a store row of no request is an unsampled chain's first key of a group;
+    # an eviction names whichever request's store made room, its keys are a sampled chain's)
+    trace = open_trace(sampled_dir)
+    for kind in ("step", "store", "load"):
+        rows = trace.frame(kind)
+        if kind == "store":
+            rows = rows.filter(pl.col("event").cast(pl.String) != "evicted")
+        named = set(rows.collect()["req_id"].cast(pl.String).drop_nulls())
+        assert named <= set(got), (kind, sorted(named - set(got))[:5])
+    assert set(trace.collect("step")["req_id"].cast(pl.String)) == set(got)
     # and no chain is cut: a request that shares a key with a sampled one is sampled
     keys = _keys_by_request(full_dir)
     sampled_keys = set().union(*(keys.get(r, set()) for r in got))

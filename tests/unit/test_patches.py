@@ -33,6 +33,9 @@ class FakeRecorder:
     def store_prepared(self, *a: Any) -> None:
         self.stores.append(a)
 
+    def follows(self, req_id: str | None) -> bool:
+        return True  # (`Recorder.follows` without sampling)
+
     def fail(self, where: str, exc: BaseException) -> None:
         self.failures.append(where)
 

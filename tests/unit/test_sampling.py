@@ -55,15 +55,71 @@ def test_an_unsampled_chain_leaves_only_the_first_prepared_key_of_each_group(
     rec.store_prepared("out", [b0], {b0: 32}, [b0], [], 2)  # group 0 already seen
     rec.store_prepared("in", [c0, c1], {c0: 16, c1: 16}, [c0, c1], [], 3)
     rec.store_completed("out", [a0, a1], {}, 1, True)
+    # a partly accepted call of the chain: its first *prepared* key of a new group, not
+    # the first offered one (d2 was declined, and group 2 is new: e2 is its first)
+    d2, e2, e0 = make_key(b"d" * 8, 2), make_key(b"e" * 8, 2), make_key(b"e" * 8, 0)
+    rec.store_prepared("out", [d2, e2, e0], {d2: 16, e2: 32, e0: 32}, [e2, e0], [], 4)
+    rec.store_prepared("out", [d2], {d2: 16}, None, [], None)  # failed: nothing
     rec.close()
     assert _stores(tmp_path) == [
         ("prepared", None, a0),  # the groups' first prepare, as no request's
         ("prepared", None, a1),
         ("prepared", "in", c0),
         ("prepared", "in", c1),
+        ("prepared", None, e2),
     ]
     lookups = open_trace(str(tmp_path)).collect("lookup")
     assert set(lookups["req_id"].cast(pl.String).to_list()) == {"in"}
+
+
+class _LeftOut:
+    """A vLLM object of a request the sampler left out: the hooks may read its id and
+    first block hash (what the sampler decides by), nothing else."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a hook read {name!r} of a request the sampler left out")
+
+
+def test_the_hooks_read_nothing_more_of_a_request_the_sampler_left_out(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from keytrace.vllm.hook import hooks
+
+    rec = _recorder(tmp_path)
+    rec.identity_settled = True  # (no engine to read an identity from)
+    request = _LeftOut(request_id="out", block_hashes=[OUT])
+    hooks.episode_begin(rec, None, (request, 0, 64), {})
+    assert rec.unfollowed == "out"
+    hooks.episode_end(rec, None, (0, False), (request,), {})
+    k = make_key(b"k" * 8, 0)
+    ctx = SimpleNamespace(req_id="out", _offload_key_positions={k: 16})
+    # a manager with a store_threshold filter, and a scheduler whose jobs are not to be read
+    sched = SimpleNamespace(
+        manager=_LeftOut(counts={}),
+        _job_counter=1,
+        _jobs=_LeftOut(),
+        _req_status={"out": _LeftOut(), "new": SimpleNamespace(req=None)},
+    )
+    hooks.prepare_store(
+        rec, sched, SimpleNamespace(keys_to_store=[], evicted_keys=[]), ([k], ctx), {}
+    )
+    hooks.complete_store(rec, sched, None, ([k], ctx, True), {})
+    out = SimpleNamespace(
+        num_scheduled_tokens={"out": 16, "new": 8},
+        finished_req_ids={"out"},
+        preempted_req_ids=set(),
+        scheduled_cached_reqs=None,
+    )
+    hooks.step_begin(rec, sched, (out,), {})
+    rec.close()
+    assert rec.failures == 0
+    trace = open_trace(str(tmp_path))
+    # a request never looked up is kept (`ChainSampler.request`): its step row is written
+    assert trace.collect("step")["req_id"].cast(pl.String).to_list() == ["new"]
+    assert _stores(tmp_path) == []
 
 
 def test_evictions_are_kept_by_key_whoever_made_room(tmp_path: Path) -> None:

@@ -125,10 +125,13 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
     if not rec.identity_settled:
         settle_identity(rec)
     request = arg(args, kw, 0, "request")
+    hashes = request.block_hashes
+    first = bytes(hashes[0]) if rec.sampler is not None and hashes else None
+    if not rec.start_episode(request.request_id, first):
+        return  # (a chain the sampler left out: nothing more of the request is read)
     max_new = args[2] if len(args) > 2 else kw.get("max_num_new_tokens")
     spb = getattr(request, "shared_prefix_boundary", None)
-    hashes = request.block_hashes
-    rec.episode_begin(
+    rec.open_episode(
         request.request_id,
         int(arg(args, kw, 1, "num_computed_tokens")),
         max_new,
@@ -136,7 +139,6 @@ def episode_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str
         int(request.num_tokens),
         len(hashes),
         int(spb) if spb else None,
-        bytes(hashes[0]) if rec.sampler is not None and hashes else None,
         {
             **request_limits(getattr(request, "kv_transfer_params", None)),
             "skip_reading_kv": skips_external_kv(request),
@@ -175,10 +177,12 @@ def episode_end(
 ) -> None:
     request = arg(args, kw, 0, "request")
     rec.end_scan()
+    if rec.unfollowed == request.request_id:  # (a chain the sampler left out)
+        rec.episode_end(request.request_id, result[0], result[1])
+        return
     try:
-        if rec.unfollowed != request.request_id:  # (a chain the sampler left out)
-            record_unqueried(rec, sched, request)
-            record_withheld(rec, sched, request)
+        record_unqueried(rec, sched, request)
+        record_withheld(rec, sched, request)
     finally:
         spb = getattr(request, "shared_prefix_boundary", None)
         rec.episode_end(request.request_id, result[0], result[1], int(spb) if spb else None)
@@ -257,12 +261,15 @@ def accepted(
     rec.accepted(request.request_id, int(arg(args, kw, 2, "num_external_tokens")))
 
 
-def step_rows(sched: Any, out: Any) -> list[tuple[Any, ...]]:
+def step_rows(
+    sched: Any, out: Any, keep: Callable[[str], bool] | None = None
+) -> list[tuple[Any, ...]]:
     """Pre-step per-request values, read before vLLM mutates them in this call.
 
     One row per scheduled request, per finished request and per preempted request that
     was not scheduled: (req_id, computed, scheduled, prompt, num_tokens, finished,
-    preempted, resumed).
+    preempted, resumed). ``keep``: the requests whose rows are recorded (the sampler's
+    decision; None: all), so a request the sampler left out costs no row built.
     """
     statuses = sched._req_status
     preempted = set(out.preempted_req_ids or ())
@@ -282,15 +289,22 @@ def step_rows(sched: Any, out: Any) -> list[tuple[Any, ...]]:
             rid in resumed and not finished,
         )
 
-    rows = [row(rid, int(n), False) for rid, n in out.num_scheduled_tokens.items()]
-    rows += [row(rid, 0, True) for rid in out.finished_req_ids or ()]
-    rows += [row(rid, 0, False) for rid in preempted - set(out.num_scheduled_tokens)]
-    return rows
+    scheduled = out.num_scheduled_tokens
+    finished = out.finished_req_ids or ()
+    idle = preempted - set(scheduled)
+    if keep is None:
+        rows = [row(rid, int(n), False) for rid, n in scheduled.items()]
+        rows += [row(rid, 0, True) for rid in finished]
+        return rows + [row(rid, 0, False) for rid in idle]
+    rows = [row(rid, int(n), False) for rid, n in scheduled.items() if keep(rid)]
+    rows += [row(rid, 0, True) for rid in finished if keep(rid)]
+    return rows + [row(rid, 0, False) for rid in idle if keep(rid)]
 
 
 def step_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
     """``build_connector_meta(scheduler_output)``, before vLLM runs it."""
-    rec.step_rows(step_rows(sched, arg(args, kw, 0, "scheduler_output")))
+    keep = rec.sampler.request if rec.sampler is not None else None
+    rec.step_rows(step_rows(sched, arg(args, kw, 0, "scheduler_output"), keep))
 
 
 def step_end(
@@ -485,7 +499,9 @@ def prepare_store(
         out.keys_to_store,
         out.evicted_keys or (),
         job,
-        filtered_keys(getattr(sched, "manager", None), keys, out.keys_to_store),
+        filtered_keys(getattr(sched, "manager", None), keys, out.keys_to_store)
+        if rec.follows(ctx.req_id)
+        else (),  # (a chain the sampler left out: its filtered keys are not kept)
     )
 
 
@@ -506,6 +522,8 @@ def complete_store(
     rec: Recorder, sched: Any, result: Any, args: tuple[Any, ...], kw: dict[str, Any]
 ) -> None:
     keys, ctx = arg(args, kw, 0, "keys"), arg(args, kw, 1, "req_context")
+    if not rec.follows(ctx.req_id):
+        return  # (a chain the sampler left out: nothing of a completion is kept)
     success = args[2] if len(args) > 2 else kw.get("success", True)
     job = next((j for j, st in sched._jobs.items() if st.keys is keys), None)
     rec.store_completed(ctx.req_id, keys, positions(ctx), job, bool(success))
