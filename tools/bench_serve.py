@@ -85,6 +85,10 @@ def mode_env(mode: str, work: Path) -> tuple[Path | None, dict[str, str]]:
     env = {
         "PYTHONPATH": f"{WAIT_METER}{os.pathsep}{serve_e2e.ROOT}",
         "KEYTRACE_BENCH_WAIT_METER": str(work / "wait"),
+        # one hash seed for every server: with a random one each start orders its sets of
+        # keys (and so where vLLM's set-ordered work lands, and keytrace's folds) its own
+        # way: work that differs by start, not by mode
+        "PYTHONHASHSEED": "0",
     }
     if mode == "off":
         return None, env
