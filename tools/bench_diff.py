@@ -239,7 +239,7 @@ def fleet(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--rows", type=int, nargs="+", default=None)
     ap.add_argument("--engines", type=int, default=None, help="the fleet benchmark (module doc)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)

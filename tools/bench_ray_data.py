@@ -18,7 +18,7 @@ from typing import Any
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("trace")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cpus", type=int, default=2)

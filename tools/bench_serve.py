@@ -355,7 +355,7 @@ def run_block(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--rounds", type=int, default=8, help="measured rounds per mode")
     ap.add_argument("--clients", type=int, default=4, help="concurrent clients")
     ap.add_argument("--requests", type=int, default=48, help="requests per round")

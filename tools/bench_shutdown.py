@@ -104,7 +104,7 @@ def _stats(xs: list[float]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--shutdown-timeout", type=float, default=10.0)
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)

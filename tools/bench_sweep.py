@@ -15,7 +15,7 @@ import time
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--lengths", type=int, default=100)
     args = ap.parse_args()
     from keytrace.analysis.geometry import DSV4

@@ -85,7 +85,7 @@ def check_cli(venv: Path) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--venv", help="where to make the venv [default: a temporary folder]")
     ap.add_argument("--tests", action="store_true", help="also run tests/unit in it")
     args = ap.parse_args()

@@ -20,7 +20,7 @@ BUDGETS = [2_048, 8_192, 32_768]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--out", default="findings.parquet")
     args = ap.parse_args()
     rows = []

@@ -66,7 +66,7 @@ def run(case: Case, frac: float, extra_blocks: int) -> list[Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--fix", default=None, help="candidate fixes, joined by commas")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds")

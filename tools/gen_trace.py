@@ -74,7 +74,7 @@ def cold_lookup(rec: Recorder, rid: str, chain: int, tpc: int, P: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("out")
     ap.add_argument("--rows", type=int, default=10_000_000, help="approximate key rows to write")
     ap.add_argument("--engines", type=int, default=4)

@@ -94,7 +94,7 @@ def unexpected_skips(output: str, allowed: list[str]) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--workdir", type=Path, default=None, help="Where to clone [a temp dir].")
     ap.add_argument("--allow-skip", action="append", default=[], metavar="REGEX")
     args = ap.parse_args()

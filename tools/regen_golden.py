@@ -154,7 +154,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--check", action="store_true", help="compare, do not write")
     args = ap.parse_args()
     stale = []

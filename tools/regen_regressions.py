@@ -151,7 +151,7 @@ def render(reg: Regression) -> tuple[str, str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--check", action="store_true", help="Change nothing; exit 1 on a difference.")
     args = ap.parse_args()
     from keytrace.cli._common import quiet_host_logs

@@ -399,7 +399,7 @@ def run(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--work", type=Path, default=Path("/tmp/keytrace-serve-e2e"))
     ap.add_argument("--inject", default=None, help="KEYTRACE_INJECT for the server")

@@ -183,7 +183,7 @@ def prepare(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> tupl
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--version", default=DEFAULT_VERSION)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--sources", action="store_true", help="Also unpack the sdist's vllm/.")

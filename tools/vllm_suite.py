@@ -207,7 +207,7 @@ def summary(result: dict[str, str]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--version", default=DEFAULT_VERSION)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--keep", type=Path, default=None, help="Keep the recorded trace here.")
