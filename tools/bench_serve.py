@@ -31,7 +31,8 @@ samples in a py-spy profile; ``tools/bench_wait_meter`` counts it), read before 
 is paired by round, and its mean comes with a 95% confidence interval (bootstrap over
 rounds, a fixed seed): recording's cost is decided when the interval is narrower than the
 goal (issue 41: 2%).
-``--modes off,record`` measures only those.
+``--modes off,record`` measures only those; ``control`` (a second server exactly like
+``off``) measures the measure: its ratio to ``off`` should be 1 within its interval.
 
 ``--together``: every mode's server takes each round's prompts at the same time, from its
 own clients. A shared machine's speed drifts from one round to the next and even within
@@ -66,7 +67,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_e2e  # the server recipe: one definition
 
-MODES = ("off", "record", "alarm", "record 1%")
+MODES = ("off", "record", "alarm", "record 1%", "control")
+"""``control``: a second server exactly like ``off`` (not in the default set): its ratio to
+``off`` is what the measure gives two servers of the same code, the bias and spread every
+other mode's ratio carries."""
+DEFAULT_MODES = MODES[:4]
 PREFIXES = 4
 PREFIX_TOKENS = 768
 SUFFIX_TOKENS = 128
@@ -90,7 +95,7 @@ def mode_env(mode: str, work: Path) -> tuple[Path | None, dict[str, str]]:
         # way: work that differs by start, not by mode
         "PYTHONHASHSEED": "0",
     }
-    if mode == "off":
+    if mode in ("off", "control"):
         return None, env
     if mode == "record":
         return trace, env  # the live alarm on, as by default
@@ -362,11 +367,10 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=2.0, help="seconds between two servers' rounds")
     ap.add_argument(
         "--modes",
-        default=",".join(MODES),
+        default=",".join(DEFAULT_MODES),
         # argparse formats help with %: "record 1%" must reach it as "record 1%%"
-        help=f"comma-separated modes to run, off first (default: {','.join(MODES)})".replace(
-            "%", "%%"
-        ),
+        help=f"comma-separated modes to run, off first (default: {','.join(DEFAULT_MODES)}; "
+        "control: a second off server, the measure's own bias)".replace("%", "%%"),
     )
     ap.add_argument(
         "--together",
