@@ -667,23 +667,14 @@ class Recorder:
         return req_id, (), (), job_id
 
     def _unsampled_prepared(
-        self,
-        offered: Sequence[bytes],
-        positions: Mapping[bytes, int],
-        keys_to_store: Iterable[bytes] | None,
+        self, prepared: Sequence[bytes], positions: Mapping[bytes, int]
     ) -> None:
-        """A ``prepare_store`` call of a chain the sampler left out: of what a sampled trace
-        keeps (`_sampled_store`), only the first prepared key of a group new to the
-        instance can be here (its evictions are written apart), so nothing else of the call
-        is listed, looked up or judged: with sampling on this is most calls."""
+        """The keys a ``prepare_store`` call of a chain the sampler left out prepared: of what
+        a sampled trace keeps (`_sampled_store`), only the first prepared key of a group new
+        to the instance can be here (its evictions are written apart), so nothing else of
+        the call is listed, looked up or judged: with sampling on this is most calls."""
         sm = self.sampler
         assert sm is not None
-        if not keys_to_store:
-            return
-        chosen = (
-            keys_to_store if isinstance(keys_to_store, (set, frozenset)) else set(keys_to_store)
-        )
-        prepared = offered if len(chosen) == len(offered) else [k for k in offered if k in chosen]
         first = sm.first_of_groups(prepared)
         if first:
             pos = positions.get
@@ -707,22 +698,23 @@ class Recorder:
         pos = positions.get
         if evicted:
             self._store(StoreEvent.EVICTED, req_id, evicted, [pos(k) for k in evicted])
-        sm = self.sampler
-        if sm is not None and not sm.request(req_id):
-            self._unsampled_prepared(offered, positions, keys_to_store)
-            return
+        followed = self.sampler is None or self.sampler.request(req_id)
         if keys_to_store is None:
-            self._store(StoreEvent.FAILED, req_id, offered, [pos(k) for k in offered])
+            if followed:
+                self._store(StoreEvent.FAILED, req_id, offered, [pos(k) for k in offered])
             return
         chosen = (
             keys_to_store if isinstance(keys_to_store, (set, frozenset)) else set(keys_to_store)
         )
-        if len(chosen) == len(offered):
-            self._store(StoreEvent.PREPARED, req_id, offered, [pos(k) for k in offered], job_id)
+        whole = len(chosen) == len(offered)
+        prepared = offered if whole else [k for k in offered if k in chosen]
+        if not followed:
+            self._unsampled_prepared(prepared, positions)
             return
-        prepared = [k for k in offered if k in chosen]
-        rejected = [k for k in offered if k not in chosen]
         self._store(StoreEvent.PREPARED, req_id, prepared, [pos(k) for k in prepared], job_id)
+        if whole:
+            return
+        rejected = [k for k in offered if k not in chosen]
         self._store(StoreEvent.REJECTED, req_id, rejected, [pos(k) for k in rejected])
         if filtered:
             self._store(StoreEvent.FILTERED, req_id, filtered, [pos(k) for k in filtered])

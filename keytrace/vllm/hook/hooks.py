@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -291,14 +291,14 @@ def step_rows(
 
     scheduled = out.num_scheduled_tokens
     finished = out.finished_req_ids or ()
-    idle = preempted - set(scheduled)
-    if keep is None:
-        rows = [row(rid, int(n), False) for rid, n in scheduled.items()]
-        rows += [row(rid, 0, True) for rid in finished]
-        return rows + [row(rid, 0, False) for rid in idle]
-    rows = [row(rid, int(n), False) for rid, n in scheduled.items() if keep(rid)]
-    rows += [row(rid, 0, True) for rid in finished if keep(rid)]
-    return rows + [row(rid, 0, False) for rid in idle if keep(rid)]
+    idle: Iterable[str] = preempted - set(scheduled)
+    if keep is not None:  # (the rows of the requests kept, before any is built)
+        scheduled = {rid: n for rid, n in scheduled.items() if keep(rid)}
+        finished = [rid for rid in finished if keep(rid)]
+        idle = [rid for rid in idle if keep(rid)]  # (in the set's own order)
+    rows = [row(rid, int(n), False) for rid, n in scheduled.items()]
+    rows += [row(rid, 0, True) for rid in finished]
+    return rows + [row(rid, 0, False) for rid in idle]
 
 
 def step_begin(rec: Recorder, sched: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
