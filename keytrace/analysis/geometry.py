@@ -344,8 +344,14 @@ DSV3 = Geometry(
 block then spans 64 × dcp tokens); vLLM refuses DCP with sliding-window groups, which
 every other attention preset has."""
 
+DSV3_MLA = DSV3.with_(name="dsv3_mla", groups=DSV3.groups[:1])
+"""`DSV3` served without its MTP drafter: one MLA group, the most common layout decode
+context parallelism serves. With no draft group, a resend over a tiered manager leaves
+shortfalls the oracle can check under DCP (`DSV3`'s MTP group with legacy hashes is not
+judged there: `keytrace.judge.trust.uncovered`)."""
+
 BUILTIN: dict[str, Geometry] = {
-    g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT, RECURRENT_MTP, NEMOTRON_H, DSV3)
+    g.name: g for g in (SMALL, DSV4, HYBRID, RECURRENT, RECURRENT_MTP, NEMOTRON_H, DSV3, DSV3_MLA)
 }
 
 

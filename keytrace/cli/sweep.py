@@ -68,7 +68,8 @@ def _table(rows: list[SweepRow], stock: list[SweepRow] | None = None) -> None:
     "(the same with its MTP drafter: judged on vLLM 0.34.0, not on 0.33.0), nemotron_h "
     "(Nemotron-H-like: Mamba2 groups whose prompt's last state is exported from inside a "
     "prefill chunk, and full attention), dsv3 "
-    "(DeepSeek-V3-like: MLA and its MTP group, no sliding window: for --dcp).",
+    "(DeepSeek-V3-like: MLA and its MTP group, no sliding window: for --dcp), dsv3_mla "
+    "(the same served without MTP: one MLA group).",
 )
 @click.option(
     "--from", "from_trace", default=None, help="Take the geometry from this trace's header instead."

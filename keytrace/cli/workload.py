@@ -58,10 +58,20 @@ def _tiers(text: str) -> tuple[str, ...]:
     default="dsv4",
     show_default=True,
     type=click.Choice(
-        ["dsv4", "small", "hybrid", "dsv3", "recurrent", "recurrent_mtp", "nemotron_h"]
+        [
+            "dsv4",
+            "small",
+            "hybrid",
+            "dsv3",
+            "dsv3_mla",
+            "recurrent",
+            "recurrent_mtp",
+            "nemotron_h",
+        ]
     ),
     help="Built-in geometry ('hybrid': no MTP group, where stock vLLM's rules agree; "
-    "'dsv3' and 'recurrent': no sliding window, for --dcp).",
+    "'dsv3', 'dsv3_mla' (MLA without the MTP group) and 'recurrent': no sliding window, "
+    "for --dcp).",
 )
 @click.option(
     "--seed",

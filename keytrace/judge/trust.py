@@ -101,7 +101,9 @@ DENSE = "retention-dense"
 FA_DRAFTER = "attention+fa-drafter"
 """A full-attention EAGLE/MTP draft group with legacy hashes (DeepSeek-V3-like MLA + MTP
 on vLLM 0.33.0): its lookup pops the peek chunk, a rule the attention layouts without such
-a group never exercised (the DCP layouts' `dsv3` ones do)."""
+a group never exercised. The DCP layouts' `dsv3` ones exercise it on a CPU tier, where
+every resend is a hit, cold or deferred: no shortfall for the oracle, so no run covers it
+yet (on a tiered manager it gets no verdict: `uncovered`)."""
 ATTENTION_DCP = "attention+dcp"
 """Attention groups under decode context parallelism: vLLM scales an attention block by
 the DCP size and keeps a replicated draft group's block as it is, so chunk sizes differ

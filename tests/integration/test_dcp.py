@@ -145,9 +145,9 @@ def test_doctor_verify_runs_the_dcp_layouts(
 ) -> None:
     """One round of `keytrace doctor --verify`'s DCP layouts (DCP 2 and 4, chunks of one
     and two blocks, a hash unit below the block, the MTP drafter, MLA attention on a CPU
-    tier and a tiered manager): every shortfall looked up again alone agrees with the
-    differ, the live alarm counts the same, and the run says it covered recurrent and
-    attention groups under DCP."""
+    tier and on a tiered manager, with and without its MTP group): every shortfall looked
+    up again alone agrees with the differ, the live alarm counts the same, and the run
+    says it covered recurrent and attention groups under DCP."""
     from keytrace.vllm.hook.support import vllm_info
     from keytrace.vllm.lab.verify import DCP_LAYOUTS, verify
 
@@ -164,25 +164,43 @@ def test_doctor_verify_runs_the_dcp_layouts(
     assert out.episodes >= 50 and out.disagreements == [], out.disagreements
     assert sum(r.episodes.get("mismatch", 0) for r in out.runs) > 0  # states that end no chunk
     mtp = [g for g, *_ in DCP_LAYOUTS if g == "recurrent_mtp"]
-    # MLA + MTP on a tiered manager: recorded, not judged (trust.uncovered)
-    tiered_mla = [g for g, tiers, *_ in DCP_LAYOUTS if g == "dsv3" and tiers]
+    # MLA + MTP on a tiered manager without lookahead hashes: recorded, not judged
+    # (trust.uncovered); on 0.33.0 a drafter's hashes never look ahead
+    legacy_tiered = [
+        g for g, tiers, *_, drafter in DCP_LAYOUTS if g == "dsv3" and tiers and drafter is None
+    ]
+    drafted_tiered = [
+        g for g, tiers, *_, drafter in DCP_LAYOUTS if g == "dsv3" and tiers and drafter
+    ]
+    assert legacy_tiered and drafted_tiered
     if (vllm_info().version or "").startswith(("0.31", "0.32", "0.33")):
-        # no lookahead hashes before 0.34.0: the MTP layout is recorded and not judged
-        skipped = len(mtp) + len(tiered_mla)
+        skipped = len(mtp) + len(legacy_tiered) + len(drafted_tiered)
         lookahead = set()
     else:
-        skipped = len(tiered_mla)
+        skipped = len(legacy_tiered)
         lookahead = {"recurrent+lookahead"}
     assert out.workloads == len(DCP_LAYOUTS) - skipped and len(out.skipped) == skipped
-    assert set(out.covers) == {"recurrent", "recurrent+dcp"} | lookahead
+    assert (
+        set(out.covers)
+        == {
+            "recurrent",
+            "recurrent+dcp",
+            "attention",
+            "attention+dcp",
+        }
+        | lookahead
+    )
     # DeepSeek-V3-like MLA + MTP under DCP on a CPU tier: every resend the traffic makes is
     # served as keytrace expects (before the popped peek was a rule, every shortfall was a
     # false mismatch: E one chunk above what vLLM serves by design); the LRU tier evicts a
-    # prefix from its start, so no shortfall is left for the oracle, which checks only
-    # those: attention+dcp stays unverified by these runs
-    mla = [r for r in out.runs if r.workload.startswith("dsv3")]
-    assert len(mla) == 2 and all(r.episodes.get("hit", 0) > 0 for r in mla)
-    assert not any(r.episodes.get("mismatch") for r in mla)
+    # prefix from its start, so no shortfall is left there for the oracle
+    on_cpu = [r for r in out.runs if r.workload.startswith("dsv3 ") and "+fs" not in r.workload]
+    assert len(on_cpu) == 2 and all(r.episodes.get("hit", 0) > 0 for r in on_cpu)
+    assert not any(r.episodes.get("mismatch") for r in on_cpu)
+    assert not any(r.checked for r in on_cpu)
+    # MLA alone over fs: the tiered manager's promotions leave shortfalls, each checked
+    tiered = [r for r in out.runs if r.workload.startswith("dsv3_mla")]
+    assert len(tiered) == 3 and all(r.checked > 0 for r in tiered), tiered
 
 
 SENDS_034 = """

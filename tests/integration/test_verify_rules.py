@@ -130,9 +130,18 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
         (g, t, bpc, d) for g, t, _, bpc, d in RECURRENT_LAYOUTS
     ]
     dcp = [s for s in first if s.dcp]
-    assert [(s.geometry, s.tiers, s.blocks_per_chunk, s.dcp, s.prefix_match_unit) for s in dcp] == [
-        (g, t, bpc, n, unit) for g, t, _, bpc, n, unit in DCP_LAYOUTS
-    ]
+    assert [
+        (
+            s.geometry,
+            s.tiers,
+            s.cpu_chunks,
+            s.blocks_per_chunk,
+            s.dcp,
+            s.prefix_match_unit,
+            s.drafter,
+        )
+        for s in dcp
+    ] == list(DCP_LAYOUTS)
     # every retention layout once, with its interval (dense: None) and its own settings
     kept = [s for s in first if s.retention_interval != 0]
     assert [
@@ -146,7 +155,12 @@ def test_the_plan_covers_every_layout_and_drafter_before_repeating() -> None:
     lookahead = list(plan(drafters=DRAFTERS[1:], recurrent=False, retention=False))
     assert {s.drafter for s in lookahead} == set(DRAFTERS[1:])
     only = list(plan(layouts=False, retention=False))
-    assert only and {s.geometry for s in only} == {"recurrent", "recurrent_mtp", "dsv3"}
+    assert only and {s.geometry for s in only} == {
+        "recurrent",
+        "recurrent_mtp",
+        "dsv3",
+        "dsv3_mla",
+    }
     assert {s.geometry for s in only if not s.dcp} == {"recurrent", "recurrent_mtp"}
     retention = list(plan(layouts=False, recurrent=False))
     assert retention and all(s.retention_interval != 0 for s in retention)

@@ -62,6 +62,30 @@ def test_the_shipped_file_reads_and_names_real_oracle_runs() -> None:
         assert all(v.episodes > 0 and v.vllm for v in verifications)
 
 
+def test_the_shipped_runs_verify_attention_under_dcp_on_both_releases() -> None:
+    """MLA served under DCP (the lab's `dsv3_mla`) is verified by the shipped runs of
+    0.33.0 and 0.34.0 (their `--dcp-only` runs checked its shortfalls over a tiered
+    manager); MLA + MTP with legacy hashes under DCP is not: no run checked a shortfall
+    of its popped peek (`attention+fa-drafter`), so its verdicts keep the "not verified"
+    line."""
+    from keytrace.analysis.geometry import DSV3, DSV3_MLA, synthetic_header
+
+    runs = trust.shipped()
+    releases = {v.vllm: d for d, vs in runs.items() for v in vs}
+    assert {"0.33.0", "0.34.0"} <= set(releases)
+    for release in ("0.33.0", "0.34.0"):
+        digest = releases[release]
+        mla = {**synthetic_header(DSV3_MLA.with_(dcp=2)), "rules_digest": digest}
+        status = trust.trace_rules(mla)
+        assert status is not None and status.trust is RulesTrust.VERIFIED, release
+        assert trust.trust_line(status) is None
+        drafted = {**synthetic_header(DSV3.with_(dcp=2)), "rules_digest": digest}
+        status = trust.trace_rules(drafted)
+        assert status is not None and status.trust is RulesTrust.UNVERIFIED, release
+        line = trust.trust_line(status)
+        assert line is not None and "without lookahead hashes" in line
+
+
 def test_trust_lines() -> None:
     assert trust.trust_line(None) is None
     assert trust.trust_line(RulesStatus(None, release_verified=True)) is None

@@ -67,27 +67,40 @@ state may fall inside a chunk), under a tiered manager, and with an MTP drafter 
 preset's, L = 1 on vLLM 0.34.0; and multi-module, L = 2). A workload keytrace does not
 judge (a drafter without lookahead hashes, vLLM 0.33.0) is skipped, with why."""
 
-DCP_LAYOUTS: tuple[tuple[str, tuple[str, ...], int | None, int, int, int | None], ...] = (
-    ("recurrent", (), 30, 1, 2, None),
-    ("recurrent", (), 30, 2, 2, None),
-    ("recurrent", (), 30, 1, 4, None),
-    ("recurrent", (), 30, 1, 2, 16),
-    ("recurrent_mtp", (), 40, 2, 2, None),
-    ("dsv3", (), 24, 1, 2, None),
-    ("dsv3", (), 24, 1, 4, None),
-    ("dsv3", ("fs",), 24, 1, 2, None),
+DCP_LAYOUTS: tuple[
+    tuple[str, tuple[str, ...], int | None, int, int, int | None, Drafter | None], ...
+] = (
+    ("recurrent", (), 30, 1, 2, None, None),
+    ("recurrent", (), 30, 2, 2, None, None),
+    ("recurrent", (), 30, 1, 4, None, None),
+    ("recurrent", (), 30, 1, 2, 16, None),
+    ("recurrent_mtp", (), 40, 2, 2, None, None),
+    ("dsv3", (), 24, 1, 2, None, None),
+    ("dsv3", (), 24, 1, 4, None, None),
+    ("dsv3", ("fs",), 24, 1, 2, None, None),
+    ("dsv3_mla", ("fs",), 12, 1, 2, None, None),
+    ("dsv3_mla", ("fs",), 12, 2, 2, None, None),
+    ("dsv3_mla", ("fs",), 12, 1, 4, None, None),
+    ("dsv3", ("fs",), 12, 1, 2, None, Drafter("mtp", 2, 3)),
 )
 """(geometry, secondary tiers, CPU chunks, blocks per chunk, decode context parallel
-size, prefix match unit): attention groups under DCP (DeepSeek-V3-like MLA and its MTP
-draft group, every block spanning 64 × DCP tokens; on a CPU tier and on a tiered manager
-over fs: `keytrace.judge.trust.ATTENTION_DCP`), and recurrent state groups under DCP, where vLLM scales the
-full-attention block (and chunk) by the DCP size and not the recurrent one, and its GPU
-cache keeps a prompt's last state at the hash unit (``partial_hash_hits_enabled``
-accepts a recurrent block equal to it under DCP): states that end no full-attention
-chunk; a hash unit below the recurrent block, where the GPU cache hits inside a block
-while the connector keeps partial tails off (DCP); and the MTP drafter (lookahead hashes
-on vLLM 0.34.0; not judged on 0.33.0, skipped). Run with the recurrent layouts
-unless asked apart (`plan`'s ``dcp``)."""
+size, prefix match unit, drafter): attention groups under DCP (DeepSeek-V3-like MLA, every
+block spanning 64 × DCP tokens, with its MTP draft group and without), and recurrent state
+groups under DCP, where vLLM scales the full-attention block (and chunk) by the DCP size
+and not the recurrent one, and its GPU cache keeps a prompt's last state at the hash unit
+(``partial_hash_hits_enabled`` accepts a recurrent block equal to it under DCP): states
+that end no full-attention chunk; a hash unit below the recurrent block, where the GPU
+cache hits inside a block while the connector keeps partial tails off (DCP); and the MTP
+drafter (lookahead hashes on vLLM 0.34.0; not judged on 0.33.0, skipped).
+
+The attention layouts: on a CPU tier (the LRU tier evicts a prefix from its start, so
+every resend is a hit, cold or deferred: nothing for the oracle to check, only the
+differ's and the alarm's counts to compare) and on a tiered manager over fs with a
+primary of 12 chunks, whose promotions leave shortfalls the oracle checks
+(`keytrace.judge.trust.ATTENTION_DCP`): MLA alone at DCP 2 and 4 and in chunks of two
+blocks, and with an MTP drafter's lookahead hashes (vLLM 0.34.0; its legacy hashes on
+0.33.0 are not judged on a tiered manager, skipped, as is the MLA + MTP group without a
+drafter there). Run with the recurrent layouts unless asked apart (`plan`'s ``dcp``)."""
 
 RETENTION_LAYOUTS: tuple[
     tuple[str, tuple[str, ...], int | None, int | None, int | None, Drafter | None], ...
@@ -178,7 +191,7 @@ def plan(
                 blocks_per_chunk=bpc,
                 drafter=drafter,
             )
-        for j, (geometry, tiers, cpu_chunks, bpc, size, unit) in enumerate(
+        for j, (geometry, tiers, cpu_chunks, bpc, size, unit, drafter) in enumerate(
             DCP_LAYOUTS if dcp else ()
         ):
             yield WorkloadSpec(
@@ -190,6 +203,7 @@ def plan(
                 blocks_per_chunk=bpc,
                 dcp=size,
                 prefix_match_unit=unit,
+                drafter=drafter,
             )
         for j, (geometry, tiers, cpu_chunks, bpc_or_none, interval, drafter) in enumerate(
             RETENTION_LAYOUTS if retention else ()
