@@ -21,6 +21,8 @@ class SweepRow:
     terminal_chunk: int | None
     cause: str | None
     seconds: float
+    rules_note: str | None = None
+    """The length's diff line on unverified rules (not a column of the written table)."""
 
 
 SWEEP_SCHEMA = {

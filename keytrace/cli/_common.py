@@ -323,8 +323,9 @@ def exit_for_verdicts(verdicts: list[str], what: str) -> int:
         return EXIT_MISMATCH
     if NO_VERDICT in verdicts:
         raise RulesUncoveredError(
-            f"no verdict: {what} has recurrent state groups in a setting keytrace has no "
-            "rules for yet (keytrace diff on its trace names it); recorded, not judged "
-            "(see docs/diff.md, 'Recurrent state groups')"
+            f"no verdict: {what} holds what keytrace has no rules for yet (recurrent state "
+            "groups in some settings, a full-attention draft group with legacy hashes on a "
+            "tiered manager: keytrace diff on its trace names it); recorded, not judged "
+            "(see docs/diff.md, 'Rules verified by the oracle')"
         )
     return EXIT_OK

@@ -226,6 +226,8 @@ def command(
         prime_length=prime_length,
         progress=progress_printer() if show else None,
     )
+    for note in dict.fromkeys(r.rules_note for r in rows if r.rules_note):
+        click.echo(note)  # as diff's first line: the verdicts below on unverified rules
     if not quiet:
         _table(rows, stock)
     click.echo(sweep_line(rows))  # with --quiet too: what the exit status means, in words

@@ -377,11 +377,27 @@ def trace_rules(header: Mapping[str, Any]) -> RulesStatus | None:
     return RulesStatus(None, release_verified=verified, not_covered=gaps, needs=needs)
 
 
+def _recurrent_gaps(st: RulesStatus) -> bool:
+    """Every reason `uncovered` gave is about recurrent state groups (the other: a
+    full-attention draft group on a tiered manager)."""
+    return all(g.startswith("recurrent state group") for g in st.not_covered)
+
+
+def _named_needs(st: RulesStatus) -> tuple[str, ...]:
+    """The features a report names for an unverified trace: its `special_needs`, less
+    ``recurrent`` where a ``recurrent+...`` one says it already."""
+    needs = st.special_needs
+    if any(n.startswith("recurrent+") for n in needs):
+        return tuple(n for n in needs if n != "recurrent")
+    return needs
+
+
 def no_verdict_error(st: RulesStatus, then: str = "") -> str:
     """The one line a command ends with when it claims no verdict (`verdict_withheld`)."""
+    where = "Recurrent state groups" if _recurrent_gaps(st) else "Rules verified by the oracle"
     return (
         f"no verdict: keytrace has no rules for {'; '.join(st.not_covered)}{then} "
-        "(see docs/diff.md, 'Recurrent state groups')"
+        f"(see docs/diff.md, '{where}')"
     )
 
 
@@ -409,9 +425,10 @@ def trust_line(st: RulesStatus | None) -> str | None:
     if st is None or st.trust in (RulesTrust.VERIFIED, RulesTrust.RELEASE):
         return None
     if st.trust is RulesTrust.UNCOVERED:
+        what = "recurrent states" if _recurrent_gaps(st) else "keys"
         return (
             f"NO VERDICT: keytrace has no rules for what this trace holds "
-            f"({'; '.join(st.not_covered)}): vLLM keeps and looks up recurrent states "
+            f"({'; '.join(st.not_covered)}): vLLM keeps and looks up {what} "
             "there in ways the store/lookup rules do not describe yet; the trace is "
             "recorded and kept, nothing in it is judged"
         )
@@ -422,7 +439,7 @@ def trust_line(st: RulesStatus | None) -> str | None:
     else:
         code = "a release keytrace's CI has not run"
     if st.special_needs and st.trust is RulesTrust.UNVERIFIED:
-        code += ", for " + FEATURE_TEXT.get(st.needs[-1], st.needs[-1])
+        code += ", for " + " and ".join(FEATURE_TEXT.get(n, n) for n in _named_needs(st))
     if st.trust is RulesTrust.DISPUTED:
         return (
             f"RULES DISPUTED: the oracle disagreed with keytrace {st.disagreements} time(s) on "

@@ -115,3 +115,22 @@ def test_a_full_attention_mtp_group_is_served_one_chunk_below_its_keys(
     assert code == 0 and df["verdict"].to_list() == ["hit"] * 3
     # 1,000 and 1,012 key 15 chunks of 64 (served 896); 1,024 keys 16 (served 960)
     assert df["external"].to_list() == df["E"].to_list() == [896, 896, 960]
+
+
+def test_the_sweep_says_when_its_rules_are_unverified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As `keytrace diff`'s first line: MLA + MTP under DCP (legacy hashes: its popped
+    peek was never checked by the oracle) gets the note once, above the table; MLA alone
+    under DCP, verified by the shipped runs, none."""
+    monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path))  # the shipped runs alone
+    for geometry, noted in (("dsv3", True), ("dsv3_mla", False)):
+        code = main(["sweep", "--geometry", geometry, "--dcp", "2", "--lengths", "300,500"])
+        out = capsys.readouterr().out.splitlines()
+        assert code == 0
+        notes = [x for x in out if x.startswith("note: verdicts apply rules not verified")]
+        if noted:
+            assert len(notes) == 1 and out[0] == notes[0]
+            assert "decode context parallelism and a full-attention EAGLE/MTP" in notes[0]
+        else:
+            assert notes == [] and out[0].lstrip().startswith("length")

@@ -62,7 +62,9 @@ def test_the_shipped_file_reads_and_names_real_oracle_runs() -> None:
         assert all(v.episodes > 0 and v.vllm for v in verifications)
 
 
-def test_the_shipped_runs_verify_attention_under_dcp_on_both_releases() -> None:
+def test_the_shipped_runs_verify_attention_under_dcp_on_both_releases(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """MLA served under DCP (the lab's `dsv3_mla`) is verified by the shipped runs of
     0.33.0 and 0.34.0 (their `--dcp-only` runs checked its shortfalls over a tiered
     manager); MLA + MTP with legacy hashes under DCP is not: no run checked a shortfall
@@ -70,6 +72,7 @@ def test_the_shipped_runs_verify_attention_under_dcp_on_both_releases() -> None:
     line."""
     from keytrace.analysis.geometry import DSV3, DSV3_MLA, synthetic_header
 
+    monkeypatch.setenv("KEYTRACE_CACHE_DIR", str(tmp_path))  # the shipped runs alone
     runs = trust.shipped()
     releases = {v.vllm: d for d, vs in runs.items() for v in vs}
     assert {"0.33.0", "0.34.0"} <= set(releases)
@@ -83,7 +86,11 @@ def test_the_shipped_runs_verify_attention_under_dcp_on_both_releases() -> None:
         status = trust.trace_rules(drafted)
         assert status is not None and status.trust is RulesTrust.UNVERIFIED, release
         line = trust.trust_line(status)
-        assert line is not None and "without lookahead hashes" in line
+        assert line is not None and line.endswith(
+            "for attention groups under decode context parallelism and a full-attention "
+            "EAGLE/MTP draft group without lookahead hashes); `keytrace doctor --verify` "
+            "where it was recorded checks them"
+        )
 
 
 def test_trust_lines() -> None:
@@ -394,7 +401,7 @@ def test_a_full_attention_drafter_group_needs_runs_that_had_one() -> None:
     group's peek chunk, which only the `dsv3` oracle layouts exercise (`attention+fa-drafter`);
     with lookahead hashes it is plain attention; on a tiered manager, where the oracle's
     layout disagreed, no verdict."""
-    from keytrace.analysis.geometry import DSV3, synthetic_header
+    from keytrace.analysis.geometry import DSV3, RECURRENT, synthetic_header
 
     h = synthetic_header(DSV3)
     assert trust.features(h) == ("attention", "attention+fa-drafter") and trust.uncovered(h) == ()
@@ -407,4 +414,14 @@ def test_a_full_attention_drafter_group_needs_runs_that_had_one() -> None:
     tiered = {**h, "secondary_tiers": [{"medium": "fs"}]}
     [gap] = trust.uncovered(tiered)
     assert "draft group 1 without lookahead hashes on a tiered manager" in gap
+    # its no-verdict lines speak of keys, not recurrent states, and point at the rules
+    st = trust.trace_rules({**tiered, "rules_digest": "d"})
+    assert st is not None and trust.verdict_withheld(st)
+    line = trust.trust_line(st)
+    assert line is not None and "looks up keys there" in line and "recurrent" not in line
+    assert trust.no_verdict_error(st).endswith("(see docs/diff.md, 'Rules verified by the oracle')")
+    rec = synthetic_header(RECURRENT.with_(retention_interval=128))
+    st = trust.trace_rules({**rec, "rules_digest": "d"})
+    assert st is not None and "looks up recurrent states there" in (trust.trust_line(st) or "")
+    assert trust.no_verdict_error(st).endswith("(see docs/diff.md, 'Recurrent state groups')")
     assert trust.uncovered({**tiered, "num_hash_lookahead_tokens": 1}) == ()

@@ -25,6 +25,7 @@ from keytrace.format.keys import key_gid, make_key
 from keytrace.format.reader import Trace, open_trace
 from keytrace.judge.definitions import FINDINGS
 from keytrace.judge.rules import LIMIT_KEYS
+from keytrace.judge.trust import trust_line
 from keytrace.vllm import require_vllm
 
 
@@ -41,6 +42,9 @@ class ReplayResult:
     reason: str
     steps: list[list[int]]
     trace_dir: str
+    rules_note: str | None = None
+    """The diff's first line where the rules are not verified for the installed vLLM
+    (`keytrace.judge.trust.trust_line`; None: verified, nothing to say)."""
 
     def outcome(self) -> dict[str, Any]:
         """The verdict and its evidence, as fuzz.json and minimal.json record them."""
@@ -154,6 +158,7 @@ def replay(
         reason=v.reason if group is not None or v.verdict in FINDINGS else "",
         steps=steps,
         trace_dir=d,
+        rules_note=trust_line(report.rules),
     )
 
 

@@ -47,6 +47,7 @@ def run_one(
         terminal_chunk=r.terminal_chunk,
         cause=r.cause,
         seconds=time.monotonic() - t,
+        rules_note=r.rules_note,
     )
 
 
