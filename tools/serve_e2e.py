@@ -157,6 +157,8 @@ class ServeRun:
     cached_tokens: list[int | None] = field(default_factory=list)
     prometheus_external_hits: float | None = None
     parts: list[str] = field(default_factory=list)
+    trace_dir: str | None = None
+    """Where the trace is (a local copy of a remote destination's)."""
     header: dict[str, Any] = field(default_factory=dict)
     diff_exit: int | None = None
     diff: dict[str, Any] = field(default_factory=dict)
@@ -520,6 +522,7 @@ def run(
                 else:
                     os.environ[k] = v
     out.parts = sorted(str(p.relative_to(trace)) for p in trace.rglob("*.parquet"))
+    out.trace_dir = str(trace)
     cli = [str(py), "-m", "keytrace.cli"]
     where = destination or str(trace)
     header = subprocess.run(

@@ -139,6 +139,18 @@ def hybrid_in_pairs(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def hybrid_tiered(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The recurrent hybrid on vLLM's tiered manager: a CPU tier of 32 chunks (128 KiB a
+    chunk on this model, every group's) over an fs tier; three 2,000-token prompts (18
+    chunks each: 15 full-attention, a state per recurrent group), 5 s for the writes, a
+    reset, the first again."""
+    tier = tool.Tier(4 << 20, options=(("settle", 5.0),))
+    return tool.run(
+        tool.DEFAULT_VENV, tmp_path_factory.mktemp("hybrid-tiered"), model="qwen3next", tier=tier
+    )
+
+
+@pytest.fixture(scope="module")
 def unrecorded(tool: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tool.run(tool.DEFAULT_VENV, tmp_path_factory.mktemp("plain"), record=False)
 
@@ -404,6 +416,24 @@ def test_a_served_hybrid_in_chunks_of_two_blocks_is_write_only_and_the_oracle_ag
     assert case["isolated_external"] == 0 and case["agree"] is True
     [warning] = [w for w in run.log_warnings if "write-only offload" in w]
     assert f"request {first['req_id']}" in warning and "no_checkpoint" in warning
+
+
+def test_a_served_hybrid_resend_is_promoted_from_disk_with_every_state(
+    hybrid_tiered: Any,
+) -> None:
+    # the first prompt's chunks left the CPU tier for the later ones; its resend is
+    # promoted back from the fs tier, the recurrent states with the attention chunks
+    run = hybrid_tiered
+    assert run.server_exit == 0, run.log_tail
+    assert run.cached_tokens[-1] == 1_920
+    assert run.diff_exit == 0, run.diff
+    last = run.diff["episodes"][-1]
+    assert (last["verdict"], last["E"], last["external_tokens"]) == ("hit", 1_920, 1_920)
+    from keytrace.format.reader import open_trace
+
+    events = open_trace(run.trace_dir).frame("tier").collect()["event"].cast(str).to_list()
+    promoted = events.count("promotion_completed")
+    assert promoted == 18, promoted  # 15 full-attention chunks and three states
 
 
 def test_the_readme_example_script_runs_as_written(tool: Any, tmp_path: Path) -> None:
