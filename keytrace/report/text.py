@@ -106,14 +106,15 @@ def render_summary(s: Summary, file: IO[str]) -> None:
     )
     if s.episodes:
         file.write(f"\nepisodes (first {len(s.episodes)}):\n")
+        w = max(12, *(len(e.req_id) for e in s.episodes))  # a server's ids run to 32+
         file.write(
-            f"  {'request':<12} {'prompt':>8} {'local':>8} {'external':>9} {'accepted':>9}\n"
+            f"  {'request':<{w}} {'prompt':>8} {'local':>8} {'external':>9} {'accepted':>9}\n"
         )
         for e in s.episodes:
             ext = "deferred" if e.external_tokens is None else fmt_int(e.external_tokens)
             file.write(
-                f"  {e.req_id:<12} {fmt_int(e.num_prompt_tokens):>8} {fmt_int(e.local_tokens):>8} "
-                f"{ext:>9} {fmt_int(e.accepted_tokens):>9}\n"
+                f"  {e.req_id:<{w}} {fmt_int(e.num_prompt_tokens):>8} "
+                f"{fmt_int(e.local_tokens):>8} {ext:>9} {fmt_int(e.accepted_tokens):>9}\n"
             )
 
 

@@ -197,3 +197,20 @@ def test_replay_names_its_cause_once() -> None:
     assert other.explain().endswith(
         "terminal chunk 277: never offered by the store path (a reason of its own); trace: t"
     )
+
+
+def test_the_episodes_table_widens_for_a_servers_request_ids(tmp_path: Path) -> None:
+    """A served request id (``cmpl-<16 hex>-0-<8 hex>``, 32 characters) keeps its columns
+    under their headings."""
+    b = new_builder(tmp_path / "t")
+    rid = "cmpl-b4262c3b0116a688-0-9aacaebc"
+    b.prime(rid, "c0", 64, swa_chunks={1: [2, 3], 2: [2, 3]})
+    b.close()
+    lines = _text(render_summary, summarize(open_trace(str(tmp_path / "t"))))
+    head = next(ln for ln in lines if ln.startswith("  request"))
+    row = next(ln for ln in lines if ln.startswith(f"  {rid}"))
+    assert len(head) == len(row)
+    assert [head.index(c) + len(c) for c in ("prompt", "accepted")] == [
+        len(f"  {rid} ") + 8,
+        len(row),
+    ]
