@@ -98,13 +98,13 @@ def durable(
             )
         ).select("inst", "seq", "ep", "tier", pl.col("event").cast(pl.String), "key")
     )
+    cells = base.join(rows.select("inst", "key", "tier").unique(), on=["inst", "key"])
+    by = ["inst", "key", "tier"]
+    gone_event = pl.col("event") == "tier_evicted"
     seen = (
-        base.join(rows, on=["inst", "key"])
-        .filter((pl.col("seq") < pl.col("s")) | (pl.col("ep") == pl.col("s")))
-        .group_by("inst", "s", "key", "tier")
-        .agg(
-            pl.col("seq").filter(pl.col("event") != "tier_evicted").max().alias("held"),
-            pl.col("seq").filter(pl.col("event") == "tier_evicted").max().alias("gone"),
+        cells.with_columns(
+            _latest(cells, rows.filter(~gone_event), by).alias("held"),
+            _latest(cells, rows.filter(gone_event), by).alias("gone"),
         )
         .filter(resident(pl.col("held"), pl.col("gone")))
         .select("inst", "s", "key", "tier")
@@ -120,6 +120,29 @@ def durable(
         .with_columns((pl.col("anywhere") & ~pl.col("durable")).alias("excluded"))
         .drop("anywhere")
     )
+
+
+def _latest(cells: pl.DataFrame, events: pl.DataFrame, by: list[str]) -> pl.Series:
+    """Per row of ``cells`` (``by`` and an episode ``s``), the last ``seq`` of ``events``
+    (``by``, ``seq``, ``ep``) before ``s`` or during episode ``s`` (null: none): an as-of
+    join and a join on the episode, not a join of every event with every episode. (A
+    request whose lookup was deferred 14,000 times has as many episodes and tier rows per
+    key: their product took 24 GB.)"""
+    idx = pl.int_range(pl.len()).alias("_row")
+    left = cells.select(*by, "s").with_columns(idx)
+    ev = events.select(*by, "seq", "ep")
+    before = left.sort("s").join_asof(
+        ev.select(*by, pl.col("seq").alias("_before")).sort("_before"),
+        left_on="s",
+        right_on="_before",
+        by=by,
+        strategy="backward",
+        allow_exact_matches=False,
+        check_sortedness=False,  # both sorted above; polars cannot check it within groups
+    )
+    during = ev.group_by(*by, pl.col("ep").alias("s")).agg(pl.col("seq").max().alias("_during"))
+    out = before.join(during, on=[*by, "s"], how="left").sort("_row")
+    return out.select(pl.max_horizontal("_before", "_during")).to_series()
 
 
 def _tier_facts(
@@ -140,19 +163,29 @@ def _tier_facts(
         "pid", "inst", "s", "key", *(["req_id"] if "req_id" in probes.columns else [])
     )
     out = base.join(durable(base, tiers, excluded), on=["inst", "s", "key"], how="left")
-    during = pl.col("ep") == pl.col("s")
+    # per (key, episode) pair, not per (event, episode): a deferred lookup repeats its
+    # promotions, and their product with the episodes does not fit in memory
     no_room = (
-        base.join(rows.filter(ev == "promotion_no_room"), on=["inst", "key"])
-        .filter(during)
+        base.join(
+            rows.filter(ev == "promotion_no_room").select("inst", "key", pl.col("ep").alias("s")),
+            on=["inst", "key", "s"],
+            how="semi",
+        )
         .select("pid", pl.lit(True).alias("no_room"))
         .unique("pid")
     )
     if "req_id" in base.columns:
-        mine = base.join(rows.filter(ev == "promotion_evicted"), on=["inst", "key", "req_id"])
+        mine = rows.filter(ev == "promotion_evicted")
+        on = ["inst", "key", "req_id"]
+        first = mine.group_by(*on).agg(pl.col("seq").min().alias("first"))
+        now = mine.select(*on, pl.col("ep").alias("s"), pl.lit(True).alias("evicted_now"))
         own = (
-            mine.filter((pl.col("seq") < pl.col("s")) | during)
-            .group_by("pid")
-            .agg(pl.lit(True).alias("own_promotion_evicted"), during.any().alias("evicted_now"))
+            base.join(first, on=on, how="left")
+            .join(now.unique(), on=[*on, "s"], how="left")
+            .with_columns(pl.col("evicted_now").fill_null(False))
+            .filter((pl.col("first") < pl.col("s")) | pl.col("evicted_now"))
+            .select("pid", pl.lit(True).alias("own_promotion_evicted"), "evicted_now")
+            .unique("pid")
         )
     else:
         own = pl.DataFrame(
